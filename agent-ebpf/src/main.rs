@@ -1,0 +1,3 @@
+//! The agent's eBPF programs (filled in by the eBPF work).
+#![no_std]
+#![no_main]

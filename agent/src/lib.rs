@@ -1,0 +1,19 @@
+//! The Rune node agent as a library: every concern in its own module, wired together
+//! by [`run`] and driven by the thin `rune-agent` binary.
+//!
+//! State flows one way: ordered log → [`endpoints`] cache → data plane reconcilers →
+//! kernel or proxies. The [`agent`] module owns the lifecycle of the subsystems.
+
+pub mod agent;
+pub mod cli;
+pub mod config;
+pub mod dataplane;
+pub mod endpoints;
+pub mod identity;
+pub mod localapi;
+pub mod maglev;
+pub mod metrics;
+pub mod model;
+pub mod orderedlog;
+pub mod outbox;
+pub mod run;
