@@ -1,1 +1,255 @@
-//! (to be written)
+//! The objects the agent carries out (`apiVersion: rune/v1`): their types, the YAML/JSON
+//! documents users write, and validation whose errors name the object, the field and
+//! the bad value.
+//!
+//! A [`Service`] names VIPs and ports; its [`Endpoints`] (same namespace and name) list
+//! the backends. Parsing is strict: unknown fields are errors, so typos surface at
+//! `apply` instead of silently doing nothing.
+
+mod document;
+mod endpoints;
+mod error;
+mod service;
+
+pub use document::{parse_documents, parse_json};
+pub use endpoints::{Endpoint, Endpoints, EndpointsSpec};
+pub use error::ModelError;
+pub use service::{
+    Discovery, LocalityPreference, Protocol, Service, ServicePort, ServiceSpec, SessionAffinity,
+};
+
+use serde::{Deserialize, Serialize};
+use std::{collections::BTreeMap, fmt};
+
+/// The only API version this agent speaks.
+pub const API_VERSION: &str = "rune/v1";
+
+/// Namespace of objects that do not name one.
+pub const DEFAULT_NAMESPACE: &str = "default";
+
+/// The kinds of object the agent knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Kind {
+    /// A load-balanced service: VIPs and ports.
+    Service,
+    /// The backends of the service with the same namespace and name.
+    Endpoints,
+}
+
+impl Kind {
+    /// Every kind, in the order `get` lists them.
+    pub const ALL: [Kind; 2] = [Kind::Service, Kind::Endpoints];
+
+    /// The kind's name as written in documents.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Service => "Service",
+            Kind::Endpoints => "Endpoints",
+        }
+    }
+
+    /// Parses a kind as users type it on the command line: `Service`, `service`,
+    /// `services`, `svc`, `Endpoints`, `endpoints`, `ep`.
+    pub fn parse(s: &str) -> Option<Kind> {
+        match s.to_ascii_lowercase().as_str() {
+            "service" | "services" | "svc" => Some(Kind::Service),
+            "endpoints" | "endpoint" | "ep" => Some(Kind::Endpoints),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Identifies one object: kind, namespace and name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectKey {
+    /// The object's kind.
+    pub kind: Kind,
+    /// The object's namespace.
+    pub namespace: String,
+    /// The object's name.
+    pub name: String,
+}
+
+impl ObjectKey {
+    /// A key from its parts.
+    pub fn new(kind: Kind, namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        Self {
+            kind,
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+
+    /// The key of the service or endpoints object paired with this one.
+    pub fn service(&self) -> ServiceKey {
+        ServiceKey {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+        }
+    }
+}
+
+impl fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}/{}", self.kind, self.namespace, self.name)
+    }
+}
+
+/// Names a service (and its endpoints): `namespace/name`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey {
+    /// The service's namespace.
+    pub namespace: String,
+    /// The service's name.
+    pub name: String,
+}
+
+impl ServiceKey {
+    /// A key from its parts.
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        Self {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+}
+
+impl fmt::Display for ServiceKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Name, namespace and labels of an object.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Metadata {
+    /// Namespace; `default` when omitted.
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    /// Name, a DNS label.
+    pub name: String,
+    /// Free-form labels.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+}
+
+fn default_namespace() -> String {
+    DEFAULT_NAMESPACE.to_owned()
+}
+
+/// Any object the agent stores and carries out.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Object {
+    /// A service.
+    Service(Service),
+    /// A service's endpoints.
+    Endpoints(Endpoints),
+}
+
+impl Object {
+    /// The object's kind.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Object::Service(_) => Kind::Service,
+            Object::Endpoints(_) => Kind::Endpoints,
+        }
+    }
+
+    /// The object's metadata.
+    pub fn metadata(&self) -> &Metadata {
+        match self {
+            Object::Service(s) => &s.metadata,
+            Object::Endpoints(e) => &e.metadata,
+        }
+    }
+
+    /// The object's key.
+    pub fn key(&self) -> ObjectKey {
+        let m = self.metadata();
+        ObjectKey::new(self.kind(), &m.namespace, &m.name)
+    }
+
+    /// Checks the object on its own (field ranges, duplicates, names).
+    pub fn validate(&self) -> Result<(), ModelError> {
+        let object = self.key().to_string();
+        validate_metadata(&object, self.metadata())?;
+        match self {
+            Object::Service(s) => s.validate(&object),
+            Object::Endpoints(e) => e.validate(&object),
+        }
+    }
+
+    /// Checks the object against the others in a store (e.g. a VIP used by two
+    /// services). `others` may contain the object's own previous version; it is skipped.
+    pub fn validate_against<'a>(
+        &self,
+        others: impl IntoIterator<Item = &'a Object>,
+    ) -> Result<(), ModelError> {
+        let Object::Service(svc) = self else {
+            return Ok(());
+        };
+        let me = self.key();
+        for other in others {
+            let Object::Service(o) = other else { continue };
+            if other.key() == me {
+                continue;
+            }
+            for (i, vip) in svc.spec.discovery.vips.iter().enumerate() {
+                if o.spec.discovery.vips.contains(vip) {
+                    return Err(ModelError::invalid(
+                        &me.to_string(),
+                        format!("spec.discovery.vips[{i}]"),
+                        format!("VIP {vip} is already used by {}", other.key()),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The object as a JSON document (`apiVersion` and `kind` first).
+    pub fn to_json(&self) -> serde_json::Value {
+        document::to_value(self)
+    }
+}
+
+fn validate_metadata(object: &str, m: &Metadata) -> Result<(), ModelError> {
+    check_dns_label(object, "metadata.name", &m.name)?;
+    check_dns_label(object, "metadata.namespace", &m.namespace)
+}
+
+/// Checks that `value` is an RFC 1123 DNS label: 1–63 of `a-z0-9-`, alphanumeric at
+/// both ends. Names become DNS names (`<name>.<namespace>.rune`), hence the rule.
+pub(crate) fn check_dns_label(object: &str, field: &str, value: &str) -> Result<(), ModelError> {
+    let ok = !value.is_empty()
+        && value.len() <= 63
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !value.starts_with('-')
+        && !value.ends_with('-');
+    if ok {
+        Ok(())
+    } else if value.is_empty() {
+        Err(ModelError::invalid(object, field, "must not be empty"))
+    } else {
+        Err(ModelError::invalid(
+            object,
+            field,
+            format!(
+                "{value:?} is not a DNS label (1-63 characters of a-z, 0-9 and '-', \
+                 starting and ending with a letter or digit)"
+            ),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests;

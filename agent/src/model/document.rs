@@ -1,0 +1,183 @@
+//! Documents: multi-document YAML (or JSON) in, [`Object`]s out, and back.
+
+use super::{API_VERSION, Endpoints, Kind, ModelError, Object, Service};
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+use serde_json::Value;
+
+/// Parses every document of a YAML (or JSON) text, checks each on its own and
+/// returns them in order. Empty documents are skipped. The first bad document stops
+/// the parse: its error names the document (or object), the field and the value.
+pub fn parse_documents(text: &str) -> Result<Vec<Object>, ModelError> {
+    let mut out = Vec::new();
+    for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
+        let index = i + 1;
+        let value = Value::deserialize(doc).map_err(|e| ModelError::Syntax {
+            index,
+            message: e.to_string(),
+        })?;
+        if value.is_null() {
+            continue;
+        }
+        out.push(from_value(index, value)?);
+    }
+    Ok(out)
+}
+
+/// Parses and checks one JSON document (as stored, and as sent over the local API).
+pub fn parse_json(text: &str) -> Result<Object, ModelError> {
+    let value: Value = serde_json::from_str(text).map_err(|e| ModelError::Syntax {
+        index: 1,
+        message: e.to_string(),
+    })?;
+    from_value(1, value)
+}
+
+fn from_value(index: usize, mut value: Value) -> Result<Object, ModelError> {
+    let doc = format!("document {index}");
+    let Some(map) = value.as_object_mut() else {
+        return Err(ModelError::Syntax {
+            index,
+            message: format!("expected a mapping, got {}", kind_of(&value)),
+        });
+    };
+    match map.remove("apiVersion") {
+        Some(Value::String(v)) if v == API_VERSION => {}
+        Some(v) => {
+            return Err(ModelError::invalid(
+                doc,
+                "apiVersion",
+                format!("unsupported apiVersion {v} (expected {API_VERSION})"),
+            ));
+        }
+        None => return Err(ModelError::invalid(doc, "apiVersion", "missing")),
+    }
+    let kind = match map.remove("kind") {
+        Some(Value::String(k)) => match k.as_str() {
+            "Service" => Kind::Service,
+            "Endpoints" => Kind::Endpoints,
+            _ => {
+                return Err(ModelError::invalid(
+                    doc,
+                    "kind",
+                    format!("unknown kind {k:?} (known: Service, Endpoints)"),
+                ));
+            }
+        },
+        Some(v) => {
+            return Err(ModelError::invalid(
+                doc,
+                "kind",
+                format!("expected a string, got {v}"),
+            ));
+        }
+        None => return Err(ModelError::invalid(doc, "kind", "missing")),
+    };
+    // Name the object in later errors as soon as its name is readable.
+    let meta = map.get("metadata");
+    let name = meta.and_then(|m| m.get("name")).and_then(Value::as_str);
+    let namespace = meta
+        .and_then(|m| m.get("namespace"))
+        .and_then(Value::as_str)
+        .unwrap_or(super::DEFAULT_NAMESPACE);
+    let object = match name {
+        Some(n) => format!("{kind} {namespace}/{n}"),
+        None if meta.is_some_and(Value::is_object) => {
+            return Err(ModelError::invalid(
+                format!("{kind} in {doc}"),
+                "metadata.name",
+                "missing",
+            ));
+        }
+        None => {
+            return Err(ModelError::invalid(
+                format!("{kind} in {doc}"),
+                "metadata",
+                "missing (metadata.name is required)",
+            ));
+        }
+    };
+    let obj = match kind {
+        Kind::Service => Object::Service(typed::<Service>(&object, value)?),
+        Kind::Endpoints => Object::Endpoints(typed::<Endpoints>(&object, value)?),
+    };
+    obj.validate()?;
+    Ok(obj)
+}
+
+/// Deserializes the body, turning serde's error into one that names the field path
+/// and shows the offending value.
+fn typed<T: DeserializeOwned>(object: &str, value: Value) -> Result<T, ModelError> {
+    serde_path_to_error::deserialize::<_, T>(&value).map_err(|e| {
+        let field = e.path().to_string();
+        let mut message = e.inner().to_string();
+        if let Some(bad) = value_at(&value, e.path())
+            && !bad.is_object()
+            && !bad.is_array()
+            && !message.starts_with("unknown field")
+        {
+            let shown = bad.to_string();
+            if !message.contains(shown.trim_matches('"')) {
+                message = format!("{message}: got {shown}");
+            }
+        }
+        let field = if field == "." {
+            "(document)".into()
+        } else {
+            field
+        };
+        ModelError::invalid(object, field, message)
+    })
+}
+
+fn value_at<'a>(root: &'a Value, path: &serde_path_to_error::Path) -> Option<&'a Value> {
+    use serde_path_to_error::Segment;
+    let mut v = root;
+    for seg in path.iter() {
+        v = match seg {
+            Segment::Seq { index } => v.get(*index)?,
+            Segment::Map { key } => v.get(key)?,
+            Segment::Enum { .. } | Segment::Unknown => return None,
+        };
+    }
+    Some(v)
+}
+
+fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "nothing",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "a mapping",
+    }
+}
+
+#[derive(Serialize)]
+struct Doc<'a, T> {
+    #[serde(rename = "apiVersion")]
+    api_version: &'static str,
+    kind: &'static str,
+    #[serde(flatten)]
+    body: &'a T,
+}
+
+/// The object as a JSON value with `apiVersion` and `kind`.
+pub(super) fn to_value(obj: &Object) -> Value {
+    let kind = obj.kind().as_str();
+    let r = match obj {
+        Object::Service(s) => serde_json::to_value(Doc {
+            api_version: API_VERSION,
+            kind,
+            body: s,
+        }),
+        Object::Endpoints(e) => serde_json::to_value(Doc {
+            api_version: API_VERSION,
+            kind,
+            body: e,
+        }),
+    };
+    // Serializing plain structs of strings, numbers and maps with string keys into a
+    // Value cannot fail.
+    r.unwrap_or(Value::Null)
+}

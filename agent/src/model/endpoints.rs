@@ -1,0 +1,124 @@
+//! `kind: Endpoints`: the backends of the service with the same namespace and name.
+
+use super::{Metadata, ModelError, check_dns_label};
+use serde::{Deserialize, Serialize};
+use std::{
+    collections::{BTreeMap, HashSet},
+    net::IpAddr,
+};
+
+/// The backends of one service. An empty list means "known, no backends": the service
+/// refuses connections.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Endpoints {
+    /// Same namespace and name as the service.
+    pub metadata: Metadata,
+    /// The backends.
+    #[serde(default)]
+    pub spec: EndpointsSpec,
+}
+
+/// The body of an [`Endpoints`] object.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointsSpec {
+    /// One entry per backend address.
+    #[serde(default)]
+    pub endpoints: Vec<Endpoint>,
+}
+
+/// One backend.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Endpoint {
+    /// The backend's address.
+    pub address: IpAddr,
+    /// The node the backend runs on (for locality preference).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub node: String,
+    /// Passing its readiness checks; only ready, non-terminating endpoints get new
+    /// connections.
+    #[serde(default = "yes")]
+    pub ready: bool,
+    /// Able to serve even while terminating; defaults to `ready`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving: Option<bool>,
+    /// Shutting down: no new connections, established ones may finish.
+    #[serde(default)]
+    pub terminating: bool,
+    /// Target-port overrides by service port name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub ports: BTreeMap<String, u16>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Endpoint {
+    /// Whether this endpoint may receive new connections.
+    pub fn accepts_new(&self) -> bool {
+        self.ready && !self.terminating
+    }
+
+    /// Whether the endpoint can still serve traffic (its `serving` flag, or `ready`).
+    pub fn is_serving(&self) -> bool {
+        self.serving.unwrap_or(self.ready)
+    }
+}
+
+impl Endpoints {
+    pub(super) fn validate(&self, object: &str) -> Result<(), ModelError> {
+        let mut seen = HashSet::new();
+        for (i, e) in self.spec.endpoints.iter().enumerate() {
+            let field = |f: &str| format!("spec.endpoints[{i}].{f}");
+            let a = e.address;
+            if a.is_unspecified() || a.is_multicast() {
+                return Err(ModelError::invalid(
+                    object,
+                    field("address"),
+                    format!("{a} cannot be an endpoint (unspecified or multicast)"),
+                ));
+            }
+            if !seen.insert(a) {
+                return Err(ModelError::invalid(
+                    object,
+                    field("address"),
+                    format!("duplicate endpoint address {a}"),
+                ));
+            }
+            if !e.node.is_empty() && !is_node_name(&e.node) {
+                return Err(ModelError::invalid(
+                    object,
+                    field("node"),
+                    format!("{:?} is not a node name (dot-separated DNS labels)", e.node),
+                ));
+            }
+            for (name, port) in &e.ports {
+                check_dns_label(object, &field("ports"), name)?;
+                if *port == 0 {
+                    return Err(ModelError::invalid(
+                        object,
+                        field(&format!("ports.{name}")),
+                        "port 0 is out of range 1-65535",
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Node names are hostnames: dot-separated DNS labels, 253 characters at most.
+fn is_node_name(s: &str) -> bool {
+    s.len() <= 253
+        && s.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        })
+}
