@@ -1,1 +1,121 @@
-//! (to be written)
+//! The ordered log: the agent's one seam to the control plane's desired state.
+//!
+//! A consumer takes a [`Snapshot`] at revision R, then [`OrderedLog::watch`]es from R
+//! and receives every later [`Event`] in order, each with a strictly greater revision.
+//! A consumer that asks for history the log no longer holds (compacted away) gets
+//! [`LogError::Compacted`] and must take a new snapshot: the explicit resync signal.
+//!
+//! Backends: [`embedded`] (single node, the default: a persistent local store in the
+//! state dir). Multi-node backends (gRPC watch, etcd) implement the same trait.
+
+pub mod embedded;
+
+use crate::model::{Object, ObjectKey};
+use async_trait::async_trait;
+use futures::stream::BoxStream;
+use thiserror::Error;
+
+/// A position in the log. Revision 0 is the empty log; the first event has revision 1.
+pub type Revision = u64;
+
+/// One change to the desired state.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// An object was created or changed.
+    Put {
+        /// The revision of this change.
+        revision: Revision,
+        /// The object as it is now.
+        object: Object,
+    },
+    /// An object was removed.
+    Delete {
+        /// The revision of this change.
+        revision: Revision,
+        /// Which object.
+        key: ObjectKey,
+    },
+}
+
+impl Event {
+    /// The revision of the event.
+    pub fn revision(&self) -> Revision {
+        match self {
+            Event::Put { revision, .. } | Event::Delete { revision, .. } => *revision,
+        }
+    }
+}
+
+/// Every object at one revision.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Snapshot {
+    /// The revision the snapshot reflects; watch from here.
+    pub revision: Revision,
+    /// The objects, ordered by key.
+    pub objects: Vec<Object>,
+}
+
+/// A stream of events with strictly increasing revisions. It ends with an error
+/// (e.g. [`LogError::Compacted`] when the consumer fell too far behind); it does not
+/// end on its own otherwise.
+pub type EventStream = BoxStream<'static, Result<Event, LogError>>;
+
+/// Errors of ordered-log backends.
+#[derive(Debug, Error)]
+pub enum LogError {
+    /// The history after `requested` was compacted: take a new snapshot (resync).
+    #[error(
+        "revision {requested} was compacted (oldest watchable revision is {oldest}): resync from a new snapshot"
+    )]
+    Compacted {
+        /// The revision the consumer asked to watch from.
+        requested: Revision,
+        /// The oldest revision that can still be watched from.
+        oldest: Revision,
+    },
+    /// The consumer asked to watch from a revision the log has not reached.
+    #[error("revision {requested} is in the future (the log is at {current})")]
+    FutureRevision {
+        /// The revision asked for.
+        requested: Revision,
+        /// The log's current revision.
+        current: Revision,
+    },
+    /// A stored record could not be read back.
+    #[error("corrupt record at {what}: {message}")]
+    Corrupt {
+        /// Which record (a revision or a key).
+        what: String,
+        /// Why it could not be read.
+        message: String,
+    },
+    /// The backend's storage failed.
+    #[error("store {path}: {message}")]
+    Storage {
+        /// Where the store lives.
+        path: String,
+        /// What the storage layer said.
+        message: String,
+    },
+    /// The log was closed (agent stopping).
+    #[error("the ordered log is closed")]
+    Closed,
+}
+
+impl LogError {
+    /// Whether the consumer must take a new snapshot to continue.
+    pub fn needs_resync(&self) -> bool {
+        matches!(self, LogError::Compacted { .. })
+    }
+}
+
+/// The read side every consumer uses: snapshot, then watch.
+#[async_trait]
+pub trait OrderedLog: Send + Sync + 'static {
+    /// Every object at the current revision.
+    async fn snapshot(&self) -> Result<Snapshot, LogError>;
+
+    /// Events with revisions greater than `from`, in order, then live ones as they
+    /// happen. Fails with [`LogError::Compacted`] when that history is gone.
+    async fn watch(&self, from: Revision) -> Result<EventStream, LogError>;
+}
