@@ -1,1 +1,292 @@
-//! (to be written)
+//! The endpoint cache: the agent's in-memory copy of the desired state, fed by the
+//! ordered log, from which every reconciler reads.
+//!
+//! Reconcilers [`subscribe`](EndpointCache::subscribe) and receive [`Delta`]s: first
+//! every service, then only the services that changed, each as a consistent
+//! [`ServiceView`] (the service with its endpoints at one revision). Changes are
+//! coalesced per service while a reconciler is busy, so a slow reconciler never
+//! queues unbounded work: it catches up with the newest state in one step.
+
+use crate::{
+    model::{Endpoints, Kind, Object, ObjectKey, Service, ServiceKey},
+    orderedlog::{Event, Revision, Snapshot},
+};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::{Arc, Mutex, MutexGuard, Weak},
+};
+use tokio::sync::Notify;
+
+/// A service as the data planes see it: the service and its endpoints.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServiceView {
+    /// The service.
+    pub service: Arc<Service>,
+    /// Its endpoints: `None` when no Endpoints object exists ("unknown"), an empty
+    /// list when it exists with no backends ("refuse").
+    pub endpoints: Option<Arc<Endpoints>>,
+}
+
+impl ServiceView {
+    /// The service's key.
+    pub fn key(&self) -> ServiceKey {
+        self.service.key()
+    }
+}
+
+/// What changed for one subscriber since its previous [`Delta`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Delta {
+    /// The cache revision this delta brings the subscriber to.
+    pub revision: Revision,
+    /// True for the first delta (and after a resync): `upserted` holds every service
+    /// and anything the subscriber holds that is not in it must go.
+    pub full: bool,
+    /// Services created or changed, with their endpoints.
+    pub upserted: Vec<ServiceView>,
+    /// Services that no longer exist.
+    pub removed: Vec<ServiceKey>,
+}
+
+#[derive(Default)]
+struct State {
+    revision: Revision,
+    services: BTreeMap<ServiceKey, Arc<Service>>,
+    endpoints: BTreeMap<ServiceKey, Arc<Endpoints>>,
+    subscribers: Vec<Weak<Pending>>,
+}
+
+#[derive(Default)]
+struct Pending {
+    dirty: Mutex<Dirty>,
+    notify: Notify,
+}
+
+#[derive(Default)]
+struct Dirty {
+    full: bool,
+    keys: BTreeSet<ServiceKey>,
+}
+
+/// The cache. Cheap to share behind an `Arc`; every method takes `&self`.
+#[derive(Default)]
+pub struct EndpointCache {
+    state: Mutex<State>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock cannot leave the maps half-updated (each update
+    // is a single insert or remove), so a poisoned lock is still consistent.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl EndpointCache {
+    /// An empty cache at revision 0.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Replaces the whole content with a snapshot (start and resync). Subscribers
+    /// are told about every service whose view changed, and about removed ones.
+    pub fn apply_snapshot(&self, snapshot: &Snapshot) {
+        let mut services = BTreeMap::new();
+        let mut endpoints = BTreeMap::new();
+        for obj in &snapshot.objects {
+            match obj {
+                Object::Service(s) => {
+                    services.insert(s.key(), Arc::new(s.clone()));
+                }
+                Object::Endpoints(e) => {
+                    let key = ServiceKey::new(&e.metadata.namespace, &e.metadata.name);
+                    endpoints.insert(key, Arc::new(e.clone()));
+                }
+            }
+        }
+        let mut st = lock(&self.state);
+        let mut changed = BTreeSet::new();
+        for key in st.services.keys().chain(services.keys()) {
+            if st.services.get(key) != services.get(key)
+                || st.endpoints.get(key) != endpoints.get(key)
+            {
+                changed.insert(key.clone());
+            }
+        }
+        for key in st.endpoints.keys().chain(endpoints.keys()) {
+            if st.endpoints.get(key) != endpoints.get(key) {
+                changed.insert(key.clone());
+            }
+        }
+        st.services = services;
+        st.endpoints = endpoints;
+        st.revision = snapshot.revision;
+        Self::mark(&mut st, changed);
+    }
+
+    /// Applies one event from the ordered log. Events at or below the cache's
+    /// revision are ignored (already applied), so replays are harmless.
+    pub fn apply_event(&self, event: &Event) {
+        let mut st = lock(&self.state);
+        if event.revision() <= st.revision {
+            return;
+        }
+        st.revision = event.revision();
+        let key = match event {
+            Event::Put { object, .. } => {
+                let key = object.key().service();
+                match object {
+                    Object::Service(s) => {
+                        st.services.insert(key.clone(), Arc::new(s.clone()));
+                    }
+                    Object::Endpoints(e) => {
+                        st.endpoints.insert(key.clone(), Arc::new(e.clone()));
+                    }
+                }
+                key
+            }
+            Event::Delete { key, .. } => {
+                let skey = key.service();
+                match key.kind {
+                    Kind::Service => st.services.remove(&skey).map(drop),
+                    Kind::Endpoints => st.endpoints.remove(&skey).map(drop),
+                };
+                skey
+            }
+        };
+        Self::mark(&mut st, BTreeSet::from([key]));
+    }
+
+    fn mark(st: &mut State, keys: BTreeSet<ServiceKey>) {
+        // Drop subscribers that went away while we are here.
+        st.subscribers.retain(|w| w.strong_count() > 0);
+        if keys.is_empty() {
+            return;
+        }
+        for sub in st.subscribers.iter().filter_map(Weak::upgrade) {
+            lock(&sub.dirty).keys.extend(keys.iter().cloned());
+            sub.notify.notify_one();
+        }
+    }
+
+    /// The cache's revision: the last ordered-log revision applied.
+    pub fn revision(&self) -> Revision {
+        lock(&self.state).revision
+    }
+
+    /// The view of one service, if the service exists.
+    pub fn view(&self, key: &ServiceKey) -> Option<ServiceView> {
+        Self::view_locked(&lock(&self.state), key)
+    }
+
+    fn view_locked(st: &State, key: &ServiceKey) -> Option<ServiceView> {
+        st.services.get(key).map(|s| ServiceView {
+            service: s.clone(),
+            endpoints: st.endpoints.get(key).cloned(),
+        })
+    }
+
+    /// Every service's view, ordered by key.
+    pub fn views(&self) -> Vec<ServiceView> {
+        let st = lock(&self.state);
+        st.services
+            .keys()
+            .filter_map(|k| Self::view_locked(&st, k))
+            .collect()
+    }
+
+    /// Objects held, by kind (for metrics and status).
+    pub fn counts(&self) -> BTreeMap<Kind, usize> {
+        let st = lock(&self.state);
+        BTreeMap::from([
+            (Kind::Service, st.services.len()),
+            (Kind::Endpoints, st.endpoints.len()),
+        ])
+    }
+
+    /// Endpoints objects whose service does not exist (visible in `status`).
+    pub fn orphan_endpoints(&self) -> Vec<ObjectKey> {
+        let st = lock(&self.state);
+        st.endpoints
+            .keys()
+            .filter(|k| !st.services.contains_key(*k))
+            .map(|k| ObjectKey::new(Kind::Endpoints, &k.namespace, &k.name))
+            .collect()
+    }
+
+    /// Subscribes a reconciler. Its first [`Subscription::next`] returns a full delta.
+    pub fn subscribe(self: &Arc<Self>) -> Subscription {
+        let pending = Arc::new(Pending {
+            dirty: Mutex::new(Dirty {
+                full: true,
+                keys: BTreeSet::new(),
+            }),
+            notify: Notify::new(),
+        });
+        pending.notify.notify_one();
+        lock(&self.state).subscribers.push(Arc::downgrade(&pending));
+        Subscription {
+            cache: self.clone(),
+            pending,
+        }
+    }
+}
+
+/// One reconciler's feed of changes; dropping it unsubscribes.
+pub struct Subscription {
+    cache: Arc<EndpointCache>,
+    pending: Arc<Pending>,
+}
+
+impl Subscription {
+    /// Waits until something changed, then returns the coalesced delta, read from
+    /// the cache at one revision.
+    pub async fn next(&mut self) -> Delta {
+        loop {
+            if let Some(delta) = self.try_next() {
+                return delta;
+            }
+            self.pending.notify.notified().await;
+        }
+    }
+
+    /// The pending delta, if anything changed since the last one.
+    pub fn try_next(&mut self) -> Option<Delta> {
+        // Lock order: cache state, then the subscriber's dirty set (as in `mark`).
+        let st = lock(&self.cache.state);
+        let mut dirty = lock(&self.pending.dirty);
+        if !dirty.full && dirty.keys.is_empty() {
+            return None;
+        }
+        let full = std::mem::take(&mut dirty.full);
+        let keys = std::mem::take(&mut dirty.keys);
+        drop(dirty);
+        let mut delta = Delta {
+            revision: st.revision,
+            full,
+            ..Delta::default()
+        };
+        if full {
+            delta.upserted = st
+                .services
+                .keys()
+                .filter_map(|k| EndpointCache::view_locked(&st, k))
+                .collect();
+        } else {
+            for key in keys {
+                match EndpointCache::view_locked(&st, &key) {
+                    Some(v) => delta.upserted.push(v),
+                    None => delta.removed.push(key),
+                }
+            }
+        }
+        Some(delta)
+    }
+
+    /// Asks for a full delta next time (e.g. after the reconciler lost its state).
+    pub fn request_full(&mut self) {
+        lock(&self.pending.dirty).full = true;
+        self.pending.notify.notify_one();
+    }
+}
+
+#[cfg(test)]
+mod tests;
