@@ -1,1 +1,359 @@
-//! (to be written)
+//! The `rune-agent` command line: `run`, `apply`, `get`, `delete`, `status`,
+//! `version`.
+//!
+//! Commands other than `run` reach a running agent through its socket
+//! (`<state-dir>/agent.sock`); when no agent runs they open the store directly, so a
+//! node can be prepared before its agent starts.
+
+use crate::{
+    config::{Config, ConfigError, FileConfig},
+    localapi::{self, Client},
+    model::{Kind, Object, ObjectKey, parse_documents},
+    orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
+    status::AgentStatus,
+};
+use anyhow::{Context, Result, bail};
+use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
+use std::{io::Read, path::PathBuf};
+
+/// The Rune node agent.
+#[derive(Debug, Parser)]
+#[command(name = "rune-agent", version, about, long_about = None)]
+pub struct Cli {
+    /// Where identity, store and socket live [default: /var/lib/rune as root,
+    /// $XDG_STATE_HOME/rune otherwise].
+    #[arg(long, global = true, env = "RUNE_STATE_DIR", value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// A YAML config file; flags and RUNE_* variables override its settings.
+    #[arg(long, global = true, env = "RUNE_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the agent (in the foreground, until SIGINT/SIGTERM).
+    Run(RunArgs),
+    /// Create or update objects from a YAML/JSON file (several documents allowed).
+    Apply {
+        /// The file, or `-` for standard input.
+        #[arg(short = 'f', long = "filename", value_name = "FILE|-")]
+        file: String,
+    },
+    /// List objects.
+    Get {
+        /// Kind: service (svc) or endpoints (ep); every kind when omitted.
+        kind: Option<String>,
+        /// Name; every object of the kind when omitted.
+        name: Option<String>,
+        /// Namespace; every namespace when omitted.
+        #[arg(short = 'n', long)]
+        namespace: Option<String>,
+        /// Output format; a table when omitted.
+        #[arg(short = 'o', long, value_enum)]
+        output: Option<Format>,
+    },
+    /// Delete one object.
+    Delete {
+        /// Kind: service (svc) or endpoints (ep).
+        kind: String,
+        /// Name.
+        name: String,
+        /// Namespace.
+        #[arg(short = 'n', long, default_value = crate::model::DEFAULT_NAMESPACE)]
+        namespace: String,
+    },
+    /// Show the agent's mode, identity, readiness, revision and services.
+    Status {
+        /// Output format; text when omitted.
+        #[arg(short = 'o', long, value_enum)]
+        output: Option<Format>,
+    },
+    /// Print the version.
+    Version,
+}
+
+/// Output formats of `get` and `status`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// YAML documents.
+    Yaml,
+    /// JSON.
+    Json,
+}
+
+/// Flags of `run`; each overrides the config file's setting of the same name.
+#[derive(Debug, Default, Args)]
+pub struct RunArgs {
+    /// Dev mode: userspace proxies on 127.0.0.1, no root needed, no kernel changes.
+    #[arg(long, env = "RUNE_DEV", action = ArgAction::SetTrue)]
+    pub dev: bool,
+    /// Dev mode: add N to every service port (e.g. 10000 to avoid privileged ports).
+    #[arg(long, env = "RUNE_DEV_PORT_OFFSET", value_name = "N")]
+    pub dev_port_offset: Option<u16>,
+    /// Address of the /metrics, /healthz and /readyz listener [default: 127.0.0.1:9464].
+    #[arg(long, env = "RUNE_METRICS_ADDR", value_name = "ADDR:PORT")]
+    pub metrics_addr: Option<String>,
+    /// Seconds `run` waits for every subsystem to be ready [default: 30].
+    #[arg(long, env = "RUNE_READY_TIMEOUT_SECONDS", value_name = "S")]
+    pub ready_timeout_seconds: Option<u64>,
+    /// Outbox capacity [default: 4096].
+    #[arg(long, env = "RUNE_OUTBOX_CAPACITY", value_name = "N")]
+    pub outbox_capacity: Option<usize>,
+    /// Maglev table size per service, a prime [default: 16381].
+    #[arg(long, env = "RUNE_MAGLEV_TABLE_SIZE", value_name = "PRIME")]
+    pub maglev_table_size: Option<u32>,
+    /// Seconds an idle UDP flow keeps its backend [default: 60].
+    #[arg(long, env = "RUNE_UDP_IDLE_TIMEOUT_SECONDS", value_name = "S")]
+    pub udp_idle_timeout_seconds: Option<u64>,
+    /// Ordered-log events kept for watchers before compaction [default: 10000].
+    #[arg(long, env = "RUNE_LOG_HISTORY", value_name = "N")]
+    pub log_history: Option<u64>,
+}
+
+impl Cli {
+    /// The settings: config file, overridden by flags and environment.
+    pub fn config(&self, run: Option<&RunArgs>) -> Result<Config, ConfigError> {
+        let file = match &self.config {
+            Some(path) => FileConfig::load(path)?,
+            None => FileConfig::default(),
+        };
+        let mut flags = FileConfig {
+            state_dir: self.state_dir.clone(),
+            ..FileConfig::default()
+        };
+        if let Some(r) = run {
+            flags.dev = r.dev.then_some(true);
+            flags.dev_port_offset = r.dev_port_offset;
+            flags.metrics_addr = r.metrics_addr.clone();
+            flags.ready_timeout_seconds = r.ready_timeout_seconds;
+            flags.outbox_capacity = r.outbox_capacity;
+            flags.maglev_table_size = r.maglev_table_size;
+            flags.udp_idle_timeout_seconds = r.udp_idle_timeout_seconds;
+            flags.log_history = r.log_history;
+        }
+        file.overridden_by(flags).resolve()
+    }
+}
+
+/// Where a command's requests go: the running agent, or the store itself.
+enum Target {
+    Agent(Client),
+    Store(EmbeddedLog),
+}
+
+async fn target(config: &Config) -> Result<Target> {
+    let socket = localapi::socket_path(&config.state_dir);
+    if let Some(client) = Client::connect(&socket).await? {
+        return Ok(Target::Agent(client));
+    }
+    let options = EmbeddedOptions {
+        history: config.log_history,
+    };
+    let store = EmbeddedLog::open(&config.state_dir, options).with_context(|| {
+        format!(
+            "no agent answers on {} and the store cannot be opened",
+            socket.display()
+        )
+    })?;
+    Ok(Target::Store(store))
+}
+
+fn parse_kind(kind: &str) -> Result<Kind> {
+    Kind::parse(kind)
+        .with_context(|| format!("unknown kind {kind:?} (known: service/svc, endpoints/ep)"))
+}
+
+/// `rune-agent apply -f FILE|-`.
+pub async fn apply(config: &Config, file: &str) -> Result<()> {
+    let text = if file == "-" {
+        let mut s = String::new();
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .context("reading standard input")?;
+        s
+    } else {
+        std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?
+    };
+    let objects = parse_documents(&text).with_context(|| format!("in {file}"))?;
+    if objects.is_empty() {
+        bail!("{file}: no objects found");
+    }
+    let lines = match target(config).await? {
+        Target::Agent(mut c) => c.apply(&objects).await?.0,
+        Target::Store(store) => {
+            let outcome = tokio::task::spawn_blocking(move || store.apply(objects)).await??;
+            outcome
+                .results
+                .iter()
+                .map(|(k, c)| localapi::format_change(k, *c))
+                .collect()
+        }
+    };
+    for line in lines {
+        println!("{line}");
+    }
+    Ok(())
+}
+
+/// `rune-agent get [KIND] [NAME]`.
+pub async fn get(
+    config: &Config,
+    kind: Option<&str>,
+    name: Option<&str>,
+    namespace: Option<&str>,
+    output: Option<Format>,
+) -> Result<()> {
+    let kind = kind.map(parse_kind).transpose()?;
+    if name.is_some() && kind.is_none() {
+        bail!("a name needs a kind: rune-agent get KIND NAME");
+    }
+    let (_, objects) = match target(config).await? {
+        Target::Agent(mut c) => c.get(kind, namespace, name).await?,
+        Target::Store(store) => store.get(kind, namespace, name)?,
+    };
+    if objects.is_empty() && name.is_some() {
+        bail!(
+            "{} {}/{} not found",
+            kind.map(Kind::as_str).unwrap_or_default(),
+            namespace.unwrap_or(crate::model::DEFAULT_NAMESPACE),
+            name.unwrap_or_default()
+        );
+    }
+    print!("{}", render_objects(&objects, output, name.is_some())?);
+    Ok(())
+}
+
+/// Renders objects as a table, YAML documents or JSON.
+pub fn render_objects(objects: &[Object], output: Option<Format>, single: bool) -> Result<String> {
+    let docs: Vec<serde_json::Value> = objects.iter().map(Object::to_json).collect();
+    Ok(match output {
+        Some(Format::Json) if single && docs.len() == 1 => {
+            serde_json::to_string_pretty(&docs[0])? + "\n"
+        }
+        Some(Format::Json) => {
+            let list = serde_json::json!({"apiVersion": crate::model::API_VERSION, "kind": "List", "items": docs});
+            serde_json::to_string_pretty(&list)? + "\n"
+        }
+        Some(Format::Yaml) => {
+            let mut out = String::new();
+            for (i, d) in docs.iter().enumerate() {
+                if i > 0 {
+                    out.push_str("---\n");
+                }
+                out.push_str(&serde_yaml_ng::to_string(d)?);
+            }
+            out
+        }
+        None => table(objects),
+    })
+}
+
+fn table(objects: &[Object]) -> String {
+    let mut rows = vec![[
+        "KIND".to_owned(),
+        "NAMESPACE".to_owned(),
+        "NAME".to_owned(),
+        "DETAILS".to_owned(),
+    ]];
+    for o in objects {
+        let m = o.metadata();
+        let details = match o {
+            Object::Service(s) => {
+                let ports: Vec<String> = s
+                    .spec
+                    .ports
+                    .iter()
+                    .map(|p| format!("{}/{}->{}", p.port, p.protocol, p.target()))
+                    .collect();
+                let vips: Vec<String> = s
+                    .spec
+                    .discovery
+                    .vips
+                    .iter()
+                    .map(|v| v.to_string())
+                    .collect();
+                let vips = if s.spec.discovery.headless {
+                    "headless".to_owned()
+                } else if vips.is_empty() {
+                    "no VIP".to_owned()
+                } else {
+                    vips.join(",")
+                };
+                format!("{vips} {}", ports.join(","))
+            }
+            Object::Endpoints(e) => {
+                let total = e.spec.endpoints.len();
+                let ready = e.spec.endpoints.iter().filter(|x| x.accepts_new()).count();
+                format!("{total} endpoints, {ready} accepting")
+            }
+        };
+        rows.push([
+            o.kind().to_string(),
+            m.namespace.clone(),
+            m.name.clone(),
+            details,
+        ]);
+    }
+    let widths: Vec<usize> = (0..4)
+        .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for r in rows {
+        let line = format!(
+            "{:w0$}  {:w1$}  {:w2$}  {}",
+            r[0],
+            r[1],
+            r[2],
+            r[3],
+            w0 = widths[0],
+            w1 = widths[1],
+            w2 = widths[2]
+        );
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// `rune-agent delete KIND NAME`.
+pub async fn delete(config: &Config, kind: &str, name: &str, namespace: &str) -> Result<()> {
+    let key = ObjectKey::new(parse_kind(kind)?, namespace, name);
+    let deleted = match target(config).await? {
+        Target::Agent(mut c) => c.delete(&key).await?,
+        Target::Store(store) => store.delete(&key)?,
+    };
+    let shown = format!(
+        "{}/{}/{}",
+        key.kind.as_str().to_ascii_lowercase(),
+        key.namespace,
+        key.name
+    );
+    match deleted {
+        Some(_) => {
+            println!("{shown} deleted");
+            Ok(())
+        }
+        None => bail!("{shown} not found"),
+    }
+}
+
+/// `rune-agent status`.
+pub async fn status(config: &Config, output: Option<Format>) -> Result<()> {
+    let status = match target(config).await? {
+        Target::Agent(mut c) => {
+            let v = c.status().await?;
+            serde_json::from_value::<AgentStatus>(v).context("reading the agent's status")?
+        }
+        Target::Store(store) => AgentStatus::from_store(&config.state_dir, &store)?,
+    };
+    match output {
+        Some(Format::Json) => println!("{}", serde_json::to_string_pretty(&status)?),
+        Some(Format::Yaml) => print!("{}", serde_yaml_ng::to_string(&status)?),
+        None => print!("{}", status.render()),
+    }
+    Ok(())
+}

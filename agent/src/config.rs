@@ -1,1 +1,268 @@
-//! (to be written)
+//! The agent's settings: defaults, then a YAML config file, then `RUNE_*` environment
+//! variables and command-line flags (flags and env override the file).
+//!
+//! Everything is checked here, before anything is bound or started, so a bad setting
+//! stops the agent with a usage error instead of half-starting it.
+
+use serde::Deserialize;
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+use thiserror::Error;
+
+/// Default `--metrics-addr`.
+pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
+
+/// Everything `rune-agent run` needs, resolved and checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// Where identity, store and socket live.
+    pub state_dir: PathBuf,
+    /// Dev mode: userspace proxies on 127.0.0.1, no root, no kernel changes.
+    pub dev: bool,
+    /// Dev mode: added to every service port (e.g. to avoid privileged ports).
+    pub dev_port_offset: u16,
+    /// Address of the `/metrics`, `/healthz`, `/readyz` listener.
+    pub metrics_addr: SocketAddr,
+    /// How long `start` waits for every subsystem to report ready.
+    pub ready_timeout: Duration,
+    /// Capacity of the outbox.
+    pub outbox_capacity: usize,
+    /// Maglev table size per service (a prime).
+    pub maglev_table_size: u32,
+    /// UDP flows keep their backend until idle this long.
+    pub udp_idle_timeout: Duration,
+    /// Ordered-log events kept for watchers before compaction.
+    pub log_history: u64,
+}
+
+/// The config file's shape; every field optional. Unknown keys are errors.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct FileConfig {
+    /// See [`Config::state_dir`].
+    pub state_dir: Option<PathBuf>,
+    /// See [`Config::dev`].
+    pub dev: Option<bool>,
+    /// See [`Config::dev_port_offset`].
+    pub dev_port_offset: Option<u16>,
+    /// See [`Config::metrics_addr`].
+    pub metrics_addr: Option<String>,
+    /// See [`Config::ready_timeout`], in seconds.
+    pub ready_timeout_seconds: Option<u64>,
+    /// See [`Config::outbox_capacity`].
+    pub outbox_capacity: Option<usize>,
+    /// See [`Config::maglev_table_size`].
+    pub maglev_table_size: Option<u32>,
+    /// See [`Config::udp_idle_timeout`], in seconds.
+    pub udp_idle_timeout_seconds: Option<u64>,
+    /// See [`Config::log_history`].
+    pub log_history: Option<u64>,
+}
+
+/// Why the settings were refused.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    /// The config file could not be read.
+    #[error("config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The config file is not valid.
+    #[error("config file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A setting has a value the agent cannot use.
+    #[error("setting {setting}: {message}")]
+    Invalid {
+        /// The setting's flag name, e.g. `--metrics-addr`.
+        setting: &'static str,
+        /// What is wrong, with the value.
+        message: String,
+    },
+}
+
+impl FileConfig {
+    /// Reads a YAML config file.
+    pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        if text.trim().is_empty() {
+            return Ok(FileConfig::default());
+        }
+        serde_yaml_ng::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Fills every unset field from `over` (flags and env win over the file).
+    pub fn overridden_by(self, over: FileConfig) -> FileConfig {
+        FileConfig {
+            state_dir: over.state_dir.or(self.state_dir),
+            dev: over.dev.or(self.dev),
+            dev_port_offset: over.dev_port_offset.or(self.dev_port_offset),
+            metrics_addr: over.metrics_addr.or(self.metrics_addr),
+            ready_timeout_seconds: over.ready_timeout_seconds.or(self.ready_timeout_seconds),
+            outbox_capacity: over.outbox_capacity.or(self.outbox_capacity),
+            maglev_table_size: over.maglev_table_size.or(self.maglev_table_size),
+            udp_idle_timeout_seconds: over
+                .udp_idle_timeout_seconds
+                .or(self.udp_idle_timeout_seconds),
+            log_history: over.log_history.or(self.log_history),
+        }
+    }
+
+    /// Applies defaults and checks every value.
+    pub fn resolve(self) -> Result<Config, ConfigError> {
+        let metrics_addr = self.metrics_addr.as_deref().unwrap_or(DEFAULT_METRICS_ADDR);
+        let metrics_addr = metrics_addr.parse().map_err(|_| ConfigError::Invalid {
+            setting: "--metrics-addr",
+            message: format!("{metrics_addr:?} is not an address:port"),
+        })?;
+        let ready_timeout = self.ready_timeout_seconds.unwrap_or(30);
+        if ready_timeout == 0 {
+            return Err(ConfigError::Invalid {
+                setting: "--ready-timeout-seconds",
+                message: "must be at least 1".into(),
+            });
+        }
+        let outbox_capacity = self.outbox_capacity.unwrap_or(4096);
+        if outbox_capacity == 0 {
+            return Err(ConfigError::Invalid {
+                setting: "--outbox-capacity",
+                message: "must be at least 1".into(),
+            });
+        }
+        let maglev_table_size = self.maglev_table_size.unwrap_or(16381);
+        if !is_prime(maglev_table_size) || maglev_table_size < 101 {
+            return Err(ConfigError::Invalid {
+                setting: "--maglev-table-size",
+                message: format!("{maglev_table_size} is not a prime of at least 101"),
+            });
+        }
+        let udp_idle = self.udp_idle_timeout_seconds.unwrap_or(60);
+        if udp_idle == 0 {
+            return Err(ConfigError::Invalid {
+                setting: "--udp-idle-timeout-seconds",
+                message: "must be at least 1".into(),
+            });
+        }
+        let log_history = self.log_history.unwrap_or(10_000);
+        if log_history == 0 {
+            return Err(ConfigError::Invalid {
+                setting: "--log-history",
+                message: "must be at least 1".into(),
+            });
+        }
+        Ok(Config {
+            state_dir: self.state_dir.unwrap_or_else(default_state_dir),
+            dev: self.dev.unwrap_or(false),
+            dev_port_offset: self.dev_port_offset.unwrap_or(0),
+            metrics_addr,
+            ready_timeout: Duration::from_secs(ready_timeout),
+            outbox_capacity,
+            maglev_table_size,
+            udp_idle_timeout: Duration::from_secs(udp_idle),
+            log_history,
+        })
+    }
+}
+
+fn is_prime(n: u32) -> bool {
+    n >= 2 && (2..).take_while(|d| d * d <= n).all(|d| n % d != 0)
+}
+
+/// `/var/lib/rune` as root; `$XDG_STATE_HOME/rune` (or `~/.local/state/rune`)
+/// otherwise, so a laptop user needs no root.
+pub fn default_state_dir() -> PathBuf {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    if root {
+        return PathBuf::from("/var/lib/rune");
+    }
+    if let Some(x) = std::env::var_os("XDG_STATE_HOME").filter(|v| !v.is_empty()) {
+        return PathBuf::from(x).join("rune");
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
+    PathBuf::from(home).join(".local/state/rune")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults() {
+        let c = FileConfig::default().resolve().unwrap();
+        assert_eq!(c.metrics_addr.to_string(), DEFAULT_METRICS_ADDR);
+        assert_eq!(c.ready_timeout, Duration::from_secs(30));
+        assert_eq!(c.outbox_capacity, 4096);
+        assert_eq!(c.maglev_table_size, 16381);
+        assert!(!c.dev);
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.yaml");
+        std::fs::write(
+            &path,
+            "dev: true\ndevPortOffset: 10000\nmetricsAddr: 127.0.0.1:1\n",
+        )
+        .unwrap();
+        let file = FileConfig::load(&path).unwrap();
+        let flags = FileConfig {
+            metrics_addr: Some("127.0.0.1:2".into()),
+            ..FileConfig::default()
+        };
+        let c = file.overridden_by(flags).resolve().unwrap();
+        assert!(c.dev);
+        assert_eq!(c.dev_port_offset, 10000);
+        assert_eq!(c.metrics_addr.to_string(), "127.0.0.1:2");
+    }
+
+    #[test]
+    fn bad_values_name_the_setting() {
+        let bad = FileConfig {
+            maglev_table_size: Some(1000),
+            ..FileConfig::default()
+        };
+        let err = bad.resolve().unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "setting --maglev-table-size: 1000 is not a prime of at least 101"
+        );
+        let bad = FileConfig {
+            metrics_addr: Some("nowhere".into()),
+            ..FileConfig::default()
+        };
+        assert!(
+            bad.resolve()
+                .unwrap_err()
+                .to_string()
+                .contains("\"nowhere\"")
+        );
+    }
+
+    #[test]
+    fn unknown_keys_in_the_file_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.yaml");
+        std::fs::write(&path, "devPortOfset: 1\n").unwrap();
+        let err = FileConfig::load(&path).unwrap_err().to_string();
+        assert!(err.contains("devPortOfset"), "{err}");
+    }
+}

@@ -17,3 +17,4 @@ pub mod model;
 pub mod orderedlog;
 pub mod outbox;
 pub mod run;
+pub mod status;

@@ -1,0 +1,188 @@
+//! Running the real `rune-agent` binary from tests: a process guard that kills it on
+//! drop, the CLI, and small HTTP/metrics helpers. Everything talks to loopback only.
+
+use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+/// The agent binary built by `cargo build` (which `cargo xtask test` runs first).
+pub fn agent_bin() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let bin = target.join("debug/rune-agent");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first (`cargo build -p rune-agent`; `cargo xtask test` does)",
+        bin.display()
+    );
+    bin
+}
+
+/// A free TCP port on 127.0.0.1 (free when asked; tests retry on the rare race).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind 127.0.0.1:0")
+}
+
+/// A running agent; killed (SIGKILL) on drop if still running.
+pub struct Agent {
+    child: Option<Child>,
+    /// Its state dir.
+    pub state_dir: PathBuf,
+    /// Its metrics listener.
+    pub metrics: SocketAddr,
+}
+
+impl Agent {
+    /// Starts `rune-agent run --state-dir DIR --metrics-addr ADDR ARGS...`.
+    pub fn start(state_dir: &Path, args: &[&str]) -> Agent {
+        let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let child = Command::new(agent_bin())
+            .arg("run")
+            .arg("--state-dir")
+            .arg(state_dir)
+            .arg("--metrics-addr")
+            .arg(metrics.to_string())
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn rune-agent");
+        Agent {
+            child: Some(child),
+            state_dir: state_dir.to_owned(),
+            metrics,
+        }
+    }
+
+    /// Waits until `/readyz` answers 200.
+    pub fn wait_ready(&mut self, patience: Duration) {
+        let deadline = Instant::now() + patience;
+        loop {
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
+                panic!("agent exited before it was ready: {status}");
+            }
+            if matches!(http_get(self.metrics, "/readyz"), Ok((200, _))) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "agent not ready after {patience:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Runs a CLI command against this agent's state dir.
+    pub fn cli(&self, args: &[&str], stdin: Option<&str>) -> Output {
+        cli(&self.state_dir, args, stdin)
+    }
+
+    /// `/metrics` as text.
+    pub fn metrics_text(&self) -> String {
+        let (code, body) = http_get(self.metrics, "/metrics").expect("GET /metrics");
+        assert_eq!(code, 200);
+        body
+    }
+
+    /// Sends SIGTERM and waits (bounded) for a clean exit; returns its status code.
+    pub fn terminate(&mut self, patience: Duration) -> Option<i32> {
+        let mut child = self.child.take()?;
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + patience;
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status.code();
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("agent did not stop within {patience:?} of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Runs `rune-agent ARGS --state-dir DIR`, feeding `stdin` when given.
+pub fn cli(state_dir: &Path, args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(agent_bin())
+        .args(args)
+        .arg("--state-dir")
+        .arg(state_dir)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn rune-agent");
+    if let Some(text) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// A minimal HTTP/1.0 GET (no client library needed): status code and body.
+pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)?;
+    let code = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok((code, body))
+}
+
+/// The value of one sample in Prometheus text (`name{labels}` exactly as printed,
+/// labels in the agent's order), if present.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (name, value) = l.rsplit_once(' ')?;
+        (name == series).then(|| value.parse().ok())?
+    })
+}
+
+/// Polls `f` until it returns `Some`, for at most `patience`.
+pub fn eventually<T>(patience: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + patience;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "not within {patience:?}: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
