@@ -398,7 +398,7 @@ fn error_chain(error: &(dyn StdError + 'static)) -> String {
 }
 
 /// What an [`Agent`] needs: its identity, mode, tunables and the shared metrics.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct AgentConfig {
     /// The persisted node identity.
     pub identity: Identity,
