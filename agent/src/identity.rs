@@ -1,1 +1,316 @@
-//! (to be written)
+//! The node's persisted identity: a random node ID created once, kept in
+//! `<state_dir>/node-identity.json` so that restarts and upgrades never change it.
+//!
+//! A file that exists but cannot be read as an identity is an error for the operator
+//! to resolve; it is never regenerated or overwritten.
+
+use std::{
+    collections::BTreeMap,
+    fs::{self, File, OpenOptions},
+    io::{self, Write},
+    os::unix::fs::OpenOptionsExt,
+    path::{Path, PathBuf},
+};
+
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+
+/// The file name of the identity inside the state directory.
+pub const IDENTITY_FILE: &str = "node-identity.json";
+
+/// The agent's stable node identity.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    /// Random, created on first start, never changed: 32 lower-case hex digits.
+    pub node_id: String,
+    /// The host name when the identity was created.
+    pub hostname: String,
+    /// Operator-set labels (edit the file while the agent is stopped).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// Why the identity could not be loaded or created.
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityError {
+    /// The state directory could not be created.
+    #[error("cannot create state directory {}", .path.display())]
+    CreateDir {
+        /// The state directory.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// The identity file exists but could not be read.
+    #[error("cannot read identity file {}", .path.display())]
+    Read {
+        /// The identity file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// The identity file is not valid identity JSON; it was left as it is.
+    #[error("malformed identity file {} (left untouched; fix or remove it)", .path.display())]
+    Malformed {
+        /// The identity file.
+        path: PathBuf,
+        /// The parse error, with line and column.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The identity file parses but a field is unusable; it was left as it is.
+    #[error("invalid identity file {}: {field} {reason} (left untouched; fix or remove it)", .path.display())]
+    Invalid {
+        /// The identity file.
+        path: PathBuf,
+        /// The offending field.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The host name could not be determined for a new identity.
+    #[error("cannot determine the host name")]
+    Hostname {
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// A new identity could not be written.
+    #[error("cannot write identity file {}", .path.display())]
+    Write {
+        /// The file being written (the temporary file or the identity file).
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl Identity {
+    /// Reads the identity from `<state_dir>/node-identity.json`, or creates a new one
+    /// (random node ID, this host's name, no labels) and persists it atomically.
+    /// Creates `state_dir` when missing.
+    pub fn load_or_create(state_dir: &Path) -> Result<Identity, IdentityError> {
+        fs::create_dir_all(state_dir).map_err(|source| IdentityError::CreateDir {
+            path: state_dir.to_owned(),
+            source,
+        })?;
+        let path = state_dir.join(IDENTITY_FILE);
+        match fs::read(&path) {
+            Ok(bytes) => Self::parse(&path, &bytes),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {
+                let identity = Identity {
+                    node_id: new_node_id(),
+                    hostname: hostname().map_err(|source| IdentityError::Hostname { source })?,
+                    labels: BTreeMap::new(),
+                };
+                persist(state_dir, &path, &identity)?;
+                Ok(identity)
+            }
+            Err(source) => Err(IdentityError::Read { path, source }),
+        }
+    }
+
+    fn parse(path: &Path, bytes: &[u8]) -> Result<Identity, IdentityError> {
+        let identity: Identity =
+            serde_json::from_slice(bytes).map_err(|source| IdentityError::Malformed {
+                path: path.to_owned(),
+                source,
+            })?;
+        if identity.node_id.trim().is_empty() {
+            return Err(IdentityError::Invalid {
+                path: path.to_owned(),
+                field: "node_id",
+                reason: "is empty".to_owned(),
+            });
+        }
+        Ok(identity)
+    }
+}
+
+/// 16 random bytes as hex.
+fn new_node_id() -> String {
+    let mut bytes = [0u8; 16];
+    rand::rng().fill(&mut bytes);
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+/// This host's name: gethostname(2), or /proc/sys/kernel/hostname.
+fn hostname() -> io::Result<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: the pointer and length describe `buf`, which outlives the call.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc == 0 {
+        let len = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        let name = String::from_utf8_lossy(&buf[..len]).trim().to_owned();
+        if !name.is_empty() {
+            return Ok(name);
+        }
+    }
+    let name = fs::read_to_string("/proc/sys/kernel/hostname")?
+        .trim()
+        .to_owned();
+    if name.is_empty() {
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            "the kernel reports an empty host name",
+        ));
+    }
+    Ok(name)
+}
+
+/// Writes a temporary file in the same directory, syncs it, renames it over `path`
+/// and syncs the directory, so a crash leaves either no file or a complete one.
+fn persist(dir: &Path, path: &Path, identity: &Identity) -> Result<(), IdentityError> {
+    let tmp = dir.join(format!(
+        ".{IDENTITY_FILE}.tmp.{}.{:08x}",
+        std::process::id(),
+        rand::rng().random::<u32>()
+    ));
+    let write_err = |path: &Path| {
+        let path = path.to_owned();
+        move |source| IdentityError::Write { path, source }
+    };
+    let mut json = serde_json::to_vec_pretty(identity).map_err(|error| IdentityError::Write {
+        path: tmp.clone(),
+        source: io::Error::other(error),
+    })?;
+    json.push(b'\n');
+
+    let written = (|| {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        file.write_all(&json)?;
+        file.sync_all()
+    })();
+    if let Err(source) = written {
+        let _ = fs::remove_file(&tmp);
+        return Err(IdentityError::Write { path: tmp, source });
+    }
+    if let Err(source) = fs::rename(&tmp, path) {
+        let _ = fs::remove_file(&tmp);
+        return Err(IdentityError::Write {
+            path: path.to_owned(),
+            source,
+        });
+    }
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(write_err(dir))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir_names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn identity_is_stable_across_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = Identity::load_or_create(dir.path()).unwrap();
+        let second = Identity::load_or_create(dir.path()).unwrap();
+        assert_eq!(first, second);
+        assert_eq!(first.node_id.len(), 32);
+        assert!(first.node_id.chars().all(|c| c.is_ascii_hexdigit()));
+        assert!(!first.hostname.is_empty());
+    }
+
+    #[test]
+    fn two_state_dirs_get_different_node_ids() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let a = Identity::load_or_create(a.path()).unwrap();
+        let b = Identity::load_or_create(b.path()).unwrap();
+        assert_ne!(a.node_id, b.node_id);
+    }
+
+    #[test]
+    fn creates_missing_state_dir_and_leaves_no_temp_file() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("var/lib/rune");
+        Identity::load_or_create(&dir).unwrap();
+        assert_eq!(dir_names(&dir), vec![IDENTITY_FILE.to_owned()]);
+    }
+
+    #[test]
+    fn persisted_file_uses_documented_field_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let identity = Identity::load_or_create(dir.path()).unwrap();
+        let text = fs::read_to_string(dir.path().join(IDENTITY_FILE)).unwrap();
+        let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(value["node_id"], identity.node_id.as_str());
+        assert_eq!(value["hostname"], identity.hostname.as_str());
+        let mode = fs::metadata(dir.path().join(IDENTITY_FILE))
+            .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777)
+            .unwrap();
+        assert_eq!(mode, 0o600);
+    }
+
+    #[test]
+    fn operator_labels_are_loaded() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(
+            dir.path().join(IDENTITY_FILE),
+            r#"{"node_id":"abc","hostname":"h","labels":{"zone":"a"}}"#,
+        )
+        .unwrap();
+        let identity = Identity::load_or_create(dir.path()).unwrap();
+        assert_eq!(identity.node_id, "abc");
+        assert_eq!(identity.labels.get("zone").map(String::as_str), Some("a"));
+    }
+
+    #[test]
+    fn malformed_file_is_an_error_naming_the_path_and_is_not_overwritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(IDENTITY_FILE);
+        let garbage = b"{\"node_id\": \"abc\", oops".to_vec();
+        fs::write(&path, &garbage).unwrap();
+
+        let error = Identity::load_or_create(dir.path()).unwrap_err();
+        assert!(
+            matches!(error, IdentityError::Malformed { .. }),
+            "{error:?}"
+        );
+        assert!(
+            error.to_string().contains(&path.display().to_string()),
+            "{error}"
+        );
+        assert_eq!(fs::read(&path).unwrap(), garbage);
+        assert_eq!(dir_names(dir.path()), vec![IDENTITY_FILE.to_owned()]);
+    }
+
+    #[test]
+    fn empty_node_id_is_rejected_and_not_overwritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(IDENTITY_FILE);
+        let content = br#"{"node_id":"","hostname":"h"}"#.to_vec();
+        fs::write(&path, &content).unwrap();
+
+        let error = Identity::load_or_create(dir.path()).unwrap_err();
+        assert!(
+            matches!(
+                error,
+                IdentityError::Invalid {
+                    field: "node_id",
+                    ..
+                }
+            ),
+            "{error:?}"
+        );
+        assert!(error.to_string().contains(&path.display().to_string()));
+        assert_eq!(fs::read(&path).unwrap(), content);
+    }
+}

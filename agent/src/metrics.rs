@@ -4,11 +4,26 @@
 //! Handles are cheap clones (`Arc` inside), so subsystems keep the ones they update on
 //! hot paths instead of looking them up per event.
 
+use std::{convert::Infallible, sync::Arc, time::Duration};
+
+use http_body_util::Full;
+use hyper::{
+    Method, Request, Response, StatusCode,
+    body::{Bytes, Incoming},
+    header::{self, HeaderValue},
+    server::conn::http1,
+    service::service_fn,
+};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, gauge::Gauge},
     registry::Registry,
 };
+use tokio::net::TcpListener;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+use crate::agent::Readiness;
 
 /// Labels of per-subsystem metrics.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -58,6 +73,7 @@ pub struct BytesLabels {
 }
 
 /// Every metric the agent exports, registered once in [`Metrics::new`].
+#[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
     /// `rune_subsystem_ready{subsystem}`: 1 when the subsystem reported ready.
@@ -76,4 +92,357 @@ pub struct Metrics {
     pub outbox_depth: Gauge,
     /// `rune_outbox_dropped_total`: entries refused because the outbox was full.
     pub outbox_dropped: Counter,
+}
+
+impl Metrics {
+    /// Every metric, zeroed and registered under its `rune_` name.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("rune");
+        let subsystem_ready = Family::<SubsystemLabels, Gauge>::default();
+        registry.register(
+            "subsystem_ready",
+            "1 when the subsystem reported ready, 0 otherwise",
+            subsystem_ready.clone(),
+        );
+        let objects = Family::<KindLabels, Gauge>::default();
+        registry.register(
+            "objects",
+            "Objects in the agent's cache, by kind",
+            objects.clone(),
+        );
+        let revision_applied = Gauge::default();
+        registry.register(
+            "revision_applied",
+            "The last ordered-log revision the agent applied",
+            revision_applied.clone(),
+        );
+        let proxy_connections = Family::<ConnectionLabels, Counter>::default();
+        registry.register(
+            "proxy_connections",
+            "Connections (UDP: flows) handled by the userspace proxies, by result",
+            proxy_connections.clone(),
+        );
+        let proxy_bytes = Family::<BytesLabels, Counter>::default();
+        registry.register(
+            "proxy_bytes",
+            "Bytes copied by the userspace proxies, by direction",
+            proxy_bytes.clone(),
+        );
+        let proxy_listener_up = Family::<ServicePortLabels, Gauge>::default();
+        registry.register(
+            "proxy_listener_up",
+            "1 when the proxy listens on the service port, 0 when it failed to bind",
+            proxy_listener_up.clone(),
+        );
+        let outbox_depth = Gauge::default();
+        registry.register(
+            "outbox_depth",
+            "Entries waiting in the outbox",
+            outbox_depth.clone(),
+        );
+        let outbox_dropped = Counter::default();
+        registry.register(
+            "outbox_dropped",
+            "Entries refused because the outbox was full",
+            outbox_dropped.clone(),
+        );
+        Self {
+            registry,
+            subsystem_ready,
+            objects,
+            revision_applied,
+            proxy_connections,
+            proxy_bytes,
+            proxy_listener_up,
+            outbox_depth,
+            outbox_dropped,
+        }
+    }
+
+    /// The current values in the OpenMetrics text format (what `/metrics` serves).
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        if let Err(error) = prometheus_client::encoding::text::encode(&mut text, &self.registry) {
+            // Writing into a String does not fail; a metric's encoder would have to.
+            tracing::error!(%error, "encoding metrics failed; serving what was written");
+        }
+        text
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The content type of [`Metrics::encode`]'s output.
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// How long a client may take to send its request headers.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long to pause after a failed accept (e.g. out of file descriptors).
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
+
+/// Serves `GET /metrics`, `/healthz` (always 200 while the process runs) and
+/// `/readyz` (503 until `ready` is set, then 200) on `listener`, over HTTP/1.
+///
+/// Returns once `cancel` is cancelled and every open connection has finished its
+/// request in flight.
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    ready: Readiness,
+    cancel: CancellationToken,
+) {
+    let connections = TaskTracker::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            () = cancel.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    tracing::warn!(%error, "metrics listener: accept failed");
+                    tokio::select! {
+                        () = cancel.cancelled() => break,
+                        () = tokio::time::sleep(ACCEPT_ERROR_PAUSE) => continue,
+                    }
+                }
+            },
+        };
+        let metrics = Arc::clone(&metrics);
+        let ready = ready.clone();
+        let cancel = cancel.clone();
+        connections.spawn(async move {
+            let service = service_fn(move |request: Request<Incoming>| {
+                let response = respond(&request, &metrics, &ready);
+                async move { Ok::<_, Infallible>(response) }
+            });
+            let mut builder = http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT);
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(connection);
+            let result = tokio::select! {
+                result = connection.as_mut() => result,
+                () = cancel.cancelled() => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(error) = result {
+                tracing::debug!(%error, %peer, "metrics listener: connection ended with an error");
+            }
+        });
+    }
+    connections.close();
+    connections.wait().await;
+}
+
+/// The response to one request on the metrics listener.
+fn respond(
+    request: &Request<Incoming>,
+    metrics: &Metrics,
+    ready: &Readiness,
+) -> Response<Full<Bytes>> {
+    let path = request.uri().path();
+    let known = matches!(path, "/metrics" | "/healthz" | "/readyz");
+    if !known {
+        return text(StatusCode::NOT_FOUND, "not found");
+    }
+    if request.method() != Method::GET && request.method() != Method::HEAD {
+        let mut response = text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed");
+        response
+            .headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return response;
+    }
+    match path {
+        "/metrics" => {
+            let mut response = Response::new(Full::new(Bytes::from(metrics.encode())));
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(OPENMETRICS_CONTENT_TYPE),
+            );
+            response
+        }
+        "/readyz" if !ready.is_ready() => text(StatusCode::SERVICE_UNAVAILABLE, "not ready"),
+        _ => text(StatusCode::OK, "ok"),
+    }
+}
+
+fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// One HTTP/1.0 request; returns the status code and the body.
+    async fn get(addr: SocketAddr, method: &str, path: &str) -> (u16, String, String) {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream
+            .write_all(format!("{method} {path} HTTP/1.0\r\nHost: test\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut raw = String::new();
+        tokio::time::timeout(Duration::from_secs(2), stream.read_to_string(&mut raw))
+            .await
+            .expect("server did not close the connection")
+            .unwrap();
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+        let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+        (status, head.to_owned(), body.to_owned())
+    }
+
+    struct Server {
+        addr: SocketAddr,
+        cancel: CancellationToken,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    async fn start(metrics: Arc<Metrics>, ready: Readiness) -> Server {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(serve(listener, metrics, ready, cancel.clone()));
+        Server { addr, cancel, task }
+    }
+
+    #[test]
+    fn every_metric_is_registered_under_its_documented_name() {
+        let metrics = Metrics::new();
+        metrics
+            .subsystem_ready
+            .get_or_create(&SubsystemLabels {
+                subsystem: "dns".into(),
+            })
+            .set(1);
+        metrics
+            .objects
+            .get_or_create(&KindLabels {
+                kind: "Service".into(),
+            })
+            .set(2);
+        metrics
+            .proxy_connections
+            .get_or_create(&ConnectionLabels {
+                service: "default/web".into(),
+                protocol: "TCP".into(),
+                result: "ok".into(),
+            })
+            .inc();
+        metrics
+            .proxy_bytes
+            .get_or_create(&BytesLabels {
+                service: "default/web".into(),
+                protocol: "TCP".into(),
+                direction: "to_backend".into(),
+            })
+            .inc_by(10);
+        metrics
+            .proxy_listener_up
+            .get_or_create(&ServicePortLabels {
+                service: "default/web".into(),
+                port: 80,
+                protocol: "TCP".into(),
+            })
+            .set(1);
+        metrics.revision_applied.set(7);
+        let text = metrics.encode();
+        for line in [
+            "rune_subsystem_ready{subsystem=\"dns\"} 1",
+            "rune_objects{kind=\"Service\"} 2",
+            "rune_revision_applied 7",
+            "rune_proxy_connections_total{service=\"default/web\",protocol=\"TCP\",result=\"ok\"} 1",
+            "rune_proxy_bytes_total{service=\"default/web\",protocol=\"TCP\",direction=\"to_backend\"} 10",
+            "rune_proxy_listener_up{service=\"default/web\",port=\"80\",protocol=\"TCP\"} 1",
+            "rune_outbox_depth 0",
+            "rune_outbox_dropped_total 0",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in:\n{text}"
+            );
+        }
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn readyz_is_503_until_ready_then_200() {
+        let (setter, ready) = Readiness::new();
+        let server = start(Arc::new(Metrics::new()), ready).await;
+
+        let (status, _, body) = get(server.addr, "GET", "/readyz").await;
+        assert_eq!((status, body.as_str()), (503, "not ready"));
+        setter.set_ready();
+        let (status, _, body) = get(server.addr, "GET", "/readyz").await;
+        assert_eq!((status, body.as_str()), (200, "ok"));
+        setter.set_not_ready();
+        assert_eq!(get(server.addr, "GET", "/readyz").await.0, 503);
+
+        server.cancel.cancel();
+        tokio::time::timeout(Duration::from_secs(2), server.task)
+            .await
+            .expect("serve did not end on cancel")
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn metrics_healthz_and_unknown_paths() {
+        let metrics = Arc::new(Metrics::new());
+        metrics.outbox_depth.set(3);
+        let (_setter, ready) = Readiness::new();
+        let server = start(metrics, ready).await;
+
+        let (status, head, body) = get(server.addr, "GET", "/metrics").await;
+        assert_eq!(status, 200);
+        assert!(
+            head.to_ascii_lowercase()
+                .contains(&format!("content-type: {OPENMETRICS_CONTENT_TYPE}")),
+            "{head}"
+        );
+        assert!(body.contains("rune_outbox_depth 3"), "{body}");
+        assert!(body.contains("rune_outbox_dropped_total 0"), "{body}");
+
+        assert_eq!(get(server.addr, "GET", "/healthz").await.0, 200);
+        assert_eq!(get(server.addr, "GET", "/healthz").await.2, "ok");
+        assert_eq!(get(server.addr, "GET", "/nope").await.0, 404);
+        assert_eq!(get(server.addr, "POST", "/metrics").await.0, 405);
+
+        server.cancel.cancel();
+        tokio::time::timeout(Duration::from_secs(2), server.task)
+            .await
+            .expect("serve did not end on cancel")
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn cancel_ends_serve_with_an_idle_connection_open() {
+        let (_setter, ready) = Readiness::new();
+        let server = start(Arc::new(Metrics::new()), ready).await;
+        // A client that connects and never sends a request.
+        let _idle = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+        // Make sure the server accepted it: a full request on another connection.
+        assert_eq!(get(server.addr, "GET", "/healthz").await.0, 200);
+        server.cancel.cancel();
+        tokio::time::timeout(Duration::from_secs(2), server.task)
+            .await
+            .expect("serve did not end on cancel while a connection was idle")
+            .unwrap();
+    }
 }
