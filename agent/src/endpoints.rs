@@ -8,14 +8,19 @@
 //! queues unbounded work: it catches up with the newest state in one step.
 
 use crate::{
+    agent::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
+    metrics::{KindLabels, Metrics},
     model::{Endpoints, Kind, Object, ObjectKey, Service, ServiceKey},
-    orderedlog::{Event, Revision, Snapshot},
+    orderedlog::{Event, OrderedLog, Revision, Snapshot},
 };
+use futures::StreamExt;
 use std::{
     collections::{BTreeMap, BTreeSet},
     sync::{Arc, Mutex, MutexGuard, Weak},
+    time::Duration,
 };
 use tokio::sync::Notify;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 /// A service as the data planes see it: the service and its endpoints.
 #[derive(Clone, Debug, PartialEq)]
@@ -285,6 +290,153 @@ impl Subscription {
     pub fn request_full(&mut self) {
         lock(&self.pending.dirty).full = true;
         self.pending.notify.notify_one();
+    }
+}
+
+
+/// The `watch` subsystem: follows the ordered log into the cache. Ready once the
+/// first snapshot is in; after a compaction or a broken stream it resyncs from a new
+/// snapshot; other errors are retried with a capped backoff.
+pub struct CacheFeed {
+    log: Arc<dyn OrderedLog>,
+    cache: Arc<EndpointCache>,
+    metrics: Arc<Metrics>,
+    synced: ReadySetter,
+    readiness: Readiness,
+    tasks: TaskTracker,
+}
+
+impl CacheFeed {
+    /// A feed from `log` into `cache`, keeping `rune_objects` and
+    /// `rune_revision_applied` current.
+    pub fn new(log: Arc<dyn OrderedLog>, cache: Arc<EndpointCache>, metrics: Arc<Metrics>) -> Self {
+        let (synced, readiness) = Readiness::new();
+        Self {
+            log,
+            cache,
+            metrics,
+            synced,
+            readiness,
+            tasks: TaskTracker::new(),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Subsystem for CacheFeed {
+    fn name(&self) -> &str {
+        "watch"
+    }
+
+    async fn start(&self, ctx: &StartContext) -> Result<(), SubsystemError> {
+        self.tasks.spawn(follow(
+            self.log.clone(),
+            self.cache.clone(),
+            self.metrics.clone(),
+            self.synced.clone(),
+            ctx.cancel.clone(),
+        ));
+        Ok(())
+    }
+
+    fn ready(&self) -> Readiness {
+        self.readiness.clone()
+    }
+
+    async fn stop(&self) -> Result<(), SubsystemError> {
+        self.tasks.close();
+        self.tasks.wait().await;
+        Ok(())
+    }
+}
+
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+fn publish(cache: &EndpointCache, metrics: &Metrics) {
+    for (kind, n) in cache.counts() {
+        metrics
+            .objects
+            .get_or_create(&KindLabels {
+                kind: kind.to_string(),
+            })
+            .set(n as i64);
+    }
+    metrics.revision_applied.set(cache.revision() as i64);
+}
+
+/// Snapshot, then watch, forever (until `cancel`).
+async fn follow(
+    log: Arc<dyn OrderedLog>,
+    cache: Arc<EndpointCache>,
+    metrics: Arc<Metrics>,
+    synced: ReadySetter,
+    cancel: CancellationToken,
+) {
+    let mut backoff = Duration::from_millis(100);
+    let pause = |d: Duration| {
+        let cancel = cancel.clone();
+        async move {
+            tokio::select! {
+                () = cancel.cancelled() => false,
+                () = tokio::time::sleep(d) => true,
+            }
+        }
+    };
+    loop {
+        let snapshot = tokio::select! {
+            () = cancel.cancelled() => return,
+            s = log.snapshot() => s,
+        };
+        let snapshot = match snapshot {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "ordered log snapshot failed; retrying");
+                if !pause(backoff).await {
+                    return;
+                }
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                continue;
+            }
+        };
+        cache.apply_snapshot(&snapshot);
+        publish(&cache, &metrics);
+        synced.set_ready();
+        tracing::info!(revision = snapshot.revision, objects = snapshot.objects.len(), "cache synced");
+        let mut stream = match log.watch(snapshot.revision).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "ordered log watch failed; resyncing");
+                if !pause(backoff).await {
+                    return;
+                }
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        loop {
+            let item = tokio::select! {
+                () = cancel.cancelled() => return,
+                item = stream.next() => item,
+            };
+            match item {
+                Some(Ok(event)) => {
+                    cache.apply_event(&event);
+                    publish(&cache, &metrics);
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, resync = e.needs_resync(), "watch ended; taking a new snapshot");
+                    break;
+                }
+                None => {
+                    tracing::warn!("watch stream closed; taking a new snapshot");
+                    break;
+                }
+            }
+        }
+        if !pause(Duration::from_millis(50)).await {
+            return;
+        }
     }
 }
 

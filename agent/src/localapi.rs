@@ -326,3 +326,66 @@ impl Client {
         serde_json::from_str(&r.status_json).map_err(|e| LocalApiError::BadAnswer(e.to_string()))
     }
 }
+
+/// The `localapi` subsystem: binds `<state-dir>/agent.sock` at start and serves the
+/// local API until stopped; removes the socket on stop.
+pub struct LocalApiServer {
+    path: PathBuf,
+    store: Arc<EmbeddedLog>,
+    status: StatusFn,
+    tasks: tokio_util::task::TaskTracker,
+}
+
+impl LocalApiServer {
+    /// A server on `path` over `store`.
+    pub fn new(path: PathBuf, store: Arc<EmbeddedLog>, status: StatusFn) -> Self {
+        Self {
+            path,
+            store,
+            status,
+            tasks: tokio_util::task::TaskTracker::new(),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::agent::Subsystem for LocalApiServer {
+    fn name(&self) -> &str {
+        "localapi"
+    }
+
+    async fn start(
+        &self,
+        ctx: &crate::agent::StartContext,
+    ) -> Result<(), crate::agent::SubsystemError> {
+        let listener = bind(&self.path)
+            .await
+            .map_err(|e| crate::agent::SubsystemError::failed("local API", e))?;
+        let api = LocalApi::new(self.store.clone(), self.status.clone());
+        let cancel = ctx.cancel.clone();
+        let path = self.path.clone();
+        self.tasks.spawn(async move {
+            if let Err(e) = api.serve(listener, cancel).await {
+                tracing::error!(socket = %path.display(), error = %e, "local API stopped");
+            }
+        });
+        Ok(())
+    }
+
+    fn ready(&self) -> crate::agent::Readiness {
+        crate::agent::Readiness::ready()
+    }
+
+    async fn stop(&self) -> Result<(), crate::agent::SubsystemError> {
+        self.tasks.close();
+        self.tasks.wait().await;
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(crate::agent::SubsystemError::io(
+                format!("remove {}", self.path.display()),
+                e,
+            )),
+        }
+    }
+}
