@@ -1,1 +1,624 @@
-//! (to be written: the embedded, persistent backend)
+//! The embedded backend: a persistent, single-node ordered log in one redb file.
+//!
+//! `<state_dir>/store.redb` holds three tables, all written in the same transaction:
+//!
+//! * `objects`: `Kind/namespace/name` → (revision it was last written at, JSON document);
+//! * `log`: revision → the event as JSON (`{"op":"put","object":…}` or
+//!   `{"op":"delete","key":…}`), one row per revision, no gaps;
+//! * `meta`: the current revision and the oldest revision one can still watch from.
+//!
+//! Writers ([`EmbeddedLog::apply`], [`EmbeddedLog::delete`]) are synchronous (redb is
+//! blocking; async callers use `spawn_blocking`). Every changed object gets its own
+//! revision, and history older than [`EmbeddedOptions::history`] events is compacted
+//! in the same transaction. After each commit a `tokio::sync::watch` carries the new
+//! revision to watchers, which then read the next batch from the `log` table: a slow
+//! watcher costs no memory, and one that falls behind compaction gets
+//! [`LogError::Compacted`].
+//!
+//! The store is opened in redb's exclusive-writer mode: a second open (another agent,
+//! or the CLI while an agent runs) fails with [`LogError::Locked`].
+
+use super::{Event, EventStream, LogError, OrderedLog, Revision, Snapshot};
+use crate::model::{Kind, ModelError, Object, ObjectKey, parse_json};
+use async_trait::async_trait;
+use redb::{
+    Database, DatabaseError, ReadableDatabase, ReadableTable, Table, TableDefinition,
+    WriteTransaction,
+};
+use serde::{Deserialize, Serialize};
+use std::{
+    collections::{BTreeMap, HashSet, VecDeque},
+    fmt,
+    path::{Path, PathBuf},
+    sync::{Arc, Weak},
+};
+use thiserror::Error;
+use tokio::sync::watch;
+
+/// The file name of the store inside the state dir.
+pub const STORE_FILE: &str = "store.redb";
+
+/// How many events are kept for watchers by default.
+pub const DEFAULT_HISTORY: u64 = 10_000;
+
+/// Most events a watcher reads in one transaction.
+const WATCH_BATCH: usize = 256;
+
+/// redb's cache; the store is small, and redb's default (1 GiB) is meant for big ones.
+const CACHE_BYTES: usize = 16 * 1024 * 1024;
+
+const OBJECTS: TableDefinition<&str, (u64, &str)> = TableDefinition::new("objects");
+const LOG: TableDefinition<u64, &str> = TableDefinition::new("log");
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const META_REVISION: &str = "revision";
+const META_OLDEST: &str = "oldest";
+
+/// Tuning of the embedded log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EmbeddedOptions {
+    /// How many events stay watchable; older ones are compacted after each write, and
+    /// a watcher asking for them must resync from a snapshot.
+    pub history: u64,
+}
+
+impl Default for EmbeddedOptions {
+    fn default() -> Self {
+        Self {
+            history: DEFAULT_HISTORY,
+        }
+    }
+}
+
+/// What `apply` did to one object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// The object did not exist; it got a new revision.
+    Created,
+    /// The object existed and differed; it got a new revision.
+    Configured,
+    /// The object was equal to the stored one: no event, no revision.
+    Unchanged,
+}
+
+impl fmt::Display for Change {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Change::Created => "created",
+            Change::Configured => "configured",
+            Change::Unchanged => "unchanged",
+        })
+    }
+}
+
+/// The result of a successful [`EmbeddedLog::apply`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApplyOutcome {
+    /// The store's revision after the apply: the last change's revision, or the
+    /// current one when nothing changed.
+    pub revision: Revision,
+    /// One entry per applied object, in the order given.
+    pub results: Vec<(ObjectKey, Change)>,
+}
+
+/// Why an apply stored nothing.
+#[derive(Debug, Error)]
+pub enum ApplyError {
+    /// An object is invalid on its own, conflicts with another (e.g. a VIP used by two
+    /// services), or appears twice in the batch.
+    #[error(transparent)]
+    Invalid(#[from] ModelError),
+    /// The store failed.
+    #[error(transparent)]
+    Log(#[from] LogError),
+}
+
+/// The embedded, persistent ordered log.
+///
+/// Cheap to clone: clones share one open database, which closes when the last clone
+/// is dropped. Open watch streams do not keep it open; they end with
+/// [`LogError::Closed`] once it closes.
+#[derive(Clone)]
+pub struct EmbeddedLog {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    db: Database,
+    path: PathBuf,
+    history: u64,
+    /// The last committed revision, for watchers.
+    committed: watch::Sender<Revision>,
+}
+
+impl fmt::Debug for EmbeddedLog {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EmbeddedLog")
+            .field("path", &self.inner.path)
+            .field("history", &self.inner.history)
+            .field("revision", &self.revision())
+            .finish()
+    }
+}
+
+/// An event as stored in the `log` table.
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "lowercase")]
+enum StoredEvent {
+    Put { object: serde_json::Value },
+    Delete { key: StoredKey },
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredKey {
+    kind: Kind,
+    namespace: String,
+    name: String,
+}
+
+impl EmbeddedLog {
+    /// Opens (creating when missing) the store `<state_dir>/store.redb`. Fails with
+    /// [`LogError::Locked`] when another process holds it open.
+    pub fn open(state_dir: &Path, options: EmbeddedOptions) -> Result<EmbeddedLog, LogError> {
+        std::fs::create_dir_all(state_dir).map_err(|e| LogError::Storage {
+            path: state_dir.display().to_string(),
+            message: format!("cannot create the state dir: {e}"),
+        })?;
+        let path = state_dir.join(STORE_FILE);
+        let shown = path.display().to_string();
+        // Integrity check on open: a damaged file fails with an error instead of
+        // possibly panicking later (redb trusts a cleanly closed file otherwise).
+        let db = Database::builder()
+            .set_cache_size(CACHE_BYTES)
+            .set_check_integrity_on_open(true)
+            .create(&path)
+            .map_err(|e| match e {
+                DatabaseError::DatabaseAlreadyOpen | DatabaseError::LockProtocolMismatch => {
+                    LogError::Locked {
+                        path: shown.clone(),
+                    }
+                }
+                other => storage(&path, other),
+            })?;
+        // Create the tables so readers never meet a missing one.
+        let txn = db.begin_write().map_err(|e| storage(&path, e))?;
+        let current = {
+            txn.open_table(OBJECTS).map_err(|e| storage(&path, e))?;
+            txn.open_table(LOG).map_err(|e| storage(&path, e))?;
+            let meta = txn.open_table(META).map_err(|e| storage(&path, e))?;
+            read_meta(&meta, META_REVISION, &path)?
+        };
+        txn.commit().map_err(|e| storage(&path, e))?;
+        let (committed, _) = watch::channel(current);
+        Ok(EmbeddedLog {
+            inner: Arc::new(Inner {
+                db,
+                path,
+                history: options.history,
+                committed,
+            }),
+        })
+    }
+
+    /// The store file.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// The last committed revision (0 for an empty log).
+    pub fn revision(&self) -> Revision {
+        *self.inner.committed.borrow()
+    }
+
+    /// Stores `objects` all or nothing, in one transaction. Each object is checked on
+    /// its own and against every stored object plus the rest of the batch; an object
+    /// equal to the stored one is [`Change::Unchanged`]; every other one gets its own,
+    /// strictly increasing revision and a `Put` event.
+    pub fn apply(&self, objects: Vec<Object>) -> Result<ApplyOutcome, ApplyError> {
+        let mut keys = HashSet::new();
+        for o in &objects {
+            o.validate()?;
+            let key = o.key();
+            if !keys.insert(key.clone()) {
+                return Err(ModelError::invalid(
+                    key.to_string(),
+                    "metadata.name",
+                    "the same object appears twice in one apply",
+                )
+                .into());
+            }
+        }
+        let inner = &self.inner;
+        let txn = inner.begin_write()?;
+        let (start, revision, results) = {
+            let mut table = txn.open_table(OBJECTS).map_err(|e| inner.storage(e))?;
+            let stored = inner.read_objects(&table, "", |_| true)?;
+            {
+                // Check against the state the batch leaves behind.
+                let mut after: BTreeMap<ObjectKey, &Object> =
+                    stored.iter().map(|(k, (_, o))| (k.clone(), o)).collect();
+                for o in &objects {
+                    after.insert(o.key(), o);
+                }
+                for o in &objects {
+                    o.validate_against(after.values().copied())?;
+                }
+            }
+            let mut log = txn.open_table(LOG).map_err(|e| inner.storage(e))?;
+            let mut meta = txn.open_table(META).map_err(|e| inner.storage(e))?;
+            let start = read_meta(&meta, META_REVISION, &inner.path)?;
+            let mut revision = start;
+            let mut results = Vec::with_capacity(objects.len());
+            for object in objects {
+                let key = object.key();
+                let change = match stored.get(&key) {
+                    Some((_, old)) if *old == object => Change::Unchanged,
+                    Some(_) => Change::Configured,
+                    None => Change::Created,
+                };
+                if change != Change::Unchanged {
+                    revision += 1;
+                    let json = object.to_json();
+                    let doc = json.to_string();
+                    table
+                        .insert(key_string(&key).as_str(), (revision, doc.as_str()))
+                        .map_err(|e| inner.storage(e))?;
+                    inner.append(&mut log, revision, &StoredEvent::Put { object: json })?;
+                }
+                results.push((key, change));
+            }
+            if revision != start {
+                inner.finish_write(&mut meta, &mut log, revision)?;
+            }
+            (start, revision, results)
+        };
+        if revision == start {
+            txn.abort().map_err(|e| inner.storage(e))?;
+        } else {
+            inner.commit(txn, revision)?;
+        }
+        Ok(ApplyOutcome { revision, results })
+    }
+
+    /// Deletes one object, leaving a `Delete` event. Returns its revision, or `None`
+    /// when there was no such object (not an error: the caller can tell).
+    pub fn delete(&self, key: &ObjectKey) -> Result<Option<Revision>, LogError> {
+        let inner = &self.inner;
+        let txn = inner.begin_write()?;
+        let revision = {
+            let mut table = txn.open_table(OBJECTS).map_err(|e| inner.storage(e))?;
+            let existed = table
+                .remove(key_string(key).as_str())
+                .map_err(|e| inner.storage(e))?
+                .is_some();
+            if existed {
+                let mut log = txn.open_table(LOG).map_err(|e| inner.storage(e))?;
+                let mut meta = txn.open_table(META).map_err(|e| inner.storage(e))?;
+                let revision = read_meta(&meta, META_REVISION, &inner.path)? + 1;
+                let event = StoredEvent::Delete {
+                    key: StoredKey {
+                        kind: key.kind,
+                        namespace: key.namespace.clone(),
+                        name: key.name.clone(),
+                    },
+                };
+                inner.append(&mut log, revision, &event)?;
+                inner.finish_write(&mut meta, &mut log, revision)?;
+                Some(revision)
+            } else {
+                None
+            }
+        };
+        match revision {
+            Some(r) => inner.commit(txn, r)?,
+            None => txn.abort().map_err(|e| inner.storage(e))?,
+        }
+        Ok(revision)
+    }
+
+    /// The objects matching the filters (each `None` matches all), ordered by key,
+    /// with the revision they were read at.
+    pub fn get(
+        &self,
+        kind: Option<Kind>,
+        namespace: Option<&str>,
+        name: Option<&str>,
+    ) -> Result<(Revision, Vec<Object>), LogError> {
+        let prefix = match (kind, namespace) {
+            (Some(k), Some(ns)) => format!("{k}/{ns}/"),
+            (Some(k), None) => format!("{k}/"),
+            (None, _) => String::new(),
+        };
+        let keep = |k: &ObjectKey| {
+            kind.is_none_or(|x| x == k.kind)
+                && namespace.is_none_or(|x| x == k.namespace)
+                && name.is_none_or(|x| x == k.name)
+        };
+        self.inner.read(&prefix, keep)
+    }
+}
+
+impl Inner {
+    fn storage(&self, e: impl fmt::Display) -> LogError {
+        storage(&self.path, e)
+    }
+
+    fn begin_write(&self) -> Result<WriteTransaction, LogError> {
+        self.db.begin_write().map_err(|e| self.storage(e))
+    }
+
+    fn commit(&self, txn: WriteTransaction, revision: Revision) -> Result<(), LogError> {
+        txn.commit().map_err(|e| self.storage(e))?;
+        // Concurrent writers may notify out of order: keep the highest.
+        self.committed.send_if_modified(|r| {
+            let newer = revision > *r;
+            if newer {
+                *r = revision;
+            }
+            newer
+        });
+        Ok(())
+    }
+
+    fn append(
+        &self,
+        log: &mut Table<u64, &str>,
+        revision: Revision,
+        event: &StoredEvent,
+    ) -> Result<(), LogError> {
+        let text = serde_json::to_string(event).map_err(|e| self.storage(e))?;
+        log.insert(revision, text.as_str())
+            .map_err(|e| self.storage(e))?;
+        Ok(())
+    }
+
+    /// Records the new revision and drops history beyond `self.history` events.
+    fn finish_write(
+        &self,
+        meta: &mut Table<&str, u64>,
+        log: &mut Table<u64, &str>,
+        revision: Revision,
+    ) -> Result<(), LogError> {
+        meta.insert(META_REVISION, revision)
+            .map_err(|e| self.storage(e))?;
+        let oldest = read_meta(meta, META_OLDEST, &self.path)?;
+        let cut = revision.saturating_sub(self.history);
+        if cut > oldest {
+            log.retain_in::<u64, _>(..=cut, |_, _| false)
+                .map_err(|e| self.storage(e))?;
+            meta.insert(META_OLDEST, cut).map_err(|e| self.storage(e))?;
+        }
+        Ok(())
+    }
+
+    /// Stored objects whose key string starts with `prefix` and that `keep` accepts.
+    fn read_objects(
+        &self,
+        table: &impl ReadableTable<&'static str, (u64, &'static str)>,
+        prefix: &str,
+        keep: impl Fn(&ObjectKey) -> bool,
+    ) -> Result<BTreeMap<ObjectKey, (Revision, Object)>, LogError> {
+        let mut out = BTreeMap::new();
+        for row in table.range(prefix..).map_err(|e| self.storage(e))? {
+            let (k, v) = row.map_err(|e| self.storage(e))?;
+            let k = k.value();
+            if !k.starts_with(prefix) {
+                break;
+            }
+            let (revision, doc) = v.value();
+            let object = parse_json(doc).map_err(|e| LogError::Corrupt {
+                what: format!("object {k}"),
+                message: e.to_string(),
+            })?;
+            let key = object.key();
+            if key_string(&key) != k {
+                return Err(LogError::Corrupt {
+                    what: format!("object {k}"),
+                    message: format!("the stored document is {key}"),
+                });
+            }
+            if keep(&key) {
+                out.insert(key, (revision, object));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The current revision and the matching objects, from one read transaction.
+    fn read(
+        &self,
+        prefix: &str,
+        keep: impl Fn(&ObjectKey) -> bool,
+    ) -> Result<(Revision, Vec<Object>), LogError> {
+        let txn = self.db.begin_read().map_err(|e| self.storage(e))?;
+        let meta = txn.open_table(META).map_err(|e| self.storage(e))?;
+        let table = txn.open_table(OBJECTS).map_err(|e| self.storage(e))?;
+        let revision = read_meta(&meta, META_REVISION, &self.path)?;
+        let objects = self.read_objects(&table, prefix, keep)?;
+        Ok((revision, objects.into_values().map(|(_, o)| o).collect()))
+    }
+
+    /// (current revision, oldest watchable revision).
+    fn bounds(&self) -> Result<(Revision, Revision), LogError> {
+        let txn = self.db.begin_read().map_err(|e| self.storage(e))?;
+        let meta = txn.open_table(META).map_err(|e| self.storage(e))?;
+        Ok((
+            read_meta(&meta, META_REVISION, &self.path)?,
+            read_meta(&meta, META_OLDEST, &self.path)?,
+        ))
+    }
+
+    /// Up to `limit` events after `after`, which must follow it without a gap;
+    /// [`LogError::Compacted`] when they are gone.
+    fn read_events(&self, after: Revision, limit: usize) -> Result<Vec<Event>, LogError> {
+        let txn = self.db.begin_read().map_err(|e| self.storage(e))?;
+        let meta = txn.open_table(META).map_err(|e| self.storage(e))?;
+        let log = txn.open_table(LOG).map_err(|e| self.storage(e))?;
+        let current = read_meta(&meta, META_REVISION, &self.path)?;
+        let oldest = read_meta(&meta, META_OLDEST, &self.path)?;
+        if after < oldest {
+            return Err(LogError::Compacted {
+                requested: after,
+                oldest,
+            });
+        }
+        let mut out = Vec::new();
+        let mut expected = after + 1;
+        for row in log
+            .range(expected..)
+            .map_err(|e| self.storage(e))?
+            .take(limit)
+        {
+            let (k, v) = row.map_err(|e| self.storage(e))?;
+            let revision = k.value();
+            if revision != expected {
+                return Err(LogError::Corrupt {
+                    what: format!("revision {expected}"),
+                    message: format!("missing from the log (next stored is {revision})"),
+                });
+            }
+            out.push(parse_event(revision, v.value())?);
+            expected += 1;
+        }
+        if out.is_empty() && current > after {
+            return Err(LogError::Corrupt {
+                what: format!("revision {expected}"),
+                message: format!("missing from the log (the log is at {current})"),
+            });
+        }
+        Ok(out)
+    }
+}
+
+fn storage(path: &Path, e: impl fmt::Display) -> LogError {
+    LogError::Storage {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    }
+}
+
+fn read_meta(
+    meta: &impl ReadableTable<&'static str, u64>,
+    key: &str,
+    path: &Path,
+) -> Result<u64, LogError> {
+    Ok(meta
+        .get(key)
+        .map_err(|e| storage(path, e))?
+        .map_or(0, |v| v.value()))
+}
+
+/// `Kind/namespace/name`: unambiguous, since names and namespaces are DNS labels.
+fn key_string(key: &ObjectKey) -> String {
+    format!("{}/{}/{}", key.kind, key.namespace, key.name)
+}
+
+fn parse_event(revision: Revision, text: &str) -> Result<Event, LogError> {
+    let corrupt = |message: String| LogError::Corrupt {
+        what: format!("revision {revision}"),
+        message,
+    };
+    match serde_json::from_str(text).map_err(|e| corrupt(e.to_string()))? {
+        StoredEvent::Put { object } => Ok(Event::Put {
+            revision,
+            object: parse_json(&object.to_string()).map_err(|e| corrupt(e.to_string()))?,
+        }),
+        StoredEvent::Delete { key } => Ok(Event::Delete {
+            revision,
+            key: ObjectKey::new(key.kind, key.namespace, key.name),
+        }),
+    }
+}
+
+/// Runs blocking store work off the async threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, LogError> + Send + 'static,
+) -> Result<T, LogError> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // Cancelled: the runtime is shutting down.
+        Err(_) => Err(LogError::Closed),
+    }
+}
+
+/// A watcher's position: what it delivered last and what it has read but not yet
+/// delivered (at most one batch).
+struct Cursor {
+    inner: Weak<Inner>,
+    committed: watch::Receiver<Revision>,
+    last: Revision,
+    pending: VecDeque<Event>,
+    done: bool,
+}
+
+impl Cursor {
+    async fn next(mut self) -> Option<(Result<Event, LogError>, Cursor)> {
+        if self.done {
+            return None;
+        }
+        loop {
+            if let Some(event) = self.pending.pop_front() {
+                self.last = event.revision();
+                return Some((Ok(event), self));
+            }
+            if *self.committed.borrow_and_update() > self.last {
+                let Some(inner) = self.inner.upgrade() else {
+                    return self.fail(LogError::Closed);
+                };
+                let after = self.last;
+                match blocking(move || inner.read_events(after, WATCH_BATCH)).await {
+                    Ok(events) => self.pending.extend(events),
+                    Err(e) => return self.fail(e),
+                }
+                continue;
+            }
+            if self.committed.changed().await.is_err() {
+                return self.fail(LogError::Closed);
+            }
+        }
+    }
+
+    fn fail(mut self, e: LogError) -> Option<(Result<Event, LogError>, Cursor)> {
+        self.done = true;
+        Some((Err(e), self))
+    }
+}
+
+#[async_trait]
+impl OrderedLog for EmbeddedLog {
+    async fn snapshot(&self) -> Result<Snapshot, LogError> {
+        let inner = self.inner.clone();
+        let (revision, objects) = blocking(move || inner.read("", |_| true)).await?;
+        Ok(Snapshot { revision, objects })
+    }
+
+    async fn watch(&self, from: Revision) -> Result<EventStream, LogError> {
+        // Subscribe first, so no commit after the bounds check goes unnoticed.
+        let committed = self.inner.committed.subscribe();
+        let inner = self.inner.clone();
+        let (current, oldest) = blocking(move || inner.bounds()).await?;
+        if from > current {
+            return Err(LogError::FutureRevision {
+                requested: from,
+                current,
+            });
+        }
+        if from < oldest {
+            return Err(LogError::Compacted {
+                requested: from,
+                oldest,
+            });
+        }
+        let cursor = Cursor {
+            inner: Arc::downgrade(&self.inner),
+            committed,
+            last: from,
+            pending: VecDeque::new(),
+            done: false,
+        };
+        Ok(Box::pin(futures::stream::unfold(cursor, Cursor::next)))
+    }
+}
+
+#[cfg(test)]
+mod tests;

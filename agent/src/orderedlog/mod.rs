@@ -97,6 +97,15 @@ pub enum LogError {
         /// What the storage layer said.
         message: String,
     },
+    /// Another process (or another handle in this one) holds the store open: only one
+    /// writer may own it at a time.
+    #[error(
+        "store {path} is in use by another process (is a rune-agent already running? use its local API)"
+    )]
+    Locked {
+        /// Where the store lives.
+        path: String,
+    },
     /// The log was closed (agent stopping).
     #[error("the ordered log is closed")]
     Closed,
