@@ -95,8 +95,9 @@ pub struct Readiness {
     rx: watch::Receiver<bool>,
 }
 
-/// The signalling side of a ready flag, kept by the component that becomes ready.
-#[derive(Debug)]
+/// The signalling side of a ready flag, kept by the component that becomes ready
+/// (clones set the same flag, for a component whose tasks signal it).
+#[derive(Clone, Debug)]
 pub struct ReadySetter {
     tx: watch::Sender<bool>,
 }

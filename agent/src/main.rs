@@ -1,1 +1,74 @@
-fn main() {}
+//! `rune-agent`: parse the command line, check the settings before anything is
+//! bound, then run the command. Bad settings exit with status 2.
+
+use clap::Parser;
+use rune_agent::cli::{self, Cli, Command};
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let run_args = match &cli.command {
+        Command::Run(args) => Some(args),
+        _ => None,
+    };
+    let config = match cli.config(run_args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Command::Version = cli.command {
+        println!("rune-agent {}", env!("CARGO_PKG_VERSION"));
+        return ExitCode::SUCCESS;
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: starting the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match &cli.command {
+            Command::Run(_) => rune_agent::run::run(config).await,
+            Command::Apply { file } => cli::apply(&config, file).await,
+            Command::Get {
+                kind,
+                name,
+                namespace,
+                output,
+            } => {
+                cli::get(
+                    &config,
+                    kind.as_deref(),
+                    name.as_deref(),
+                    namespace.as_deref(),
+                    *output,
+                )
+                .await
+            }
+            Command::Delete {
+                kind,
+                name,
+                namespace,
+            } => cli::delete(&config, kind, name, namespace).await,
+            Command::Status { output } => cli::status(&config, *output).await,
+            Command::Version => Ok(()),
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,1 +1,192 @@
-//! (to be written)
+//! `rune-agent run`: builds the agent from its settings and runs it until a signal.
+//!
+//! Order of subsystems (started in this order, stopped in reverse): `metrics` first
+//! so `/readyz` answers 503 while the rest comes up, then `localapi`, `watch` (the
+//! ordered log into the cache), and `dataplane`.
+
+use crate::{
+    agent::{Agent, AgentConfig, Mode},
+    config::Config,
+    dataplane::{
+        DataPlane, PortState,
+        proxy::{ListenOn, ProxyConfig, UserspaceProxy},
+        reconciler::Reconciler,
+    },
+    endpoints::{CacheFeed, EndpointCache},
+    identity::Identity,
+    localapi::{self, LocalApiServer, StatusFn},
+    metrics::{Metrics, MetricsServer},
+    orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
+    status::{AgentStatus, NodeStatus, ServiceStatus, SubsystemLine},
+};
+use anyhow::{Context, Result, bail};
+use std::sync::{Arc, Weak};
+
+/// Runs the agent until SIGINT or SIGTERM, then stops every subsystem.
+pub async fn run(config: Config) -> Result<()> {
+    if !config.dev {
+        bail!(
+            "production mode needs the eBPF or nftables data plane, which this build does not \
+             have yet; run with --dev (userspace proxies on 127.0.0.1)"
+        );
+    }
+    let mode = Mode::Dev;
+    std::fs::create_dir_all(&config.state_dir)
+        .with_context(|| format!("creating state dir {}", config.state_dir.display()))?;
+    let identity = Identity::load_or_create(&config.state_dir)?;
+    let store = Arc::new(EmbeddedLog::open(
+        &config.state_dir,
+        EmbeddedOptions {
+            history: config.log_history,
+        },
+    )?);
+    let metrics = Arc::new(Metrics::new());
+    let cache = Arc::new(EndpointCache::new());
+    let plane: Arc<dyn DataPlane> = Arc::new(UserspaceProxy::new(
+        ProxyConfig {
+            listen: ListenOn::Loopback,
+            port_offset: config.dev_port_offset,
+            node_name: identity.hostname.clone(),
+            maglev_table_size: config.maglev_table_size,
+            udp_idle_timeout: config.udp_idle_timeout,
+            ..ProxyConfig::default()
+        },
+        metrics.clone(),
+    )?);
+    let agent = Arc::new(Agent::new(AgentConfig {
+        identity: identity.clone(),
+        mode,
+        outbox_capacity: config.outbox_capacity,
+        ready_timeout: config.ready_timeout,
+        metrics: metrics.clone(),
+    })?);
+
+    let status = status_fn(
+        Arc::downgrade(&agent),
+        cache.clone(),
+        plane.clone(),
+        config.state_dir.display().to_string(),
+    );
+    agent.register(Arc::new(MetricsServer::new(
+        config.metrics_addr,
+        metrics.clone(),
+        agent.readiness(),
+    )))?;
+    agent.register(Arc::new(LocalApiServer::new(
+        localapi::socket_path(&config.state_dir),
+        store.clone(),
+        status,
+    )))?;
+    agent.register(Arc::new(CacheFeed::new(store, cache.clone(), metrics)))?;
+    agent.register(Arc::new(Reconciler::new(plane, cache)))?;
+
+    tracing::info!(
+        mode = %mode,
+        node_id = %identity.node_id,
+        state_dir = %config.state_dir.display(),
+        "starting rune-agent"
+    );
+    tracing::warn!("dev mode: network policy is not enforced");
+    let started = tokio::select! {
+        r = agent.start() => Some(r),
+        () = shutdown_signal() => None,
+    };
+    match started {
+        Some(Ok(())) => match agent.ready_err() {
+            None => tracing::info!("agent ready"),
+            Some(e) => tracing::warn!(error = %e, "agent running but not ready"),
+        },
+        Some(Err(e)) => {
+            let _ = agent.stop().await;
+            return Err(e).context("starting the agent");
+        }
+        None => tracing::info!("signal received during start"),
+    }
+    if started.is_some() {
+        shutdown_signal().await;
+    }
+    tracing::info!("stopping");
+    agent.stop().await.context("stopping the agent")?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers; stop with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+/// The status document of the running agent.
+fn status_fn(
+    agent: Weak<Agent>,
+    cache: Arc<EndpointCache>,
+    plane: Arc<dyn DataPlane>,
+    state_dir: String,
+) -> StatusFn {
+    Arc::new(move || {
+        let mut services: Vec<ServiceStatus> =
+            cache.views().iter().map(ServiceStatus::from_view).collect();
+        let ports = plane.status();
+        for s in &mut services {
+            for p in &mut s.ports {
+                if let Some(dp) = ports.iter().find(|d| {
+                    d.service == s.service && d.port == p.port && d.protocol.as_str() == p.protocol
+                }) {
+                    p.listen = dp.listen.map(|a| a.to_string());
+                    p.state = Some(match &dp.state {
+                        PortState::Listening => "listening".to_owned(),
+                        PortState::Failed { reason } => format!("failed: {reason}"),
+                    });
+                }
+            }
+        }
+        let mut st = AgentStatus {
+            running: true,
+            state_dir: state_dir.clone(),
+            dataplane: Some(plane.mode().to_owned()),
+            revision: cache.revision(),
+            objects: cache
+                .counts()
+                .into_iter()
+                .map(|(k, n)| (k.to_string(), n))
+                .collect(),
+            services,
+            orphan_endpoints: cache
+                .orphan_endpoints()
+                .iter()
+                .map(|k| k.to_string())
+                .collect(),
+            ..AgentStatus::default()
+        };
+        if let Some(agent) = agent.upgrade() {
+            let id = agent.identity();
+            st.mode = Some(agent.mode().to_string());
+            st.node = Some(NodeStatus {
+                node_id: id.node_id.clone(),
+                hostname: id.hostname.clone(),
+                labels: id.labels.clone(),
+            });
+            st.ready = Some(agent.readiness().is_ready());
+            st.ready_error = agent.ready_err().map(|e| e.to_string());
+            st.subsystems = agent
+                .subsystems()
+                .into_iter()
+                .map(|s| SubsystemLine {
+                    name: s.name,
+                    state: s.state.to_string(),
+                })
+                .collect();
+        }
+        serde_json::to_value(&st).unwrap_or_default()
+    })
+}
