@@ -77,3 +77,26 @@ pub struct Metrics {
     /// `rune_outbox_dropped_total`: entries refused because the outbox was full.
     pub outbox_dropped: Counter,
 }
+
+impl Metrics {
+    /// Every handle, unregistered (placeholder until the registering `new` lands).
+    pub fn new() -> Self {
+        Self {
+            registry: Registry::default(),
+            subsystem_ready: Family::default(),
+            objects: Family::default(),
+            revision_applied: Gauge::default(),
+            proxy_connections: Family::default(),
+            proxy_bytes: Family::default(),
+            proxy_listener_up: Family::default(),
+            outbox_depth: Gauge::default(),
+            outbox_dropped: Counter::default(),
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
