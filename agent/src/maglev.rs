@@ -1,1 +1,262 @@
-//! (to be written)
+//! Maglev consistent hashing (Eisenbud et al., NSDI 2016), as Katran and Cilium use
+//! it: a lookup table of prime size `M` where each backend owns about `M/N` slots, so
+//! that adding or removing one backend moves only about `1/N` of the flows.
+//!
+//! Each backend's preference order over the slots comes from two seeded hashes of its
+//! stable identity ([`BackendKey`]: address and port), never from its position in the
+//! list, and backends are filled in in sorted order: the same set gives the same table
+//! on every node and build, whatever order the endpoints arrive in.
+
+use agent_common::hash::jhash2;
+use std::net::{IpAddr, SocketAddr};
+
+/// The default table size: a prime, about 100 slots per backend for 160 backends.
+pub const DEFAULT_TABLE_SIZE: u32 = 16381;
+
+/// The largest table size accepted (Cilium's largest, a prime): bounds memory per
+/// service.
+pub const MAX_TABLE_SIZE: u32 = 131_071;
+
+const OFFSET_SEED: u32 = 0x6d61_676f; // "mago"
+const SKIP_SEED: u32 = 0x6d61_6773; // "mags"
+
+/// A backend's stable identity: what its place in the table is derived from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendKey(pub SocketAddr);
+
+impl BackendKey {
+    /// The address as five words: an IPv4 address is hashed as its IPv4-mapped IPv6
+    /// form, so one function covers both families.
+    fn words(&self) -> [u32; 5] {
+        let v6 = match self.0.ip() {
+            IpAddr::V4(a) => a.to_ipv6_mapped(),
+            IpAddr::V6(a) => a,
+        };
+        let o = v6.octets();
+        let w = |i: usize| u32::from_be_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
+        [w(0), w(4), w(8), w(12), u32::from(self.0.port())]
+    }
+}
+
+/// Why a table could not be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MaglevError {
+    /// The size must be a prime so every backend's permutation visits every slot.
+    #[error("maglev table size {size} is not a prime")]
+    NotPrime {
+        /// The size asked for.
+        size: u32,
+    },
+    /// The table needs at least one slot per backend, and at most [`MAX_TABLE_SIZE`].
+    #[error(
+        "maglev table size {size} is out of range for {backends} backends (at least the backend count, at most {MAX_TABLE_SIZE})"
+    )]
+    BadSize {
+        /// The size asked for.
+        size: u32,
+        /// The number of backends.
+        backends: usize,
+    },
+    /// Two backends with the same identity would share one permutation.
+    #[error("backend {backend} is listed twice")]
+    Duplicate {
+        /// The duplicated backend.
+        backend: SocketAddr,
+    },
+}
+
+/// A Maglev lookup table: slot → index into the backend list it was built from.
+/// The default is the empty table (no backends).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Maglev {
+    table: Vec<u32>,
+}
+
+fn is_prime(n: u32) -> bool {
+    n >= 2
+        && (2..)
+            .take_while(|d: &u32| d * d <= n)
+            .all(|d| !n.is_multiple_of(d))
+}
+
+impl Maglev {
+    /// Builds the table for `backends`; entries are indices into `backends`. No
+    /// backends give an empty table whose [`lookup`](Self::lookup) is always `None`.
+    pub fn new(backends: &[BackendKey], table_size: u32) -> Result<Self, MaglevError> {
+        let m = table_size;
+        if !(1..=MAX_TABLE_SIZE).contains(&m) || (m as usize) < backends.len() {
+            return Err(MaglevError::BadSize {
+                size: m,
+                backends: backends.len(),
+            });
+        }
+        if !is_prime(m) {
+            return Err(MaglevError::NotPrime { size: m });
+        }
+        if backends.is_empty() {
+            return Ok(Self { table: Vec::new() });
+        }
+        // Fill in identity order, so the input order does not matter.
+        let mut order: Vec<usize> = (0..backends.len()).collect();
+        order.sort_by_key(|&i| backends[i]);
+        if let Some(w) = order.windows(2).find(|w| backends[w[0]] == backends[w[1]]) {
+            return Err(MaglevError::Duplicate {
+                backend: backends[w[0]].0,
+            });
+        }
+        // (offset, skip, next) per backend, in fill order.
+        let mut perm: Vec<(u64, u64, u64)> = order
+            .iter()
+            .map(|&i| {
+                let w = backends[i].words();
+                let offset = u64::from(jhash2(&w, OFFSET_SEED) % m);
+                let skip = u64::from(jhash2(&w, SKIP_SEED) % (m - 1).max(1)) + 1;
+                (offset, skip, 0)
+            })
+            .collect();
+        let (m64, mut filled) = (u64::from(m), 0usize);
+        let mut table = vec![u32::MAX; m as usize];
+        'fill: loop {
+            for (k, (offset, skip, next)) in perm.iter_mut().enumerate() {
+                // Each permutation visits every slot once (m prime, 0 < skip < m), and a
+                // free slot exists while filled < m: this loop ends.
+                let mut slot = (*offset + *next * *skip) % m64;
+                while table[slot as usize] != u32::MAX {
+                    *next += 1;
+                    slot = (*offset + *next * *skip) % m64;
+                }
+                table[slot as usize] = order[k] as u32;
+                *next += 1;
+                filled += 1;
+                if filled == m as usize {
+                    break 'fill;
+                }
+            }
+        }
+        Ok(Self { table })
+    }
+
+    /// The backend index for a flow hash, `None` when there are no backends.
+    pub fn lookup(&self, hash: u32) -> Option<usize> {
+        let len = self.table.len();
+        (len > 0).then(|| self.table[hash as usize % len] as usize)
+    }
+
+    /// The table itself (slot → backend index), for maps and tests.
+    pub fn table(&self) -> &[u32] {
+        &self.table
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(n: usize) -> Vec<BackendKey> {
+        (0..n)
+            .map(|i| {
+                BackendKey(SocketAddr::from((
+                    [10, 0, (i / 250) as u8, (i % 250) as u8 + 1],
+                    8080,
+                )))
+            })
+            .collect()
+    }
+
+    fn counts(t: &Maglev, n: usize) -> Vec<usize> {
+        let mut c = vec![0; n];
+        for &b in t.table() {
+            c[b as usize] += 1;
+        }
+        c
+    }
+
+    #[test]
+    fn spread_is_even() {
+        // Maglev fills round-robin, one slot per backend per round, until the table
+        // is full: every backend ends with floor(M/N) or ceil(M/N) slots.
+        for n in [1, 3, 7, 10, 100] {
+            let t = Maglev::new(&keys(n), DEFAULT_TABLE_SIZE).unwrap();
+            let m = DEFAULT_TABLE_SIZE as usize;
+            for (i, c) in counts(&t, n).into_iter().enumerate() {
+                assert!(
+                    c == m / n || c == m.div_ceil(n),
+                    "n={n} backend {i} has {c}"
+                );
+            }
+        }
+    }
+
+    fn changed(a: &[u32], b: &[u32], map: impl Fn(u32) -> u32) -> f64 {
+        let d = a.iter().zip(b).filter(|(x, y)| map(**x) != **y).count();
+        d as f64 / a.len() as f64
+    }
+
+    #[test]
+    fn removing_or_adding_one_moves_about_one_nth() {
+        for n in [3, 7, 10, 50] {
+            let all = keys(n);
+            let full = Maglev::new(&all, DEFAULT_TABLE_SIZE).unwrap();
+            for gone in [0, n / 2, n - 1] {
+                let mut rest = all.clone();
+                rest.remove(gone);
+                let less = Maglev::new(&rest, DEFAULT_TABLE_SIZE).unwrap();
+                // Indices above `gone` shift down by one in the smaller list.
+                let map = |i: u32| if i as usize > gone { i - 1 } else { i };
+                let frac = changed(full.table(), less.table(), map);
+                assert!(frac <= 1.0 / n as f64 + 0.01, "n={n} remove {gone}: {frac}");
+                // Adding it back is the same change the other way.
+                let frac = changed(less.table(), full.table(), |i| {
+                    if i as usize >= gone { i + 1 } else { i }
+                });
+                assert!(frac <= 1.0 / n as f64 + 0.01, "n={n} add {gone}: {frac}");
+            }
+        }
+    }
+
+    #[test]
+    fn order_does_not_matter_and_table_is_golden() {
+        let k = keys(3);
+        let a = Maglev::new(&k, DEFAULT_TABLE_SIZE).unwrap();
+        let rev: Vec<_> = k.iter().rev().copied().collect();
+        let b = Maglev::new(&rev, DEFAULT_TABLE_SIZE).unwrap();
+        let b_mapped: Vec<u32> = b.table().iter().map(|&i| 2 - i).collect();
+        assert_eq!(a.table(), &b_mapped[..]);
+        assert_eq!(&a.table()[..12], &GOLDEN[..]);
+        assert_eq!(a.lookup(0), Some(GOLDEN[0] as usize));
+        assert_eq!(a.lookup(DEFAULT_TABLE_SIZE + 1), Some(GOLDEN[1] as usize));
+    }
+    const GOLDEN: [u32; 12] = [0, 0, 2, 0, 0, 2, 0, 2, 2, 0, 1, 2];
+
+    #[test]
+    fn bad_sizes_and_empty() {
+        let k = keys(3);
+        assert_eq!(
+            Maglev::new(&k, 16380),
+            Err(MaglevError::NotPrime { size: 16380 })
+        );
+        assert_eq!(
+            Maglev::new(&k, 2),
+            Err(MaglevError::BadSize {
+                size: 2,
+                backends: 3
+            })
+        );
+        assert!(matches!(
+            Maglev::new(&k, 0),
+            Err(MaglevError::BadSize { .. })
+        ));
+        assert!(matches!(
+            Maglev::new(&k, 131_101),
+            Err(MaglevError::BadSize { .. })
+        ));
+        assert!(Maglev::new(&k, 3).is_ok());
+        let dup = [k[0], k[1], k[0]];
+        assert_eq!(
+            Maglev::new(&dup, 7),
+            Err(MaglevError::Duplicate { backend: k[0].0 })
+        );
+        let empty = Maglev::new(&[], DEFAULT_TABLE_SIZE).unwrap();
+        assert_eq!(empty.lookup(42), None);
+    }
+}

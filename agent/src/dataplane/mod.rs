@@ -1,2 +1,112 @@
-//! (to be written)
+//! The data planes: what carries services out on this node, and the trait they share.
+//!
+//! A data plane takes [`Delta`]s from the endpoint cache (the whole state first, then
+//! only what changed) and makes connections to each service port land on one of its
+//! ready endpoints. [`ebpf`] does it in the kernel; [`proxy`] in userspace (dev mode,
+//! and the last-resort fallback). Whatever the mode, `status` shows each service
+//! port the same way, and a port that fails never stops the others.
+
 pub mod ebpf;
+pub mod proxy;
+pub mod reconciler;
+
+use crate::{endpoints::Delta, model::Protocol};
+use async_trait::async_trait;
+use serde::Serialize;
+use std::net::{IpAddr, SocketAddr};
+
+/// What every data plane offers the agent: take in changes, report, stop.
+#[async_trait]
+pub trait DataPlane: Send + Sync {
+    /// The mode's stable name, as in `status` and the metrics (`userspace`, `ebpf`).
+    fn mode(&self) -> &'static str;
+
+    /// Brings the data plane to the state `delta` describes (with `delta.full`,
+    /// dropping every service not in it). Per-port problems (a port that cannot be
+    /// bound) are not errors: they show in [`status`](Self::status) and are retried.
+    async fn apply(&self, delta: &Delta) -> Result<(), DataPlaneError>;
+
+    /// Every service port handled, ordered by service and port.
+    fn status(&self) -> Vec<ServicePortStatus>;
+
+    /// Stops everything the data plane runs and waits until it has stopped.
+    async fn shutdown(&self);
+}
+
+/// One service port as the `status` command shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ServicePortStatus {
+    /// `namespace/name`.
+    pub service: String,
+    /// The service port (before any dev-mode offset).
+    pub port: u16,
+    /// TCP or UDP.
+    pub protocol: Protocol,
+    /// Where connections are taken: the proxy's listening address; `None` when the
+    /// port has none (its listen port is out of range).
+    pub listen: Option<SocketAddr>,
+    /// Whether the port is carried out.
+    pub state: PortState,
+    /// False when no Endpoints object exists for the service ("unknown"); true with
+    /// an empty `backends` means "known, no backends: refuse".
+    pub endpoints_known: bool,
+    /// The service's endpoints for this port.
+    pub backends: Vec<BackendStatus>,
+}
+
+/// Whether a service port is carried out.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "state", rename_all = "kebab-case")]
+pub enum PortState {
+    /// Connections are taken.
+    Listening,
+    /// They are not, for `reason` (e.g. the OS's bind error); retried.
+    Failed {
+        /// Why, in words a user can act on.
+        reason: String,
+    },
+}
+
+/// One endpoint of a service port, as `status` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BackendStatus {
+    /// The endpoint's address.
+    pub address: IpAddr,
+    /// The port connections go to (the endpoint's override or the target port).
+    pub port: u16,
+    /// The node the endpoint runs on (empty when unknown).
+    pub node: String,
+    /// Whether it gets new connections.
+    pub state: BackendState,
+}
+
+/// Whether an endpoint gets new connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BackendState {
+    /// Ready and eligible for new connections (subject to locality preference).
+    Active,
+    /// Terminating: keeps the connections it has, gets no new ones.
+    Terminating,
+    /// Not ready: gets no new connections.
+    NotReady,
+}
+
+/// Why a data plane could not be built or could not take a delta in.
+#[derive(Debug, thiserror::Error)]
+pub enum DataPlaneError {
+    /// A configuration value is unusable.
+    #[error("invalid data plane configuration: {field}: {reason}")]
+    InvalidConfig {
+        /// The configuration field.
+        field: &'static str,
+        /// What is wrong with its value.
+        reason: String,
+    },
+    /// The data plane was shut down and takes no more changes.
+    #[error("the {mode} data plane is shut down")]
+    ShutDown {
+        /// The data plane's mode.
+        mode: &'static str,
+    },
+}

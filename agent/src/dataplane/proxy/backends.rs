@@ -1,0 +1,252 @@
+//! Backend choice for one service port: the eligible endpoints, their Maglev table,
+//! and client-IP session affinity.
+
+use crate::{
+    dataplane::{BackendState, BackendStatus},
+    endpoints::ServiceView,
+    maglev::{BackendKey, Maglev},
+    metrics::{BytesLabels, ConnectionLabels, Metrics},
+    model::{LocalityPreference, Protocol, ServicePort, SessionAffinity},
+};
+use agent_common::hash::{FLOW_HASH_SEED, flow_hash_v4, flow_hash_v6};
+use prometheus_client::metrics::counter::Counter;
+use std::{
+    collections::HashMap,
+    net::{IpAddr, SocketAddr},
+    sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock},
+    time::{Duration, Instant},
+};
+
+/// At most this many client IPs are remembered per service port for session affinity.
+const MAX_AFFINITY_ENTRIES: usize = 65_536;
+
+/// An immutable snapshot of a port's backends, swapped whole on every apply.
+#[derive(Debug)]
+pub(super) struct Backends {
+    /// Endpoints that get new connections, sorted (Maglev indices point here).
+    eligible: Vec<SocketAddr>,
+    maglev: Arc<Maglev>,
+    /// Every endpoint, for `status`.
+    pub(super) status: Vec<BackendStatus>,
+    /// Whether an Endpoints object exists.
+    pub(super) known: bool,
+    /// Session affinity idle timeout, `None` without affinity.
+    affinity: Option<Duration>,
+}
+
+impl Backends {
+    /// The backends of `port` of `view` as seen from `node`; reuses `prev`'s table
+    /// when the eligible set did not change.
+    pub(super) fn build(
+        view: &ServiceView,
+        port: &ServicePort,
+        node: &str,
+        table_size: u32,
+        prev: Option<&Backends>,
+    ) -> Backends {
+        let spec = &view.service.spec;
+        let endpoints = view.endpoints.as_ref().map(|e| &e.spec.endpoints[..]);
+        let target = |e: &crate::model::Endpoint| {
+            SocketAddr::new(
+                e.address,
+                e.ports.get(&port.name).copied().unwrap_or(port.target()),
+            )
+        };
+        let ready: Vec<_> = endpoints
+            .unwrap_or_default()
+            .iter()
+            .filter(|e| e.accepts_new())
+            .collect();
+        let local = || ready.iter().filter(|e| e.node == node);
+        let mut eligible: Vec<SocketAddr> = match spec.discovery.locality_preference {
+            LocalityPreference::Any => ready.iter().map(|e| target(e)).collect(),
+            LocalityPreference::LocalOnly => local().map(|e| target(e)).collect(),
+            LocalityPreference::PreferLocal if local().next().is_some() => {
+                local().map(|e| target(e)).collect()
+            }
+            LocalityPreference::PreferLocal => ready.iter().map(|e| target(e)).collect(),
+        };
+        eligible.sort_unstable();
+        eligible.dedup();
+        let maglev = match prev {
+            Some(p) if p.eligible == eligible => p.maglev.clone(),
+            _ => {
+                let keys: Vec<_> = eligible.iter().copied().map(BackendKey).collect();
+                match Maglev::new(&keys, table_size) {
+                    Ok(m) => Arc::new(m),
+                    Err(e) => {
+                        tracing::error!(service = %view.key(), port = port.port, error = %e,
+                            "cannot build the maglev table: refusing connections");
+                        eligible.clear();
+                        Arc::new(Maglev::default())
+                    }
+                }
+            }
+        };
+        let status = endpoints
+            .unwrap_or_default()
+            .iter()
+            .map(|e| BackendStatus {
+                address: e.address,
+                port: target(e).port(),
+                node: e.node.clone(),
+                state: if e.accepts_new() {
+                    BackendState::Active
+                } else if e.terminating {
+                    BackendState::Terminating
+                } else {
+                    BackendState::NotReady
+                },
+            })
+            .collect();
+        let affinity = match spec.session_affinity {
+            SessionAffinity::None => None,
+            SessionAffinity::ClientIp { timeout_seconds } => {
+                Some(Duration::from_secs(u64::from(timeout_seconds)))
+            }
+        };
+        Backends {
+            eligible,
+            maglev,
+            status,
+            known: endpoints.is_some(),
+            affinity,
+        }
+    }
+}
+
+/// The flow hash of a client (IP only when `port` is 0).
+fn client_hash(ip: IpAddr, port: u16) -> u32 {
+    match ip {
+        IpAddr::V4(a) => flow_hash_v4(u32::from(a), port, FLOW_HASH_SEED),
+        IpAddr::V6(a) => {
+            let s = a.segments().map(u32::from);
+            let w = [0, 2, 4, 6].map(|i| (s[i] << 16) | s[i + 1]);
+            flow_hash_v6(w, port, FLOW_HASH_SEED)
+        }
+    }
+}
+
+/// Counters of one service port, looked up once instead of per connection.
+pub(super) struct PortMetrics {
+    pub(super) ok: Counter,
+    pub(super) no_backend: Counter,
+    pub(super) dial_error: Counter,
+    /// UDP flows refused because the flow table was full.
+    pub(super) flow_limit: Counter,
+    pub(super) to_backend: Counter,
+    pub(super) to_client: Counter,
+}
+
+impl PortMetrics {
+    fn new(metrics: &Metrics, service: &str, protocol: Protocol) -> Self {
+        let conn = |result: &str| {
+            metrics
+                .proxy_connections
+                .get_or_create(&ConnectionLabels {
+                    service: service.to_owned(),
+                    protocol: protocol.as_str().to_owned(),
+                    result: result.to_owned(),
+                })
+                .clone()
+        };
+        let bytes = |direction: &str| {
+            metrics
+                .proxy_bytes
+                .get_or_create(&BytesLabels {
+                    service: service.to_owned(),
+                    protocol: protocol.as_str().to_owned(),
+                    direction: direction.to_owned(),
+                })
+                .clone()
+        };
+        Self {
+            ok: conn("ok"),
+            no_backend: conn("no_backend"),
+            dial_error: conn("dial_error"),
+            flow_limit: conn("flow_limit"),
+            to_backend: bytes("to_backend"),
+            to_client: bytes("to_client"),
+        }
+    }
+}
+
+/// What a port's listener task shares with the reconciler: the swappable backends,
+/// the affinity memory and the counters.
+pub(super) struct PortShared {
+    /// `namespace/name`, for logs.
+    pub(super) service: String,
+    backends: RwLock<Arc<Backends>>,
+    affinity: Mutex<HashMap<IpAddr, (SocketAddr, Instant)>>,
+    pub(super) m: PortMetrics,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The map stays consistent (single inserts/removes), so a poisoned lock is fine.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl PortShared {
+    pub(super) fn new(
+        service: String,
+        protocol: Protocol,
+        backends: Backends,
+        metrics: &Metrics,
+    ) -> Self {
+        let m = PortMetrics::new(metrics, &service, protocol);
+        Self {
+            service,
+            backends: RwLock::new(Arc::new(backends)),
+            affinity: Mutex::new(HashMap::new()),
+            m,
+        }
+    }
+
+    /// The current backends.
+    pub(super) fn backends(&self) -> Arc<Backends> {
+        self.backends
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Swaps in a new backend set; connections already open are not touched.
+    pub(super) fn set_backends(&self, b: Backends) {
+        if b.affinity.is_none() {
+            lock(&self.affinity).clear();
+        }
+        *self
+            .backends
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = Arc::new(b);
+    }
+
+    /// The backend for a new connection from `client`, `None` when there is none.
+    pub(super) fn pick(&self, client: SocketAddr) -> Option<SocketAddr> {
+        let b = self.backends();
+        let Some(timeout) = b.affinity else {
+            let i = b.maglev.lookup(client_hash(client.ip(), client.port()))?;
+            return b.eligible.get(i).copied();
+        };
+        let now = Instant::now();
+        let mut map = lock(&self.affinity);
+        if let Some((addr, last)) = map.get_mut(&client.ip())
+            && now.duration_since(*last) < timeout
+            && b.eligible.binary_search(addr).is_ok()
+        {
+            *last = now;
+            return Some(*addr);
+        }
+        let i = b.maglev.lookup(client_hash(client.ip(), 0))?;
+        let addr = *b.eligible.get(i)?;
+        if map.len() >= MAX_AFFINITY_ENTRIES && !map.contains_key(&client.ip()) {
+            map.retain(|_, (_, last)| now.duration_since(*last) < timeout);
+        }
+        // When still full the hash alone keeps the client on its backend while the
+        // backend set is unchanged.
+        if map.len() < MAX_AFFINITY_ENTRIES || map.contains_key(&client.ip()) {
+            map.insert(client.ip(), (addr, now));
+        }
+        Some(addr)
+    }
+}

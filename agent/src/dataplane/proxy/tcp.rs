@@ -1,0 +1,92 @@
+//! The TCP side of the proxy: accept, pick a backend, dial, splice.
+
+use super::backends::PortShared;
+use std::{net::SocketAddr, sync::Arc, time::Duration};
+use tokio::{
+    io::copy_bidirectional,
+    net::{TcpListener, TcpStream},
+    time::timeout,
+};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+/// How long a backend may take to accept a connection.
+pub(super) const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Accepts connections until `stop`; each connection runs in its own task under
+/// `tracker` and ends only on `conns` (shutdown) or when either side closes, so that
+/// removing the service does not cut connections already open.
+pub(super) async fn serve(
+    listener: TcpListener,
+    port: Arc<PortShared>,
+    stop: CancellationToken,
+    conns: CancellationToken,
+    tracker: TaskTracker,
+) {
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.cancelled() => return,
+            r = listener.accept() => r,
+        };
+        let (client, peer) = match accepted {
+            Ok(c) => c,
+            Err(e) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                tracing::warn!(service = %port.service, error = %e, "accept failed");
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => continue,
+                }
+            }
+        };
+        let Some(backend) = port.pick(peer) else {
+            port.m.no_backend.inc();
+            reset(client);
+            continue;
+        };
+        tracker.spawn(connection(client, backend, port.clone(), conns.clone()));
+    }
+}
+
+/// Closes with a RST, so the client sees a refusal rather than an empty answer.
+fn reset(sock: TcpStream) {
+    // Best effort: without SO_LINGER 0 the drop is a FIN, still a close.
+    let _ = sock.set_zero_linger();
+}
+
+async fn connection(
+    mut client: TcpStream,
+    backend: SocketAddr,
+    port: Arc<PortShared>,
+    cancel: CancellationToken,
+) {
+    let dialed = tokio::select! {
+        _ = cancel.cancelled() => return,
+        r = timeout(DIAL_TIMEOUT, TcpStream::connect(backend)) => r,
+    };
+    let mut server = match dialed {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            tracing::debug!(service = %port.service, %backend, error = %e, "dial failed");
+            port.m.dial_error.inc();
+            return reset(client);
+        }
+        Err(_) => {
+            tracing::debug!(service = %port.service, %backend, "dial timed out");
+            port.m.dial_error.inc();
+            return reset(client);
+        }
+    };
+    port.m.ok.inc();
+    // Request/response traffic: do not hold small writes back (best effort).
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    tokio::select! {
+        _ = cancel.cancelled() => {}
+        r = copy_bidirectional(&mut client, &mut server) => {
+            if let Ok((to_backend, to_client)) = r {
+                port.m.to_backend.inc_by(to_backend);
+                port.m.to_client.inc_by(to_client);
+            }
+        }
+    }
+}

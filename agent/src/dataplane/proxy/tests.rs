@@ -1,0 +1,515 @@
+use super::*;
+use crate::{
+    dataplane::BackendState,
+    endpoints::ServiceView,
+    metrics::ConnectionLabels,
+    model::{
+        Discovery, Endpoint, Endpoints, EndpointsSpec, LocalityPreference, Metadata, Service,
+        ServiceSpec, SessionAffinity,
+    },
+};
+use std::{collections::BTreeMap, net::Ipv4Addr, time::Duration};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream, UdpSocket},
+    time::timeout,
+};
+
+const PATIENCE: Duration = Duration::from_secs(5);
+
+fn meta(name: &str) -> Metadata {
+    Metadata {
+        namespace: "default".into(),
+        name: name.into(),
+        labels: BTreeMap::new(),
+    }
+}
+
+fn service(name: &str, port: u16, protocol: Protocol) -> Service {
+    Service {
+        metadata: meta(name),
+        spec: ServiceSpec {
+            ports: vec![ServicePort {
+                name: "p".into(),
+                port,
+                protocol,
+                target_port: None,
+            }],
+            discovery: Discovery::default(),
+            session_affinity: SessionAffinity::None,
+            drain_seconds: 30,
+        },
+    }
+}
+
+/// An endpoint at `ip` whose port `p` is overridden to `port`.
+fn ep(ip: [u8; 4], port: u16) -> Endpoint {
+    Endpoint {
+        address: IpAddr::from(ip),
+        node: "node-a".into(),
+        ready: true,
+        serving: None,
+        terminating: false,
+        ports: BTreeMap::from([("p".to_owned(), port)]),
+    }
+}
+
+fn view(svc: &Service, eps: Option<Vec<Endpoint>>) -> ServiceView {
+    ServiceView {
+        service: Arc::new(svc.clone()),
+        endpoints: eps.map(|endpoints| {
+            Arc::new(Endpoints {
+                metadata: svc.metadata.clone(),
+                spec: EndpointsSpec { endpoints },
+            })
+        }),
+    }
+}
+
+fn upsert(views: Vec<ServiceView>) -> Delta {
+    Delta {
+        upserted: views,
+        ..Delta::default()
+    }
+}
+
+fn proxy() -> (UserspaceProxy, Arc<Metrics>) {
+    let metrics = Arc::new(Metrics::new());
+    let config = ProxyConfig {
+        node_name: "node-a".into(),
+        udp_idle_timeout: Duration::from_secs(5),
+        bind_retry_interval: Duration::from_millis(100),
+        ..ProxyConfig::default()
+    };
+    (
+        UserspaceProxy::new(config, metrics.clone()).unwrap(),
+        metrics,
+    )
+}
+
+fn conns(m: &Metrics, name: &str, protocol: &str, result: &str) -> u64 {
+    m.proxy_connections
+        .get_or_create(&ConnectionLabels {
+            service: format!("default/{name}"),
+            protocol: protocol.into(),
+            result: result.into(),
+        })
+        .get()
+}
+
+/// A port free on 127.0.0.1 for TCP and UDP right now.
+fn free_port() -> u16 {
+    loop {
+        let t = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = t.local_addr().unwrap().port();
+        if std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// A TCP backend on `ip` that sends `id`, then echoes; returns its port.
+async fn tcp_backend(ip: [u8; 4], id: u8) -> u16 {
+    let l = TcpListener::bind((Ipv4Addr::from(ip), 0)).await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                s.write_all(&[id]).await.ok();
+                let (mut r, mut w) = s.split();
+                tokio::io::copy(&mut r, &mut w).await.ok();
+            });
+        }
+    });
+    port
+}
+
+/// Connects through the proxy and returns the stream and the backend's id.
+async fn connect(port: u16) -> (TcpStream, u8) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let mut id = [0u8];
+    s.read_exact(&mut id).await.unwrap();
+    (s, id[0])
+}
+
+async fn echo(s: &mut TcpStream, msg: &[u8]) {
+    s.write_all(msg).await.unwrap();
+    let mut buf = vec![0; msg.len()];
+    timeout(PATIENCE, s.read_exact(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(buf, msg);
+}
+
+#[tokio::test]
+async fn tcp_spreads_over_three_backends() {
+    let (p, metrics) = proxy();
+    let port = free_port();
+    let mut eps = Vec::new();
+    for (i, last) in [2u8, 3, 4].into_iter().enumerate() {
+        eps.push(ep(
+            [127, 0, 0, last],
+            tcp_backend([127, 0, 0, last], i as u8).await,
+        ));
+    }
+    let svc = service("web", port, Protocol::Tcp);
+    p.apply(&upsert(vec![view(&svc, Some(eps))])).await.unwrap();
+    let mut seen = [0usize; 3];
+    timeout(Duration::from_secs(8), async {
+        for i in 0..300 {
+            let (mut s, id) = connect(port).await;
+            seen[id as usize] += 1;
+            if i % 50 == 0 {
+                echo(&mut s, b"hello").await;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    for n in seen {
+        assert!((60..=141).contains(&n), "uneven spread {seen:?}");
+    }
+    assert_eq!(conns(&metrics, "web", "TCP", "ok"), 300);
+    let st = p.status();
+    assert_eq!(st.len(), 1);
+    assert_eq!(st[0].state, PortState::Listening);
+    assert_eq!(st[0].backends.len(), 3);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn terminating_and_removed_endpoints_keep_open_connections() {
+    let (p, _) = proxy();
+    let port = free_port();
+    let a = ep([127, 0, 0, 2], tcp_backend([127, 0, 0, 2], 1).await);
+    let b = ep([127, 0, 0, 3], tcp_backend([127, 0, 0, 3], 2).await);
+    let svc = service("web", port, Protocol::Tcp);
+    p.apply(&upsert(vec![view(&svc, Some(vec![a.clone()]))]))
+        .await
+        .unwrap();
+    let (mut old, id) = connect(port).await;
+    assert_eq!(id, 1);
+    echo(&mut old, b"before").await;
+
+    let mut a_term = a.clone();
+    a_term.terminating = true;
+    p.apply(&upsert(vec![view(&svc, Some(vec![a_term, b.clone()]))]))
+        .await
+        .unwrap();
+    assert_eq!(p.status()[0].backends[0].state, BackendState::Terminating);
+    for _ in 0..20 {
+        assert_eq!(
+            connect(port).await.1,
+            2,
+            "terminating endpoint got a new connection"
+        );
+    }
+    echo(&mut old, b"while terminating").await;
+
+    // Gone from the list altogether: still not cut.
+    p.apply(&upsert(vec![view(&svc, Some(vec![b]))]))
+        .await
+        .unwrap();
+    echo(&mut old, b"after removal").await;
+
+    // Removing the service closes the listener, not the connection.
+    let delta = Delta {
+        removed: vec![svc.key()],
+        ..Delta::default()
+    };
+    p.apply(&delta).await.unwrap();
+    assert!(p.status().is_empty());
+    let refused = timeout(PATIENCE, TcpStream::connect(("127.0.0.1", port))).await;
+    assert!(matches!(refused, Ok(Err(_))), "listener still open");
+    echo(&mut old, b"after service removal").await;
+    timeout(PATIENCE, p.shutdown()).await.unwrap();
+}
+
+#[tokio::test]
+async fn deleting_an_endpoint_moves_traffic_to_the_rest() {
+    let (p, _) = proxy();
+    let port = free_port();
+    let a = ep([127, 0, 0, 2], tcp_backend([127, 0, 0, 2], 1).await);
+    let b = ep([127, 0, 0, 3], tcp_backend([127, 0, 0, 3], 2).await);
+    let svc = service("web", port, Protocol::Tcp);
+    p.apply(&upsert(vec![view(&svc, Some(vec![a, b.clone()]))]))
+        .await
+        .unwrap();
+    let mut ids = BTreeSet::new();
+    for _ in 0..40 {
+        ids.insert(connect(port).await.1);
+    }
+    assert_eq!(ids, BTreeSet::from([1, 2]));
+    p.apply(&upsert(vec![view(&svc, Some(vec![b]))]))
+        .await
+        .unwrap();
+    for _ in 0..40 {
+        assert_eq!(connect(port).await.1, 2);
+    }
+    p.shutdown().await;
+}
+
+/// Reads until EOF or reset: what a refused client sees.
+async fn refused(port: u16) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let mut buf = [0u8; 1];
+    match timeout(PATIENCE, s.read(&mut buf)).await.unwrap() {
+        Ok(0) | Err(_) => {}
+        Ok(n) => panic!("read {n} bytes from a service without backends"),
+    }
+}
+
+#[tokio::test]
+async fn no_backends_refuse_and_count() {
+    let (p, metrics) = proxy();
+    let (port1, port2) = (free_port(), free_port());
+    let empty = service("empty", port1, Protocol::Tcp);
+    let unknown = service("unknown", port2, Protocol::Tcp);
+    let mut not_ready = ep([127, 0, 0, 2], 1);
+    not_ready.ready = false;
+    p.apply(&upsert(vec![
+        view(&empty, Some(vec![not_ready])),
+        view(&unknown, None),
+    ]))
+    .await
+    .unwrap();
+    refused(port1).await;
+    refused(port2).await;
+    refused(port2).await;
+    assert_eq!(conns(&metrics, "empty", "TCP", "no_backend"), 1);
+    assert_eq!(conns(&metrics, "unknown", "TCP", "no_backend"), 2);
+    assert_eq!(conns(&metrics, "empty", "TCP", "ok"), 0);
+    let st = p.status();
+    assert!(st[0].endpoints_known && !st[1].endpoints_known);
+    assert_eq!(st[0].backends[0].state, BackendState::NotReady);
+    p.shutdown().await;
+}
+
+/// A UDP backend on `ip` that answers `[id] + payload`; returns its port.
+async fn udp_backend(ip: [u8; 4], id: u8) -> u16 {
+    let s = UdpSocket::bind((Ipv4Addr::from(ip), 0)).await.unwrap();
+    let port = s.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 2048];
+        while let Ok((n, peer)) = s.recv_from(&mut buf[1..]).await {
+            buf[0] = id;
+            s.send_to(&buf[..n + 1], peer).await.ok();
+        }
+    });
+    port
+}
+
+async fn udp_round_trip(c: &UdpSocket, msg: &[u8]) -> u8 {
+    c.send(msg).await.unwrap();
+    let mut buf = [0u8; 2048];
+    let n = timeout(PATIENCE, c.recv(&mut buf)).await.unwrap().unwrap();
+    assert_eq!(&buf[1..n], msg);
+    buf[0]
+}
+
+#[tokio::test]
+async fn udp_round_trips_and_a_flow_keeps_its_backend() {
+    let (p, metrics) = proxy();
+    let port = free_port();
+    let a = ep([127, 0, 0, 2], udp_backend([127, 0, 0, 2], 1).await);
+    let b = ep([127, 0, 0, 3], udp_backend([127, 0, 0, 3], 2).await);
+    let svc = service("dns", port, Protocol::Udp);
+    p.apply(&upsert(vec![view(&svc, Some(vec![a.clone(), b.clone()]))]))
+        .await
+        .unwrap();
+    let c = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    c.connect(("127.0.0.1", port)).await.unwrap();
+    let first = udp_round_trip(&c, b"q1").await;
+    for i in 0..5 {
+        assert_eq!(udp_round_trip(&c, format!("q{i}").as_bytes()).await, first);
+    }
+    // Its backend starts terminating: the flow stays; new clients go elsewhere.
+    let (mut a2, mut b2) = (a, b);
+    if first == 1 { &mut a2 } else { &mut b2 }.terminating = true;
+    p.apply(&upsert(vec![view(&svc, Some(vec![a2, b2]))]))
+        .await
+        .unwrap();
+    assert_eq!(udp_round_trip(&c, b"again").await, first);
+    let c2 = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    c2.connect(("127.0.0.1", port)).await.unwrap();
+    assert_ne!(udp_round_trip(&c2, b"new").await, first);
+    assert_eq!(conns(&metrics, "dns", "UDP", "ok"), 2);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_taken_port_fails_alone_and_is_retried() {
+    let (p, metrics) = proxy();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_port = taken.local_addr().unwrap().port();
+    let port = free_port();
+    let good = service("good", port, Protocol::Tcp);
+    let bad = service("bad", taken_port, Protocol::Tcp);
+    let backend = ep([127, 0, 0, 2], tcp_backend([127, 0, 0, 2], 7).await);
+    p.apply(&upsert(vec![
+        view(&bad, Some(vec![backend.clone()])),
+        view(&good, Some(vec![backend])),
+    ]))
+    .await
+    .unwrap();
+    let st = p.status();
+    let PortState::Failed { reason } = &st[0].state else {
+        panic!("taken port reported as {:?}", st[0].state);
+    };
+    assert!(reason.contains("in use"), "{reason}");
+    assert_eq!(st[1].state, PortState::Listening);
+    let up = |name: &str, port| {
+        metrics
+            .proxy_listener_up
+            .get_or_create(&ServicePortLabels {
+                service: format!("default/{name}"),
+                port,
+                protocol: "TCP".into(),
+            })
+            .get()
+    };
+    assert_eq!((up("bad", taken_port), up("good", port)), (0, 1));
+    assert_eq!(connect(port).await.1, 7);
+
+    // Freed: the background retry takes it.
+    drop(taken);
+    timeout(PATIENCE, async {
+        while p.status()[0].state != PortState::Listening {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(connect(taken_port).await.1, 7);
+    assert_eq!(up("bad", taken_port), 1);
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_port_beyond_65535_after_offset_fails_with_a_reason() {
+    let metrics = Arc::new(Metrics::new());
+    let config = ProxyConfig {
+        port_offset: 1000,
+        ..ProxyConfig::default()
+    };
+    let p = UserspaceProxy::new(config, metrics).unwrap();
+    let svc = service("high", 65000, Protocol::Udp);
+    p.apply(&upsert(vec![view(&svc, None)])).await.unwrap();
+    let st = p.status();
+    assert_eq!(st[0].listen, None);
+    assert!(
+        matches!(&st[0].state, PortState::Failed { reason } if reason.contains("66000")),
+        "{:?}",
+        st[0].state
+    );
+    p.shutdown().await;
+}
+
+#[tokio::test]
+async fn shutdown_stops_everything() {
+    let (p, _) = proxy();
+    let (tport, uport) = (free_port(), free_port());
+    let backend = ep([127, 0, 0, 2], tcp_backend([127, 0, 0, 2], 1).await);
+    let ubackend = ep([127, 0, 0, 2], udp_backend([127, 0, 0, 2], 1).await);
+    let t = service("t", tport, Protocol::Tcp);
+    let u = service("u", uport, Protocol::Udp);
+    p.apply(&upsert(vec![
+        view(&t, Some(vec![backend])),
+        view(&u, Some(vec![ubackend])),
+    ]))
+    .await
+    .unwrap();
+    let (mut open, _) = connect(tport).await;
+    let c = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    c.connect(("127.0.0.1", uport)).await.unwrap();
+    udp_round_trip(&c, b"x").await;
+
+    timeout(PATIENCE, p.shutdown()).await.unwrap();
+    assert!(p.inner.tracker.is_empty(), "tasks left after shutdown");
+    // The open connection was closed, the ports are free again.
+    let mut buf = [0u8; 1];
+    assert!(matches!(
+        timeout(PATIENCE, open.read(&mut buf)).await.unwrap(),
+        Ok(0) | Err(_)
+    ));
+    std::net::TcpListener::bind(("127.0.0.1", tport)).unwrap();
+    std::net::UdpSocket::bind(("127.0.0.1", uport)).unwrap();
+    assert!(matches!(
+        p.apply(&Delta::default()).await,
+        Err(DataPlaneError::ShutDown { .. })
+    ));
+}
+
+#[test]
+fn locality_preference_and_target_ports() {
+    let mut svc = service("web", 80, Protocol::Tcp);
+    svc.spec.ports[0].target_port = Some(8080);
+    let mut remote = ep([10, 0, 0, 2], 0);
+    remote.node = "node-b".into();
+    remote.ports.clear();
+    let local = ep([10, 0, 0, 1], 9090);
+    let eps = Some(vec![remote.clone(), local.clone()]);
+    let pick_all = |pref, eps: Option<Vec<Endpoint>>| {
+        let mut s = svc.clone();
+        s.spec.discovery.locality_preference = pref;
+        let v = view(&s, eps);
+        let shared = PortShared::new(
+            "x".into(),
+            Protocol::Tcp,
+            Backends::build(&v, &s.spec.ports[0], "node-a", 13, None),
+            &Metrics::new(),
+        );
+        (1000..1200)
+            .filter_map(|port| shared.pick(SocketAddr::from(([192, 0, 2, 1], port))))
+            .collect::<BTreeSet<_>>()
+    };
+    let r: SocketAddr = "10.0.0.2:8080".parse().unwrap();
+    let l: SocketAddr = "10.0.0.1:9090".parse().unwrap();
+    use LocalityPreference::*;
+    assert_eq!(pick_all(Any, eps.clone()), BTreeSet::from([r, l]));
+    assert_eq!(pick_all(PreferLocal, eps.clone()), BTreeSet::from([l]));
+    assert_eq!(pick_all(LocalOnly, eps.clone()), BTreeSet::from([l]));
+    assert_eq!(
+        pick_all(PreferLocal, Some(vec![remote.clone()])),
+        BTreeSet::from([r])
+    );
+    assert_eq!(pick_all(LocalOnly, Some(vec![remote])), BTreeSet::new());
+}
+
+#[test]
+fn client_ip_affinity_sticks_across_ports_and_backend_changes() {
+    let mut svc = service("web", 80, Protocol::Tcp);
+    svc.spec.session_affinity = SessionAffinity::ClientIp {
+        timeout_seconds: 60,
+    };
+    let eps: Vec<_> = (1..=5).map(|i| ep([10, 0, 0, i], 80)).collect();
+    let build = |eps: Vec<Endpoint>| {
+        Backends::build(&view(&svc, Some(eps)), &svc.spec.ports[0], "", 13, None)
+    };
+    let shared = PortShared::new(
+        "x".into(),
+        Protocol::Tcp,
+        build(eps.clone()),
+        &Metrics::new(),
+    );
+    let client = |port| SocketAddr::from(([192, 0, 2, 9], port));
+    let first = shared.pick(client(1000)).unwrap();
+    for port in 1001..1100 {
+        assert_eq!(shared.pick(client(port)), Some(first));
+    }
+    // Another backend added: the remembered one stays.
+    let mut more = eps.clone();
+    more.push(ep([10, 0, 0, 6], 80));
+    shared.set_backends(build(more));
+    assert_eq!(shared.pick(client(2000)), Some(first));
+    // The remembered one leaves: the client moves, and sticks again.
+    let rest: Vec<_> = eps
+        .into_iter()
+        .filter(|e| SocketAddr::new(e.address, 80) != first)
+        .collect();
+    shared.set_backends(build(rest));
+    let second = shared.pick(client(3000)).unwrap();
+    assert_ne!(second, first);
+    assert_eq!(shared.pick(client(3001)), Some(second));
+}
