@@ -147,10 +147,15 @@ impl FileConfig {
             });
         }
         let maglev_table_size = self.maglev_table_size.unwrap_or(16381);
-        if !is_prime(maglev_table_size) || maglev_table_size < 101 {
+        if !crate::maglev::is_prime(maglev_table_size)
+            || !(101..=crate::maglev::MAX_TABLE_SIZE).contains(&maglev_table_size)
+        {
             return Err(ConfigError::Invalid {
                 setting: "--maglev-table-size",
-                message: format!("{maglev_table_size} is not a prime of at least 101"),
+                message: format!(
+                    "{maglev_table_size} is not a prime from 101 to {}",
+                    crate::maglev::MAX_TABLE_SIZE
+                ),
             });
         }
         let udp_idle = self.udp_idle_timeout_seconds.unwrap_or(60);
@@ -179,10 +184,6 @@ impl FileConfig {
             log_history,
         })
     }
-}
-
-fn is_prime(n: u32) -> bool {
-    n >= 2 && (2..).take_while(|d| d * d <= n).all(|d| n % d != 0)
 }
 
 /// `/var/lib/rune` as root; `$XDG_STATE_HOME/rune` (or `~/.local/state/rune`)
@@ -243,7 +244,7 @@ mod tests {
         let err = bad.resolve().unwrap_err().to_string();
         assert_eq!(
             err,
-            "setting --maglev-table-size: 1000 is not a prime of at least 101"
+            "setting --maglev-table-size: 1000 is not a prime from 101 to 131071"
         );
         let bad = FileConfig {
             metrics_addr: Some("nowhere".into()),

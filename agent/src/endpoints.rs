@@ -293,7 +293,6 @@ impl Subscription {
     }
 }
 
-
 /// The `watch` subsystem: follows the ordered log into the cache. Ready once the
 /// first snapshot is in; after a compaction or a broken stream it resyncs from a new
 /// snapshot; other errors are retried with a capped backoff.
@@ -401,7 +400,11 @@ async fn follow(
         cache.apply_snapshot(&snapshot);
         publish(&cache, &metrics);
         synced.set_ready();
-        tracing::info!(revision = snapshot.revision, objects = snapshot.objects.len(), "cache synced");
+        tracing::info!(
+            revision = snapshot.revision,
+            objects = snapshot.objects.len(),
+            "cache synced"
+        );
         let mut stream = match log.watch(snapshot.revision).await {
             Ok(s) => s,
             Err(e) => {

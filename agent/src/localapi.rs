@@ -16,7 +16,7 @@ use hyper_util::rt::TokioIo;
 use rune_proto::v1::{
     self as pb,
     local_api_client::LocalApiClient,
-    local_api_server::{LocalApi as LocalApiService, LocalApiServer},
+    local_api_server::{LocalApi as LocalApiService, LocalApiServer as GrpcServer},
 };
 use std::{
     io,
@@ -114,7 +114,7 @@ impl LocalApi {
         cancel: CancellationToken,
     ) -> Result<(), tonic::transport::Error> {
         tonic::transport::Server::builder()
-            .add_service(LocalApiServer::new(self))
+            .add_service(GrpcServer::new(self))
             .serve_with_incoming_shutdown(
                 UnixListenerStream::new(listener),
                 cancel.cancelled_owned(),

@@ -72,7 +72,8 @@ pub struct Maglev {
     table: Vec<u32>,
 }
 
-fn is_prime(n: u32) -> bool {
+/// Whether `n` is prime (Maglev table sizes must be).
+pub fn is_prime(n: u32) -> bool {
     n >= 2
         && (2..)
             .take_while(|d: &u32| d * d <= n)

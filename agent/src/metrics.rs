@@ -284,6 +284,61 @@ fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
     response
 }
 
+/// The `metrics` subsystem: binds the listener at start (a taken address fails the
+/// start, naming it) and serves until stopped.
+pub struct MetricsServer {
+    addr: std::net::SocketAddr,
+    metrics: Arc<Metrics>,
+    agent_ready: Readiness,
+    tasks: TaskTracker,
+}
+
+impl MetricsServer {
+    /// A server for `addr`; `/readyz` follows `agent_ready`.
+    pub fn new(addr: std::net::SocketAddr, metrics: Arc<Metrics>, agent_ready: Readiness) -> Self {
+        Self {
+            addr,
+            metrics,
+            agent_ready,
+            tasks: TaskTracker::new(),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::agent::Subsystem for MetricsServer {
+    fn name(&self) -> &str {
+        "metrics"
+    }
+
+    async fn start(
+        &self,
+        ctx: &crate::agent::StartContext,
+    ) -> Result<(), crate::agent::SubsystemError> {
+        let listener = TcpListener::bind(self.addr).await.map_err(|e| {
+            crate::agent::SubsystemError::io(format!("bind metrics listener {}", self.addr), e)
+        })?;
+        tracing::info!(addr = %self.addr, "serving /metrics, /healthz, /readyz");
+        self.tasks.spawn(serve(
+            listener,
+            self.metrics.clone(),
+            self.agent_ready.clone(),
+            ctx.cancel.clone(),
+        ));
+        Ok(())
+    }
+
+    fn ready(&self) -> Readiness {
+        Readiness::ready()
+    }
+
+    async fn stop(&self) -> Result<(), crate::agent::SubsystemError> {
+        self.tasks.close();
+        self.tasks.wait().await;
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::net::SocketAddr;
@@ -444,57 +499,5 @@ mod tests {
             .await
             .expect("serve did not end on cancel while a connection was idle")
             .unwrap();
-    }
-}
-
-/// The `metrics` subsystem: binds the listener at start (a taken address fails the
-/// start, naming it) and serves until stopped.
-pub struct MetricsServer {
-    addr: std::net::SocketAddr,
-    metrics: Arc<Metrics>,
-    agent_ready: Readiness,
-    tasks: TaskTracker,
-}
-
-impl MetricsServer {
-    /// A server for `addr`; `/readyz` follows `agent_ready`.
-    pub fn new(addr: std::net::SocketAddr, metrics: Arc<Metrics>, agent_ready: Readiness) -> Self {
-        Self {
-            addr,
-            metrics,
-            agent_ready,
-            tasks: TaskTracker::new(),
-        }
-    }
-}
-
-#[async_trait::async_trait]
-impl crate::agent::Subsystem for MetricsServer {
-    fn name(&self) -> &str {
-        "metrics"
-    }
-
-    async fn start(&self, ctx: &crate::agent::StartContext) -> Result<(), crate::agent::SubsystemError> {
-        let listener = TcpListener::bind(self.addr).await.map_err(|e| {
-            crate::agent::SubsystemError::io(format!("bind metrics listener {}", self.addr), e)
-        })?;
-        tracing::info!(addr = %self.addr, "serving /metrics, /healthz, /readyz");
-        self.tasks.spawn(serve(
-            listener,
-            self.metrics.clone(),
-            self.agent_ready.clone(),
-            ctx.cancel.clone(),
-        ));
-        Ok(())
-    }
-
-    fn ready(&self) -> Readiness {
-        Readiness::ready()
-    }
-
-    async fn stop(&self) -> Result<(), crate::agent::SubsystemError> {
-        self.tasks.close();
-        self.tasks.wait().await;
-        Ok(())
     }
 }

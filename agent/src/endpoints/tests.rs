@@ -1,5 +1,6 @@
 use super::*;
 use crate::model::parse_documents;
+use std::time::Duration;
 
 fn objs(yaml: &str) -> Vec<Object> {
     parse_documents(yaml).unwrap()
@@ -143,7 +144,7 @@ async fn next_waits_for_a_change() {
     let waiter = tokio::spawn(async move { sub.next().await });
     tokio::task::yield_now().await;
     cache.apply_event(&put(1, service("a", 80)));
-    let d = tokio::time::timeout(std::time::Duration::from_secs(5), waiter)
+    let d = tokio::time::timeout(Duration::from_secs(5), waiter)
         .await
         .expect("next() woke up")
         .unwrap();

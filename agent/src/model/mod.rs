@@ -204,7 +204,7 @@ impl Object {
             for (i, vip) in svc.spec.discovery.vips.iter().enumerate() {
                 if o.spec.discovery.vips.contains(vip) {
                     return Err(ModelError::invalid(
-                        &me.to_string(),
+                        me.to_string(),
                         format!("spec.discovery.vips[{i}]"),
                         format!("VIP {vip} is already used by {}", other.key()),
                     ));
