@@ -9,6 +9,8 @@ mod setup;
 mod test;
 mod util;
 
+use std::process::ExitCode;
+
 use clap::{Parser, Subcommand};
 
 /// Project tasks for rune-agent.
@@ -32,11 +34,19 @@ enum Command {
     Run(run::Args),
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+fn main() -> ExitCode {
+    let result = match Cli::parse().command {
         Command::Setup => setup::run(),
         Command::BuildEbpf => build_ebpf::run(),
         Command::Test => test::run(),
         Command::Run(args) => run::run(args),
+    };
+    // One line per cause, no backtrace: the failing step's own output is above.
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
     }
 }

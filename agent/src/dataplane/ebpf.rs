@@ -42,9 +42,9 @@ pub enum EbpfError {
     Object {
         /// Size of the embedded object in bytes.
         size: usize,
-        /// aya's error.
+        /// aya's error (boxed: it is large, and errors travel by value).
         #[source]
-        source: aya::EbpfError,
+        source: Box<aya::EbpfError>,
     },
 
     /// The object has no program of this name (the programs and the loader disagree).
@@ -59,9 +59,9 @@ pub enum EbpfError {
     ProgramType {
         /// The program's name.
         name: &'static str,
-        /// aya's error.
+        /// aya's error (boxed, as are all large sources here).
         #[source]
-        source: ProgramError,
+        source: Box<ProgramError>,
     },
 
     /// The kernel refused the program; the source holds the verifier log.
@@ -71,7 +71,7 @@ pub enum EbpfError {
         name: &'static str,
         /// aya's error; `ProgramError::LoadError` carries the verifier log.
         #[source]
-        source: ProgramError,
+        source: Box<ProgramError>,
     },
 
     /// Attaching the program to a network interface failed.
@@ -83,9 +83,9 @@ pub enum EbpfError {
         interface: String,
         /// The requested XDP mode.
         mode: XdpMode,
-        /// aya's error.
+        /// aya's error (boxed, as are all large sources here).
         #[source]
-        source: ProgramError,
+        source: Box<ProgramError>,
     },
 
     /// The object has no map of this name.
@@ -111,10 +111,10 @@ impl EbpfError {
     #[must_use]
     pub fn verifier_log(&self) -> Option<String> {
         match self {
-            Self::ProgramLoad {
-                source: ProgramError::LoadError { verifier_log, .. },
-                ..
-            } => Some(verifier_log.to_string()),
+            Self::ProgramLoad { source, .. } => match source.as_ref() {
+                ProgramError::LoadError { verifier_log, .. } => Some(verifier_log.to_string()),
+                _ => None,
+            },
             _ => None,
         }
     }
@@ -136,7 +136,7 @@ pub fn load_embedded() -> Result<Ebpf, EbpfError> {
     }
     Ebpf::load(EMBEDDED_OBJECT).map_err(|source| EbpfError::Object {
         size: EMBEDDED_OBJECT.len(),
-        source,
+        source: Box::new(source),
     })
 }
 
@@ -155,10 +155,18 @@ pub fn attach_xdp_pass(
         .program_mut(name)
         .ok_or(EbpfError::ProgramNotFound { name })?
         .try_into()
-        .map_err(|source| EbpfError::ProgramType { name, source })?;
+        .map_err(|source| EbpfError::ProgramType {
+            name,
+            source: Box::new(source),
+        })?;
     match program.load() {
         Ok(()) | Err(ProgramError::AlreadyLoaded) => {}
-        Err(source) => return Err(EbpfError::ProgramLoad { name, source }),
+        Err(source) => {
+            return Err(EbpfError::ProgramLoad {
+                name,
+                source: Box::new(source),
+            });
+        }
     }
     program
         .attach(interface, mode)
@@ -166,7 +174,7 @@ pub fn attach_xdp_pass(
             name,
             interface: interface.to_owned(),
             mode,
-            source,
+            source: Box::new(source),
         })
 }
 
@@ -196,6 +204,18 @@ mod tests {
         } else {
             assert!(matches!(load_embedded(), Err(EbpfError::NotEmbedded)));
         }
+    }
+
+    #[test]
+    fn error_is_small_enough_to_return_by_value() {
+        // clippy::result_large_err's threshold; large aya sources are boxed.
+        assert!(
+            size_of::<EbpfError>() < 128,
+            "EbpfError {} ProgramError {} MapError {}",
+            size_of::<EbpfError>(),
+            size_of::<ProgramError>(),
+            size_of::<MapError>()
+        );
     }
 
     #[test]
