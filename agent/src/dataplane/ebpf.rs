@@ -145,6 +145,12 @@ pub fn load_embedded() -> Result<Ebpf, EbpfError> {
 /// The interface name is resolved in the calling thread's network namespace. The
 /// attachment lives as long as `ebpf` (dropping it detaches), or until detached
 /// through the returned id.
+///
+/// # Minimum kernel version
+///
+/// 5.9 for link-based attachment (aya falls back to netlink on older kernels);
+/// native XDP on veth needs 4.19.
+#[doc(alias = "BPF_PROG_TYPE_XDP")]
 pub fn attach_xdp_pass(
     ebpf: &mut Ebpf,
     interface: &str,
@@ -179,6 +185,7 @@ pub fn attach_xdp_pass(
 }
 
 /// Reads `rune_xdp_pass`'s counters, summed over all CPUs.
+#[doc(alias = "BPF_MAP_TYPE_PERCPU_ARRAY")]
 pub fn xdp_pass_stats(ebpf: &Ebpf) -> Result<PacketStats, EbpfError> {
     let name = XDP_STATS_MAP;
     let map = ebpf.map(name).ok_or(EbpfError::MapNotFound { name })?;
