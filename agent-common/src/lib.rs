@@ -2,3 +2,43 @@
 //! agent. `#![no_std]`, `#[repr(C)]` and padding-free, so both sides agree on layout.
 #![no_std]
 pub mod hash;
+
+/// Packet and byte counters kept by an XDP program, one slot per CPU.
+///
+/// The kernel side bumps its own CPU's slot without atomics (a `PerCpuArray`); the
+/// agent reads every CPU's slot and sums them with [`PacketStats::add`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PacketStats {
+    /// Packets the program has seen.
+    pub packets: u64,
+    /// Bytes of those packets, from the start of the Ethernet header.
+    pub bytes: u64,
+}
+
+// Two u64s, no implicit padding: the byte layout is the same on both sides.
+const _: () = assert!(size_of::<PacketStats>() == 16);
+const _: () = assert!(align_of::<PacketStats>() == 8);
+
+impl PacketStats {
+    /// Returns the field-wise sum, wrapping on overflow as the kernel counters do.
+    #[must_use]
+    pub const fn add(self, other: Self) -> Self {
+        Self {
+            packets: self.packets.wrapping_add(other.packets),
+            bytes: self.bytes.wrapping_add(other.bytes),
+        }
+    }
+}
+
+// SAFETY: `PacketStats` is `#[repr(C)]`, made only of `u64`s, has no padding (checked
+// above) and every bit pattern is a valid value.
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for PacketStats {}
+
+/// Name of the XDP program that counts packets and passes them on.
+pub const XDP_PASS_PROGRAM: &str = "rune_xdp_pass";
+
+/// Name of the `PerCpuArray<PacketStats>` map (one entry, index 0) that
+/// [`XDP_PASS_PROGRAM`] counts into.
+pub const XDP_STATS_MAP: &str = "RUNE_XDP_STATS";

@@ -1,1 +1,234 @@
-//! (to be written)
+//! The eBPF data plane's programs, embedded in the agent binary, and their loader.
+//!
+//! `build.rs` compiles the `agent-ebpf` crate for the bpf target and this module
+//! embeds the object ([`EMBEDDED_OBJECT`]), so one binary carries everything it loads.
+//! [`load_embedded`] parses the object and creates its maps; the helpers below load,
+//! attach and read the individual programs. Today that is one program,
+//! `rune_xdp_pass`, which counts packets and bytes per CPU and passes every packet:
+//! the seed that later load-balancing and policy programs grow from.
+//!
+//! Errors keep their cause: a program the verifier rejects yields
+//! [`EbpfError::ProgramLoad`], whose source carries the full verifier log (also
+//! reachable through [`EbpfError::verifier_log`]).
+
+use agent_common::{PacketStats, XDP_PASS_PROGRAM, XDP_STATS_MAP};
+use aya::{
+    Ebpf,
+    maps::{MapError, PerCpuArray},
+    programs::{ProgramError, Xdp, xdp::XdpLinkId},
+};
+
+pub use aya::programs::XdpMode;
+
+/// The compiled eBPF object (ELF), 8-byte aligned as aya requires.
+///
+/// Empty when the agent was built with `AYA_BUILD_SKIP=1`; [`load_embedded`] then
+/// returns [`EbpfError::NotEmbedded`].
+pub static EMBEDDED_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/agent-ebpf"));
+
+/// What can go wrong while loading, attaching or reading the agent's eBPF programs.
+#[derive(Debug, thiserror::Error)]
+pub enum EbpfError {
+    /// The binary carries no eBPF object: it was built with `AYA_BUILD_SKIP=1`.
+    #[error(
+        "this rune-agent was built without eBPF programs (AYA_BUILD_SKIP=1); \
+         rebuild it with the eBPF toolchain (`cargo xtask setup`)"
+    )]
+    NotEmbedded,
+
+    /// The object could not be parsed, relocated, or its maps created.
+    #[error("loading the embedded eBPF object ({size} bytes) failed")]
+    Object {
+        /// Size of the embedded object in bytes.
+        size: usize,
+        /// aya's error (boxed: it is large, and errors travel by value).
+        #[source]
+        source: Box<aya::EbpfError>,
+    },
+
+    /// The object has no program of this name (the programs and the loader disagree).
+    #[error("eBPF program {name} not found in the embedded object")]
+    ProgramNotFound {
+        /// The program's name.
+        name: &'static str,
+    },
+
+    /// The program exists but is of another type than expected.
+    #[error("eBPF program {name} is not of the expected type")]
+    ProgramType {
+        /// The program's name.
+        name: &'static str,
+        /// aya's error (boxed, as are all large sources here).
+        #[source]
+        source: Box<ProgramError>,
+    },
+
+    /// The kernel refused the program; the source holds the verifier log.
+    #[error("loading eBPF program {name} into the kernel failed")]
+    ProgramLoad {
+        /// The program's name.
+        name: &'static str,
+        /// aya's error; `ProgramError::LoadError` carries the verifier log.
+        #[source]
+        source: Box<ProgramError>,
+    },
+
+    /// Attaching the program to a network interface failed.
+    #[error("attaching eBPF program {name} to interface {interface} ({mode:?}) failed")]
+    Attach {
+        /// The program's name.
+        name: &'static str,
+        /// The interface name.
+        interface: String,
+        /// The requested XDP mode.
+        mode: XdpMode,
+        /// aya's error (boxed, as are all large sources here).
+        #[source]
+        source: Box<ProgramError>,
+    },
+
+    /// The object has no map of this name.
+    #[error("eBPF map {name} not found in the embedded object")]
+    MapNotFound {
+        /// The map's name.
+        name: &'static str,
+    },
+
+    /// Opening or reading a map failed.
+    #[error("reading eBPF map {name} failed")]
+    Map {
+        /// The map's name.
+        name: &'static str,
+        /// aya's error.
+        #[source]
+        source: MapError,
+    },
+}
+
+impl EbpfError {
+    /// The kernel verifier's log when this error is a rejected program load.
+    #[must_use]
+    pub fn verifier_log(&self) -> Option<String> {
+        match self {
+            Self::ProgramLoad { source, .. } => match source.as_ref() {
+                ProgramError::LoadError { verifier_log, .. } => Some(verifier_log.to_string()),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+}
+
+/// Whether this binary carries eBPF programs (false when built with `AYA_BUILD_SKIP=1`).
+#[must_use]
+pub fn programs_embedded() -> bool {
+    !EMBEDDED_OBJECT.is_empty()
+}
+
+/// Parses the embedded object and creates its maps in the kernel.
+///
+/// Programs are not loaded yet; use [`attach_xdp_pass`] (or aya directly) for that.
+/// Needs `CAP_BPF` (root in practice).
+pub fn load_embedded() -> Result<Ebpf, EbpfError> {
+    if !programs_embedded() {
+        return Err(EbpfError::NotEmbedded);
+    }
+    Ebpf::load(EMBEDDED_OBJECT).map_err(|source| EbpfError::Object {
+        size: EMBEDDED_OBJECT.len(),
+        source: Box::new(source),
+    })
+}
+
+/// Loads `rune_xdp_pass` (once) and attaches it to `interface` in `mode`.
+///
+/// The interface name is resolved in the calling thread's network namespace. The
+/// attachment lives as long as `ebpf` (dropping it detaches), or until detached
+/// through the returned id.
+///
+/// # Minimum kernel version
+///
+/// 5.9 for link-based attachment (aya falls back to netlink on older kernels);
+/// native XDP on veth needs 4.19.
+#[doc(alias = "BPF_PROG_TYPE_XDP")]
+pub fn attach_xdp_pass(
+    ebpf: &mut Ebpf,
+    interface: &str,
+    mode: XdpMode,
+) -> Result<XdpLinkId, EbpfError> {
+    let name = XDP_PASS_PROGRAM;
+    let program: &mut Xdp = ebpf
+        .program_mut(name)
+        .ok_or(EbpfError::ProgramNotFound { name })?
+        .try_into()
+        .map_err(|source| EbpfError::ProgramType {
+            name,
+            source: Box::new(source),
+        })?;
+    match program.load() {
+        Ok(()) | Err(ProgramError::AlreadyLoaded) => {}
+        Err(source) => {
+            return Err(EbpfError::ProgramLoad {
+                name,
+                source: Box::new(source),
+            });
+        }
+    }
+    program
+        .attach(interface, mode)
+        .map_err(|source| EbpfError::Attach {
+            name,
+            interface: interface.to_owned(),
+            mode,
+            source: Box::new(source),
+        })
+}
+
+/// Reads `rune_xdp_pass`'s counters, summed over all CPUs.
+#[doc(alias = "BPF_MAP_TYPE_PERCPU_ARRAY")]
+pub fn xdp_pass_stats(ebpf: &Ebpf) -> Result<PacketStats, EbpfError> {
+    let name = XDP_STATS_MAP;
+    let map = ebpf.map(name).ok_or(EbpfError::MapNotFound { name })?;
+    let array: PerCpuArray<_, PacketStats> =
+        PerCpuArray::try_from(map).map_err(|source| EbpfError::Map { name, source })?;
+    let per_cpu = array
+        .get(&0, 0)
+        .map_err(|source| EbpfError::Map { name, source })?;
+    Ok(per_cpu
+        .iter()
+        .fold(PacketStats::default(), |sum, cpu| sum.add(*cpu)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_object_matches_build_mode() {
+        // Either a real ELF object or, with AYA_BUILD_SKIP=1, nothing at all.
+        if programs_embedded() {
+            assert_eq!(&EMBEDDED_OBJECT[..4], b"\x7fELF");
+        } else {
+            assert!(matches!(load_embedded(), Err(EbpfError::NotEmbedded)));
+        }
+    }
+
+    #[test]
+    fn error_is_small_enough_to_return_by_value() {
+        // clippy::result_large_err's threshold; large aya sources are boxed.
+        assert!(
+            size_of::<EbpfError>() < 128,
+            "EbpfError {} ProgramError {} MapError {}",
+            size_of::<EbpfError>(),
+            size_of::<ProgramError>(),
+            size_of::<MapError>()
+        );
+    }
+
+    #[test]
+    fn not_embedded_message_says_how_to_fix() {
+        let message = EbpfError::NotEmbedded.to_string();
+        assert!(message.contains("AYA_BUILD_SKIP=1"), "{message}");
+        assert!(message.contains("cargo xtask setup"), "{message}");
+    }
+}

@@ -1,0 +1,147 @@
+//! Network namespaces for privileged end-to-end tests.
+//!
+//! [`NetNs`] creates a uniquely named namespace (`ip netns add`), runs `ip`
+//! commands in it, runs closures inside it on a dedicated thread (via `setns`, so
+//! the test process's own namespace never changes), and deletes it on drop, also
+//! when a test panics. [`veth_pair`] wires two namespaces together.
+//!
+//! Rules for tests using this: give interfaces addresses from 198.18.0.0/15 (the
+//! benchmarking range) and only inside namespaces the test created; never touch the
+//! root namespace's interfaces, routes or nftables.
+
+use std::{
+    fs::File,
+    os::fd::AsRawFd as _,
+    path::PathBuf,
+    process::Command,
+    sync::atomic::{AtomicU32, Ordering},
+    thread,
+};
+
+use anyhow::{Context as _, anyhow, bail};
+
+/// Distinguishes the namespaces one test process creates.
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A network namespace owned by the test; deleted on drop.
+#[derive(Debug)]
+pub struct NetNs {
+    name: String,
+}
+
+impl NetNs {
+    /// Creates `rune-<tag>-<pid>-<n>` and brings its loopback up.
+    pub fn new(tag: &str) -> anyhow::Result<Self> {
+        require_root()?;
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let name = format!("rune-{tag}-{}-{n}", std::process::id());
+        run_ip(&["netns", "add", &name])?;
+        // From here on, Drop deletes the namespace even if the next step fails.
+        let ns = Self { name };
+        ns.ip(&["link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    /// The namespace's name, as `ip netns` knows it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The namespace's file (`/run/netns/NAME`), for `setns` or `nsenter --net=`.
+    pub fn path(&self) -> PathBuf {
+        PathBuf::from("/run/netns").join(&self.name)
+    }
+
+    /// Runs `ip -n NAME ARGS` and returns its stdout; fails with stderr on error.
+    pub fn ip(&self, args: &[&str]) -> anyhow::Result<String> {
+        let mut all = vec!["-n", self.name.as_str()];
+        all.extend_from_slice(args);
+        run_ip(&all)
+    }
+
+    /// Runs `f` inside the namespace, on a fresh thread that enters it with `setns`.
+    ///
+    /// Sockets created in `f` stay in this namespace after it returns, so a test can
+    /// create them here and use them from any thread. Interface names resolve here.
+    /// A panic in `f` is propagated.
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> anyhow::Result<T> {
+        let path = self.path();
+        let file = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+        thread::scope(|scope| {
+            let thread = thread::Builder::new()
+                .name(format!("netns-{}", self.name))
+                .spawn_scoped(scope, move || -> anyhow::Result<T> {
+                    // SAFETY: `file` is an open namespace file; setns only changes this
+                    // thread's network namespace, and the thread ends after `f`.
+                    let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+                    if rc != 0 {
+                        return Err(std::io::Error::last_os_error())
+                            .with_context(|| format!("setns into {}", path.display()));
+                    }
+                    Ok(f())
+                })
+                .context("spawning the namespace thread")?;
+            match thread.join() {
+                Ok(result) => result,
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        })
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        // Deleting the namespace also removes its interfaces (and veth peers).
+        if let Err(e) = run_ip(&["netns", "del", &self.name]) {
+            eprintln!("warning: deleting network namespace {}: {e:#}", self.name);
+        }
+    }
+}
+
+/// Creates a veth pair: `a_name` in `a`, `b_name` in `b`, both up, no addresses.
+pub fn veth_pair(a: &NetNs, a_name: &str, b: &NetNs, b_name: &str) -> anyhow::Result<()> {
+    a.ip(&[
+        "link",
+        "add",
+        a_name,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        b_name,
+        "netns",
+        b.name(),
+    ])?;
+    a.ip(&["link", "set", a_name, "up"])?;
+    b.ip(&["link", "set", b_name, "up"])?;
+    Ok(())
+}
+
+/// Fails with a clear message unless the process runs as root (namespaces, BPF).
+pub fn require_root() -> anyhow::Result<()> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(
+            "this test needs root (network namespaces, BPF): run it as root, e.g. via `sudo -E cargo xtask test`"
+        );
+    }
+    Ok(())
+}
+
+fn run_ip(args: &[&str]) -> anyhow::Result<String> {
+    let output = Command::new("ip").args(args).output().map_err(|e| {
+        anyhow!(
+            "running `ip {}`: {e} (is iproute2 installed?)",
+            args.join(" ")
+        )
+    })?;
+    if !output.status.success() {
+        bail!(
+            "`ip {}` failed ({}): {}",
+            args.join(" "),
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}

@@ -1,0 +1,58 @@
+//! Small helpers shared by the tasks: paths and running commands.
+
+use std::{env, path::PathBuf, process::Command};
+
+use anyhow::{Context as _, bail};
+
+/// The workspace root (the parent of the xtask crate).
+pub fn workspace_root() -> PathBuf {
+    let xtask_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    xtask_dir.parent().map_or(xtask_dir.clone(), PathBuf::from)
+}
+
+/// The cargo target directory (`$CARGO_TARGET_DIR` or `<root>/target`).
+pub fn target_dir() -> PathBuf {
+    env::var_os("CARGO_TARGET_DIR").map_or_else(|| workspace_root().join("target"), PathBuf::from)
+}
+
+/// A `cargo` command (the cargo running xtask) in the workspace root.
+pub fn cargo() -> Command {
+    let mut cmd = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(workspace_root());
+    cmd
+}
+
+/// Runs `cmd` with inherited stdio; fails with `what` when it does not succeed.
+pub fn run_status(what: &str, cmd: &mut Command) -> anyhow::Result<()> {
+    let status = cmd
+        .status()
+        .with_context(|| format!("{what}: could not start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{what} failed ({status}): {}", describe(cmd));
+    }
+    Ok(())
+}
+
+/// Runs `cmd` and returns its stdout when it succeeds, `None` when it fails or
+/// cannot start (used for checks, where "no" is an answer, not an error).
+pub fn output(cmd: &mut Command) -> Option<String> {
+    cmd.output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+}
+
+/// The command line of `cmd`, for messages.
+pub fn describe(cmd: &Command) -> String {
+    std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|s| s.to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Whether this process runs as root.
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
