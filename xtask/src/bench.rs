@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail, ensure};
 use std::{
     fmt::Write as _,
     io::Write as _,
-    net::{IpAddr, Ipv4Addr, SocketAddr},
+    net::{Ipv4Addr, SocketAddr},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{
@@ -43,20 +43,19 @@ const MEMORY_SERVICES: usize = 1000;
 const BACKEND: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
 
 /// Runs every benchmark and prints the table (also written to target/bench.md).
-pub fn run(workspace: &Path) -> Result<()> {
-    let status = Command::new("cargo")
-        .args(["build", "--release", "-p", "rune-agent"])
-        .current_dir(workspace)
-        .status()?;
-    ensure!(status.success(), "building the release agent failed");
-    let bin = workspace.join("target/release/rune-agent");
+pub fn run() -> Result<()> {
+    crate::util::run_status(
+        "build the release agent",
+        crate::util::cargo().args(["build", "--release", "-p", "rune-agent"]),
+    )?;
+    let bin = crate::util::target_dir().join("release/rune-agent");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     let report = rt.block_on(bench_all(&bin))?;
     println!("{report}");
-    let out = workspace.join("target/bench.md");
+    let out = crate::util::target_dir().join("bench.md");
     std::fs::write(&out, &report)?;
     println!("(written to {})", out.display());
     Ok(())
@@ -184,7 +183,7 @@ async fn load(scenario: Scenario, target: SocketAddr, src: Ipv4Addr) -> Result<f
                         let mut b = [0u8; 1];
                         s.read_exact(&mut b).await?;
                         // RST instead of FIN: no TIME_WAIT pile-up on the client side.
-                        s.set_linger(Some(Duration::ZERO))?;
+                        s.set_zero_linger()?;
                         drop(s);
                         done.fetch_add(1, Ordering::Relaxed);
                     }

@@ -1,8 +1,9 @@
-//! Project tasks: `cargo xtask setup | build-ebpf | test | run`.
+//! Project tasks: `cargo xtask setup | build-ebpf | test | run | bench`.
 //!
 //! Each subcommand lives in its own module with a `run` function; adding one is a
 //! `mod` line, an enum variant and a match arm.
 
+mod bench;
 mod build_ebpf;
 mod run;
 mod setup;
@@ -32,6 +33,9 @@ enum Command {
     Test,
     /// Setup, then run the agent (`rune-agent run --dev ARGS` unless `--production`).
     Run(run::Args),
+    /// Setup, then measure the dev-mode proxy against direct connections and the
+    /// agent's memory (side by side in one run; prints a table).
+    Bench,
 }
 
 fn main() -> ExitCode {
@@ -40,6 +44,7 @@ fn main() -> ExitCode {
         Command::BuildEbpf => build_ebpf::run(),
         Command::Test => test::run(),
         Command::Run(args) => run::run(args),
+        Command::Bench => setup::run().and_then(|()| bench::run()),
     };
     // One line per cause, no backtrace: the failing step's own output is above.
     match result {
