@@ -67,9 +67,22 @@ pub enum MaglevError {
 
 /// A Maglev lookup table: slot → index into the backend list it was built from.
 /// The default is the empty table (no backends).
+///
+/// Slots are stored in the narrowest integer that holds every backend index (one
+/// byte for up to 256 backends), because an agent keeps one table per service port:
+/// 1,000 services at the default size take 16 MiB instead of 64 MiB.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Maglev {
-    table: Vec<u32>,
+    slots: Slots,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+enum Slots {
+    #[default]
+    Empty,
+    U8(Box<[u8]>),
+    U16(Box<[u16]>),
+    U32(Box<[u32]>),
 }
 
 /// Whether `n` is prime (Maglev table sizes must be).
@@ -95,7 +108,7 @@ impl Maglev {
             return Err(MaglevError::NotPrime { size: m });
         }
         if backends.is_empty() {
-            return Ok(Self { table: Vec::new() });
+            return Ok(Self::default());
         }
         // Fill in identity order, so the input order does not matter.
         let mut order: Vec<usize> = (0..backends.len()).collect();
@@ -134,18 +147,54 @@ impl Maglev {
                 }
             }
         }
-        Ok(Self { table })
+        // Every entry is an index below backends.len(), so the narrowing casts below
+        // are lossless.
+        let slots = if backends.len() <= 1 << 8 {
+            Slots::U8(table.iter().map(|&i| i as u8).collect())
+        } else if backends.len() <= 1 << 16 {
+            Slots::U16(table.iter().map(|&i| i as u16).collect())
+        } else {
+            Slots::U32(table.into_boxed_slice())
+        };
+        Ok(Self { slots })
+    }
+
+    /// The number of slots (0 without backends).
+    pub fn len(&self) -> usize {
+        match &self.slots {
+            Slots::Empty => 0,
+            Slots::U8(t) => t.len(),
+            Slots::U16(t) => t.len(),
+            Slots::U32(t) => t.len(),
+        }
+    }
+
+    /// Whether the table is empty (no backends).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The backend index in `slot`; `None` when the slot is out of range.
+    pub fn get(&self, slot: usize) -> Option<usize> {
+        match &self.slots {
+            Slots::Empty => None,
+            Slots::U8(t) => t.get(slot).map(|&i| usize::from(i)),
+            Slots::U16(t) => t.get(slot).map(|&i| usize::from(i)),
+            Slots::U32(t) => t.get(slot).map(|&i| i as usize),
+        }
     }
 
     /// The backend index for a flow hash, `None` when there are no backends.
     pub fn lookup(&self, hash: u32) -> Option<usize> {
-        let len = self.table.len();
-        (len > 0).then(|| self.table[hash as usize % len] as usize)
+        match self.len() {
+            0 => None,
+            len => self.get(hash as usize % len),
+        }
     }
 
-    /// The table itself (slot → backend index), for maps and tests.
-    pub fn table(&self) -> &[u32] {
-        &self.table
+    /// Every slot's backend index in slot order (what a BPF map is filled with).
+    pub fn slots(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.len()).filter_map(|i| self.get(i))
     }
 }
 
@@ -166,8 +215,8 @@ mod tests {
 
     fn counts(t: &Maglev, n: usize) -> Vec<usize> {
         let mut c = vec![0; n];
-        for &b in t.table() {
-            c[b as usize] += 1;
+        for b in t.slots() {
+            c[b] += 1;
         }
         c
     }
@@ -188,6 +237,10 @@ mod tests {
         }
     }
 
+    fn table(t: &Maglev) -> Vec<u32> {
+        t.slots().map(|i| i as u32).collect()
+    }
+
     fn changed(a: &[u32], b: &[u32], map: impl Fn(u32) -> u32) -> f64 {
         let d = a.iter().zip(b).filter(|(x, y)| map(**x) != **y).count();
         d as f64 / a.len() as f64
@@ -204,10 +257,10 @@ mod tests {
                 let less = Maglev::new(&rest, DEFAULT_TABLE_SIZE).unwrap();
                 // Indices above `gone` shift down by one in the smaller list.
                 let map = |i: u32| if i as usize > gone { i - 1 } else { i };
-                let frac = changed(full.table(), less.table(), map);
+                let frac = changed(&table(&full), &table(&less), map);
                 assert!(frac <= 1.0 / n as f64 + 0.01, "n={n} remove {gone}: {frac}");
                 // Adding it back is the same change the other way.
-                let frac = changed(less.table(), full.table(), |i| {
+                let frac = changed(&table(&less), &table(&full), |i| {
                     if i as usize >= gone { i + 1 } else { i }
                 });
                 assert!(frac <= 1.0 / n as f64 + 0.01, "n={n} add {gone}: {frac}");
@@ -221,9 +274,9 @@ mod tests {
         let a = Maglev::new(&k, DEFAULT_TABLE_SIZE).unwrap();
         let rev: Vec<_> = k.iter().rev().copied().collect();
         let b = Maglev::new(&rev, DEFAULT_TABLE_SIZE).unwrap();
-        let b_mapped: Vec<u32> = b.table().iter().map(|&i| 2 - i).collect();
-        assert_eq!(a.table(), &b_mapped[..]);
-        assert_eq!(&a.table()[..12], &GOLDEN[..]);
+        let b_mapped: Vec<u32> = table(&b).iter().map(|&i| 2 - i).collect();
+        assert_eq!(table(&a), b_mapped);
+        assert_eq!(&table(&a)[..12], &GOLDEN[..]);
         assert_eq!(a.lookup(0), Some(GOLDEN[0] as usize));
         assert_eq!(a.lookup(DEFAULT_TABLE_SIZE + 1), Some(GOLDEN[1] as usize));
     }
@@ -259,5 +312,20 @@ mod tests {
         );
         let empty = Maglev::new(&[], DEFAULT_TABLE_SIZE).unwrap();
         assert_eq!(empty.lookup(42), None);
+        assert!(empty.is_empty());
+    }
+
+    #[test]
+    fn wide_backend_sets_keep_every_index() {
+        // 300 backends need two bytes per slot; every backend still owns slots.
+        let n = 300;
+        let t = Maglev::new(&keys(n), DEFAULT_TABLE_SIZE).unwrap();
+        assert!(matches!(t.slots, Slots::U16(_)));
+        assert_eq!(t.len(), DEFAULT_TABLE_SIZE as usize);
+        assert!(
+            counts(&t, n)
+                .iter()
+                .all(|&c| c >= DEFAULT_TABLE_SIZE as usize / n)
+        );
     }
 }

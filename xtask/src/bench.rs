@@ -37,7 +37,7 @@ const RUN: Duration = Duration::from_secs(2);
 const CONCURRENCY: usize = 16;
 /// Request and response size of the round-trip scenario.
 const MESSAGE: usize = 1024;
-/// Services applied for the memory figure.
+/// Services applied for the memory figure (three endpoints each).
 const MEMORY_SERVICES: usize = 1000;
 
 const BACKEND: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
@@ -67,7 +67,12 @@ async fn bench_all(bin: &Path) -> Result<String> {
     let service_port = free_port().await?;
     let mut agent = AgentProc::start(bin, &state, &[])?;
     agent.wait_ready().await?;
-    agent.apply(&service_yaml("bench", service_port, backend.port()))?;
+    agent.apply(&service_yaml(
+        "bench",
+        service_port,
+        backend.port(),
+        &[BACKEND],
+    ))?;
     let proxied = SocketAddr::from((Ipv4Addr::LOCALHOST, service_port));
     wait_connect(proxied).await?;
 
@@ -93,17 +98,30 @@ async fn bench_all(bin: &Path) -> Result<String> {
     let base = free_port_block(MEMORY_SERVICES).await?;
     let mut yaml = String::new();
     for i in 0..MEMORY_SERVICES {
-        yaml.push_str(&service_yaml(&format!("s{i}"), base + i as u16, 8080));
+        // Three endpoints each, as a small replicated service has.
+        let endpoints = [2, 3, 4].map(|h| Ipv4Addr::new(127, 0, 0, h));
+        yaml.push_str(&service_yaml(
+            &format!("s{i}"),
+            base + i as u16,
+            8080,
+            &endpoints,
+        ));
         yaml.push_str("---\n");
     }
     agent.apply(&yaml)?;
-    wait_connect(SocketAddr::from((Ipv4Addr::LOCALHOST, base + MEMORY_SERVICES as u16 - 1)))
-        .await?;
+    wait_connect(SocketAddr::from((
+        Ipv4Addr::LOCALHOST,
+        base + MEMORY_SERVICES as u16 - 1,
+    )))
+    .await?;
     let rss_1000 = agent.rss_kib()?;
     drop(agent);
 
     let mut t = String::new();
-    writeln!(t, "## rune-agent benchmarks (dev-mode proxy vs direct, loopback)")?;
+    writeln!(
+        t,
+        "## rune-agent benchmarks (dev-mode proxy vs direct, loopback)"
+    )?;
     writeln!(t)?;
     writeln!(
         t,
@@ -131,7 +149,7 @@ async fn bench_all(bin: &Path) -> Result<String> {
     )?;
     writeln!(
         t,
-        "| agent memory (RSS), {MEMORY_SERVICES} services | | {:.1} MiB | | < 50 MiB |",
+        "| agent memory (RSS), {MEMORY_SERVICES} services x 3 endpoints | | {:.1} MiB | | < 50 MiB |",
         rss_1000 as f64 / 1024.0
     )?;
     Ok(t)
@@ -255,14 +273,22 @@ async fn start_backend() -> Result<SocketAddr> {
     Ok(addr)
 }
 
-fn service_yaml(name: &str, port: u16, backend_port: u16) -> String {
+fn service_yaml(name: &str, port: u16, backend_port: u16, backends: &[Ipv4Addr]) -> String {
+    let endpoints: Vec<String> = backends
+        .iter()
+        .map(|a| format!("{{address: {a}}}"))
+        .collect();
     format!(
-        "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{ports: [{{port: {port}, targetPort: {backend_port}}}]}}\n---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: {name}}}\nspec: {{endpoints: [{{address: {BACKEND}}}]}}\n"
+        "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{ports: [{{port: {port}, targetPort: {backend_port}}}]}}\n---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: {name}}}\nspec: {{endpoints: [{}]}}\n",
+        endpoints.join(", ")
     )
 }
 
 async fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?.local_addr()?.port())
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .await?
+        .local_addr()?
+        .port())
 }
 
 /// The first of `n` consecutive ports that are free on 127.0.0.1 right now.
@@ -311,7 +337,13 @@ impl AgentProc {
             .port();
         let metrics = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
         let child = Command::new(bin)
-            .args(["run", "--dev", "--metrics-addr", &metrics.to_string(), "--state-dir"])
+            .args([
+                "run",
+                "--dev",
+                "--metrics-addr",
+                &metrics.to_string(),
+                "--state-dir",
+            ])
             .arg(state)
             .args(extra)
             .env("RUST_LOG", "warn")
@@ -377,4 +409,3 @@ impl Drop for AgentProc {
         let _ = std::fs::remove_dir_all(&self.state);
     }
 }
-
