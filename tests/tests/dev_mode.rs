@@ -72,7 +72,12 @@ fn start_backends() -> (Vec<Backend>, u16) {
 }
 
 /// One request over an open connection: the backend's address.
+/// Requests sent with [`ask`]: each is `hello\n` (6 bytes) answered by
+/// `127.0.0.N\n` (10 bytes).
+static ASKED: AtomicUsize = AtomicUsize::new(0);
+
 fn ask(conn: &mut (BufReader<TcpStream>, TcpStream)) -> String {
+    ASKED.fetch_add(1, Ordering::SeqCst);
     writeln!(conn.1, "hello").unwrap();
     let mut line = String::new();
     conn.0.read_line(&mut line).unwrap();
@@ -295,6 +300,17 @@ fn dev_mode_end_to_end() {
         r#"rune_proxy_connections_total{service="default/web",protocol="TCP",result="ok"}"#,
     );
     assert_eq!(tcp_ok, Some(made as f64), "{text}");
+    let asked = ASKED.load(Ordering::SeqCst) as f64;
+    let bytes = |dir: &str| {
+        metric(
+            &text,
+            &format!(
+                r#"rune_proxy_bytes_total{{service="default/web",protocol="TCP",direction="{dir}"}}"#
+            ),
+        )
+    };
+    assert_eq!(bytes("to_backend"), Some(asked * 6.0), "{text}");
+    assert_eq!(bytes("to_client"), Some(asked * 10.0), "{text}");
     // Whichever of web and echo won the shared UDP port carried the one flow.
     let udp_flows: f64 = ["default/web", "default/echo"]
         .iter()

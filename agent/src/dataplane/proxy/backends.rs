@@ -32,6 +32,8 @@ pub(super) struct Backends {
     pub(super) known: bool,
     /// Session affinity idle timeout, `None` without affinity.
     affinity: Option<Duration>,
+    /// How long connections to an endpoint that stopped taking new ones may go on.
+    pub(super) drain: Duration,
 }
 
 impl Backends {
@@ -111,6 +113,7 @@ impl Backends {
             status,
             known: endpoints.is_some(),
             affinity,
+            drain: Duration::from_secs(u64::from(spec.drain_seconds)),
         }
     }
 }
@@ -178,7 +181,18 @@ pub(super) struct PortShared {
     pub(super) service: String,
     backends: RwLock<Arc<Backends>>,
     affinity: Mutex<HashMap<IpAddr, (SocketAddr, Instant)>>,
+    /// Per backend with open connections: the token that ends them once the backend
+    /// has been out of the eligible set for the drain time.
+    drains: Mutex<HashMap<SocketAddr, Drain>>,
     pub(super) m: PortMetrics,
+}
+
+/// The drain state of one backend's connections.
+struct Drain {
+    /// Cancelled when the drain time is over: the connections close.
+    token: tokio_util::sync::CancellationToken,
+    /// Since when the backend gets no new connections (`None` while it does).
+    leaving: Option<Instant>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -198,7 +212,55 @@ impl PortShared {
             service,
             backends: RwLock::new(Arc::new(backends)),
             affinity: Mutex::new(HashMap::new()),
+            drains: Mutex::new(HashMap::new()),
             m,
+        }
+    }
+
+    /// The token a new connection to `backend` ends on when the backend is drained.
+    pub(super) fn drain_token(&self, backend: SocketAddr) -> tokio_util::sync::CancellationToken {
+        lock(&self.drains)
+            .entry(backend)
+            .or_insert_with(|| Drain {
+                token: tokio_util::sync::CancellationToken::new(),
+                leaving: None,
+            })
+            .token
+            .clone()
+    }
+
+    /// Marks backends with connections that are no longer eligible (all of them when
+    /// `eligible` is `None`, i.e. the port is going away) as leaving now, and eligible
+    /// ones as staying. Returns the newly leaving ones with their start time, for
+    /// [`expire`](Self::expire) after the drain time.
+    pub(super) fn mark_leaving(
+        &self,
+        eligible: Option<&[SocketAddr]>,
+    ) -> Vec<(SocketAddr, Instant)> {
+        let now = Instant::now();
+        let mut out = Vec::new();
+        for (addr, d) in lock(&self.drains).iter_mut() {
+            let stays = eligible.is_some_and(|e| e.binary_search(addr).is_ok());
+            if stays {
+                d.leaving = None;
+            } else if d.leaving.is_none() {
+                d.leaving = Some(now);
+                out.push((*addr, now));
+            }
+        }
+        out
+    }
+
+    /// Ends the connections to `backend` if it has been leaving since `since` without
+    /// coming back in between.
+    pub(super) fn expire(&self, backend: SocketAddr, since: Instant) {
+        let mut drains = lock(&self.drains);
+        if drains
+            .get(&backend)
+            .is_some_and(|d| d.leaving == Some(since))
+            && let Some(d) = drains.remove(&backend)
+        {
+            d.token.cancel();
         }
     }
 
@@ -210,15 +272,18 @@ impl PortShared {
             .clone()
     }
 
-    /// Swaps in a new backend set; connections already open are not touched.
-    pub(super) fn set_backends(&self, b: Backends) {
+    /// Swaps in a new backend set; connections already open are not touched. Returns
+    /// the backends whose connections start draining now.
+    pub(super) fn set_backends(&self, b: Backends) -> Vec<(SocketAddr, Instant)> {
         if b.affinity.is_none() {
             lock(&self.affinity).clear();
         }
+        let leaving = self.mark_leaving(Some(&b.eligible));
         *self
             .backends
             .write()
             .unwrap_or_else(PoisonError::into_inner) = Arc::new(b);
+        leaving
     }
 
     /// The backend for a new connection from `client`, `None` when there is none.

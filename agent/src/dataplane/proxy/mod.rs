@@ -188,8 +188,10 @@ impl Inner {
         for (k, p) in wanted {
             if let Some(e) = ports.get_mut(&k) {
                 let prev = e.shared.backends();
-                e.shared
-                    .set_backends(Backends::build(view, p, node, size, Some(&prev)));
+                let next = Backends::build(view, p, node, size, Some(&prev));
+                let drain = next.drain;
+                let leaving = e.shared.set_backends(next);
+                self.drain_later(&e.shared, leaving, drain);
                 if matches!(e.listener, Listener::Failed(_)) {
                     self.start(e, p.protocol);
                 }
@@ -281,12 +283,34 @@ impl Inner {
         }
     }
 
-    /// Closes the port's listener; open TCP connections are left to finish.
+    /// Closes the port's listener; open TCP connections are left to finish within
+    /// the service's drain time.
     fn stop(&self, e: PortEntry) {
         if let Listener::Running(stop) = e.listener {
             stop.cancel();
         }
+        let leaving = e.shared.mark_leaving(None);
+        self.drain_later(&e.shared, leaving, e.shared.backends().drain);
         self.metrics.proxy_listener_up.remove(&e.labels);
+    }
+
+    /// Ends the connections to each leaving backend once `drain` has passed, unless
+    /// the backend became eligible again meanwhile.
+    fn drain_later(
+        &self,
+        shared: &Arc<PortShared>,
+        leaving: Vec<(SocketAddr, std::time::Instant)>,
+        drain: Duration,
+    ) {
+        for (backend, since) in leaving {
+            let (shared, cancel) = (shared.clone(), self.cancel.clone());
+            self.tracker.spawn(async move {
+                tokio::select! {
+                    _ = cancel.cancelled() => {}
+                    _ = tokio::time::sleep(drain) => shared.expire(backend, since),
+                }
+            });
+        }
     }
 
     fn retry_failed(&self) {

@@ -1,9 +1,17 @@
 //! The TCP side of the proxy: accept, pick a backend, dial, splice.
 
 use super::backends::PortShared;
-use std::{net::SocketAddr, sync::Arc, time::Duration};
+use prometheus_client::metrics::counter::Counter;
+use std::{
+    io,
+    net::SocketAddr,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
 use tokio::{
-    io::copy_bidirectional,
+    io::{AsyncRead, AsyncWrite, ReadBuf, copy_bidirectional},
     net::{TcpListener, TcpStream},
     time::timeout,
 };
@@ -54,7 +62,7 @@ fn reset(sock: TcpStream) {
 }
 
 async fn connection(
-    mut client: TcpStream,
+    client: TcpStream,
     backend: SocketAddr,
     port: Arc<PortShared>,
     cancel: CancellationToken,
@@ -63,7 +71,7 @@ async fn connection(
         _ = cancel.cancelled() => return,
         r = timeout(DIAL_TIMEOUT, TcpStream::connect(backend)) => r,
     };
-    let mut server = match dialed {
+    let server = match dialed {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             tracing::debug!(service = %port.service, %backend, error = %e, "dial failed");
@@ -80,13 +88,62 @@ async fn connection(
     // Request/response traffic: do not hold small writes back (best effort).
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
+    let drained = port.drain_token(backend);
+    // Bytes are counted as they are read, so the counters are current while the
+    // connection lives and nothing is lost when it ends in an error.
+    let mut client = Counted::new(client, port.m.to_backend.clone());
+    let mut server = Counted::new(server, port.m.to_client.clone());
     tokio::select! {
         _ = cancel.cancelled() => {}
-        r = copy_bidirectional(&mut client, &mut server) => {
-            if let Ok((to_backend, to_client)) = r {
-                port.m.to_backend.inc_by(to_backend);
-                port.m.to_client.inc_by(to_client);
-            }
+        _ = drained.cancelled() => {
+            tracing::debug!(service = %port.service, %backend, "drain time over: closing");
         }
+        _ = copy_bidirectional(&mut client, &mut server) => {}
+    }
+}
+
+/// A stream that adds every byte read from it to a counter.
+struct Counted<S> {
+    inner: S,
+    read: Counter,
+}
+
+impl<S> Counted<S> {
+    fn new(inner: S, read: Counter) -> Self {
+        Self { inner, read }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        let n = buf.filled().len() - before;
+        if n > 0 {
+            self.read.inc_by(n as u64);
+        }
+        r
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }

@@ -226,6 +226,76 @@ async fn terminating_and_removed_endpoints_keep_open_connections() {
     timeout(PATIENCE, p.shutdown()).await.unwrap();
 }
 
+/// Reads until the proxy closes the connection; `None` when it stays open.
+async fn closed_within(s: &mut TcpStream, patience: Duration) -> Option<()> {
+    let mut buf = [0u8; 64];
+    match timeout(patience, s.read(&mut buf)).await {
+        Ok(Ok(0) | Err(_)) => Some(()),
+        Ok(Ok(_)) | Err(_) => None,
+    }
+}
+
+#[tokio::test]
+async fn connections_to_a_leaving_endpoint_end_after_the_drain_time() {
+    let (p, m) = proxy();
+    let port = free_port();
+    let a = ep([127, 0, 0, 2], tcp_backend([127, 0, 0, 2], 1).await);
+    let b = ep([127, 0, 0, 3], tcp_backend([127, 0, 0, 3], 2).await);
+    let mut svc = service("drain", port, Protocol::Tcp);
+    svc.spec.drain_seconds = 1;
+    p.apply(&upsert(vec![view(&svc, Some(vec![a.clone()]))]))
+        .await
+        .unwrap();
+    let (mut old, id) = connect(port).await;
+    assert_eq!(id, 1);
+    echo(&mut old, b"0123456789").await;
+    // Bytes are counted while the connection is open (1 id byte + the echo back).
+    let bytes = |dir: &str| {
+        m.proxy_bytes
+            .get_or_create(&crate::metrics::BytesLabels {
+                service: "default/drain".into(),
+                protocol: "TCP".into(),
+                direction: dir.into(),
+            })
+            .get()
+    };
+    assert_eq!((bytes("to_backend"), bytes("to_client")), (10, 11));
+
+    let mut a_term = a.clone();
+    a_term.terminating = true;
+    p.apply(&upsert(vec![view(&svc, Some(vec![a_term, b.clone()]))]))
+        .await
+        .unwrap();
+    // Still served within the drain time...
+    echo(&mut old, b"draining").await;
+    // ...and closed once it is over.
+    assert!(
+        closed_within(&mut old, PATIENCE).await.is_some(),
+        "connection outlived drainSeconds"
+    );
+
+    // A backend that comes back before the drain time is over keeps its connections.
+    p.apply(&upsert(vec![view(&svc, Some(vec![a.clone()]))]))
+        .await
+        .unwrap();
+    let (mut second, id) = connect(port).await;
+    assert_eq!(id, 1);
+    p.apply(&upsert(vec![view(&svc, Some(vec![b.clone()]))]))
+        .await
+        .unwrap();
+    p.apply(&upsert(vec![view(&svc, Some(vec![a.clone(), b]))]))
+        .await
+        .unwrap();
+    assert!(
+        closed_within(&mut second, Duration::from_millis(1500))
+            .await
+            .is_none(),
+        "a backend that returned was drained"
+    );
+    echo(&mut second, b"still here").await;
+    timeout(PATIENCE, p.shutdown()).await.unwrap();
+}
+
 #[tokio::test]
 async fn deleting_an_endpoint_moves_traffic_to_the_rest() {
     let (p, _) = proxy();
