@@ -121,7 +121,12 @@ impl Drop for Agent {
     }
 }
 
-/// Runs `rune-agent ARGS --state-dir DIR`, feeding `stdin` when given.
+/// How long one CLI command may take before it is killed (a hang fails the test
+/// instead of stalling the suite).
+pub const CLI_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Runs `rune-agent ARGS --state-dir DIR`, feeding `stdin` when given; killed after
+/// [`CLI_PATIENCE`].
 pub fn cli(state_dir: &Path, args: &[&str], stdin: Option<&str>) -> Output {
     let mut child = Command::new(agent_bin())
         .args(args)
@@ -144,7 +149,30 @@ pub fn cli(state_dir: &Path, args: &[&str], stdin: Option<&str>) -> Output {
             .write_all(text.as_bytes())
             .unwrap();
     }
-    child.wait_with_output().unwrap()
+    let pid = child.id() as i32;
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watchdog = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let deadline = Instant::now() + CLI_PATIENCE;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                if Instant::now() > deadline {
+                    // SAFETY: kill(2) on our own child, which has not been reaped yet.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            false
+        })
+    };
+    let out = child.wait_with_output().unwrap();
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        !watchdog.join().unwrap(),
+        "rune-agent {args:?} did not finish within {CLI_PATIENCE:?}"
+    );
+    out
 }
 
 /// A minimal HTTP/1.0 GET (no client library needed): status code and body.
