@@ -9,7 +9,7 @@ use std::{
     process::{Command, Stdio},
 };
 
-use anyhow::{Context as _, anyhow, bail};
+use anyhow::{Context as _, anyhow};
 
 use crate::util;
 
@@ -53,11 +53,14 @@ fn apt_packages() -> anyhow::Result<()> {
         return Ok(());
     }
     if !util::is_root() {
-        bail!(
-            "apt packages missing ({}): run `cargo xtask setup` as root, or `sudo apt-get install {}`",
-            missing.join(" "),
-            missing.join(" ")
-        );
+        // Dev mode needs none of them; the privileged tests (run as root) do.
+        for pkg in &missing {
+            report(
+                &format!("apt {pkg}"),
+                &format!("missing (not root: `sudo apt-get install {pkg}`)"),
+            );
+        }
+        return Ok(());
     }
     let apt = |args: &[&str]| {
         let mut cmd = Command::new("apt-get");
