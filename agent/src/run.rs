@@ -17,10 +17,13 @@ use crate::{
     localapi::{self, LocalApiServer, StatusFn},
     metrics::{Metrics, MetricsServer},
     orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
-    status::{AgentStatus, NodeStatus, ServiceStatus, SubsystemLine},
+    status::{AgentStatus, NodeStatus, SubsystemLine},
 };
 use anyhow::{Context, Result, bail};
-use std::sync::{Arc, Weak};
+use std::{
+    path::PathBuf,
+    sync::{Arc, Weak},
+};
 
 /// Runs the agent until SIGINT or SIGTERM, then stops every subsystem.
 pub async fn run(config: Config) -> Result<()> {
@@ -65,7 +68,7 @@ pub async fn run(config: Config) -> Result<()> {
         Arc::downgrade(&agent),
         cache.clone(),
         plane.clone(),
-        config.state_dir.display().to_string(),
+        config.state_dir.clone(),
     );
     agent.register(Arc::new(MetricsServer::new(
         config.metrics_addr,
@@ -131,13 +134,14 @@ fn status_fn(
     agent: Weak<Agent>,
     cache: Arc<EndpointCache>,
     plane: Arc<dyn DataPlane>,
-    state_dir: String,
+    state_dir: PathBuf,
 ) -> StatusFn {
     Arc::new(move || {
-        let mut services: Vec<ServiceStatus> =
-            cache.views().iter().map(ServiceStatus::from_view).collect();
+        let mut st = AgentStatus::from_cache(&state_dir, &cache);
+        st.running = true;
+        st.dataplane = Some(plane.mode().to_owned());
         let ports = plane.status();
-        for s in &mut services {
+        for s in &mut st.services {
             for p in &mut s.ports {
                 if let Some(dp) = ports.iter().find(|d| {
                     d.service == s.service && d.port == p.port && d.protocol.as_str() == p.protocol
@@ -150,24 +154,6 @@ fn status_fn(
                 }
             }
         }
-        let mut st = AgentStatus {
-            running: true,
-            state_dir: state_dir.clone(),
-            dataplane: Some(plane.mode().to_owned()),
-            revision: cache.revision(),
-            objects: cache
-                .counts()
-                .into_iter()
-                .map(|(k, n)| (k.to_string(), n))
-                .collect(),
-            services,
-            orphan_endpoints: cache
-                .orphan_endpoints()
-                .iter()
-                .map(|k| k.to_string())
-                .collect(),
-            ..AgentStatus::default()
-        };
         if let Some(agent) = agent.upgrade() {
             let id = agent.identity();
             st.mode = Some(agent.mode().to_string());

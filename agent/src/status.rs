@@ -5,7 +5,7 @@
 //! JSON; without a running agent the CLI builds a smaller one from the store.
 
 use crate::{
-    endpoints::ServiceView,
+    endpoints::{EndpointCache, ServiceView},
     orderedlog::{Revision, embedded::EmbeddedLog},
 };
 use serde::{Deserialize, Serialize};
@@ -180,20 +180,23 @@ impl AgentStatus {
     /// The status readable without an agent: the store's revision and objects.
     pub fn from_store(state_dir: &Path, store: &EmbeddedLog) -> anyhow::Result<AgentStatus> {
         let (revision, objects) = store.get(None, None, None)?;
-        let cache = crate::endpoints::EndpointCache::new();
-        cache.apply_snapshot(&crate::orderedlog::Snapshot {
-            revision,
-            objects: objects.clone(),
-        });
-        let mut counts = BTreeMap::new();
-        for o in &objects {
-            *counts.entry(o.kind().to_string()).or_insert(0) += 1;
-        }
-        Ok(AgentStatus {
+        let cache = EndpointCache::new();
+        cache.apply_snapshot(&crate::orderedlog::Snapshot { revision, objects });
+        Ok(AgentStatus::from_cache(state_dir, &cache))
+    }
+
+    /// What the cache alone says: revision, object counts, services with their
+    /// endpoints (no data plane state) and orphan endpoints.
+    pub fn from_cache(state_dir: &Path, cache: &EndpointCache) -> AgentStatus {
+        AgentStatus {
             running: false,
             state_dir: state_dir.display().to_string(),
-            revision,
-            objects: counts,
+            revision: cache.revision(),
+            objects: cache
+                .counts()
+                .into_iter()
+                .map(|(k, n)| (k.to_string(), n))
+                .collect(),
             services: cache.views().iter().map(ServiceStatus::from_view).collect(),
             orphan_endpoints: cache
                 .orphan_endpoints()
@@ -201,7 +204,7 @@ impl AgentStatus {
                 .map(|k| k.to_string())
                 .collect(),
             ..AgentStatus::default()
-        })
+        }
     }
 
     /// The human-readable form.
