@@ -44,13 +44,26 @@ impl Agent {
     /// Starts `rune-agent run --state-dir DIR --metrics-addr ADDR ARGS...`.
     pub fn start(state_dir: &Path, args: &[&str]) -> Agent {
         let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let mut all = vec!["--metrics-addr".to_owned(), metrics.to_string()];
+        all.extend(args.iter().map(|a| a.to_string()));
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        Self::start_with(state_dir, &all, &[], metrics)
+    }
+
+    /// Starts `rune-agent run --state-dir DIR ARGS...` with extra environment
+    /// variables; `metrics` is where the test expects the metrics listener.
+    pub fn start_with(
+        state_dir: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+        metrics: SocketAddr,
+    ) -> Agent {
         let child = Command::new(agent_bin())
             .arg("run")
             .arg("--state-dir")
             .arg(state_dir)
-            .arg("--metrics-addr")
-            .arg(metrics.to_string())
             .args(args)
+            .envs(env.iter().copied())
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .spawn()

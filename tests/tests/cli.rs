@@ -2,7 +2,7 @@
 //! commands through a running agent's socket, clear errors for bad input, and an
 //! identity and store that survive a restart. Needs no root.
 
-use rune_agent_tests::agent::{Agent, cli, eventually};
+use rune_agent_tests::agent::{Agent, cli, eventually, free_port};
 use std::{os::unix::fs::PermissionsExt, process::Output, time::Duration};
 
 const PATIENCE: Duration = Duration::from_secs(20);
@@ -191,5 +191,43 @@ fn a_running_agent_serves_the_cli_and_keeps_identity_and_store_across_restarts()
     let second = cli(dir, &["run", "--dev"], None);
     assert!(!second.status.success());
     assert!(stderr(&second).contains("in use"), "{}", stderr(&second));
+    assert_eq!(agent.terminate(PATIENCE), Some(0));
+}
+
+#[test]
+fn settings_come_from_the_config_file_env_and_flags_in_that_order() {
+    let state = tempfile::tempdir().unwrap();
+    let dir = state.path();
+    let config = dir.join("agent.yaml");
+    // The file asks for dev mode and one offset; a flag overrides the offset; the
+    // metrics address comes from the environment.
+    std::fs::write(
+        &config,
+        "dev: true\ndevPortOffset: 30000\nreadyTimeoutSeconds: 10\n",
+    )
+    .unwrap();
+    let metrics: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let config_arg = config.to_string_lossy().into_owned();
+    let mut agent = Agent::start_with(
+        dir,
+        &["--config", &config_arg, "--dev-port-offset", "31000"],
+        &[("RUNE_METRICS_ADDR", &metrics.to_string())],
+        metrics,
+    );
+    agent.wait_ready(PATIENCE);
+    let out = agent.cli(&["apply", "-f", "-"], Some(WEB));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let listen = eventually(PATIENCE, "the port is listening", || {
+        let v: serde_json::Value =
+            serde_json::from_slice(&agent.cli(&["status", "-o", "json"], None).stdout).ok()?;
+        assert_eq!(v["mode"], "dev", "dev mode from the file");
+        v["services"][0]["ports"][0]["listen"]
+            .as_str()
+            .map(str::to_owned)
+    });
+    assert_eq!(
+        listen, "127.0.0.1:31080",
+        "the flag's offset wins over the file's"
+    );
     assert_eq!(agent.terminate(PATIENCE), Some(0));
 }
