@@ -49,7 +49,7 @@ pub enum Command {
         kind: Option<String>,
         /// Name; every object of the kind when omitted.
         name: Option<String>,
-        /// Namespace; every namespace when omitted.
+        /// Namespace; with a NAME `default` when omitted, else every namespace.
         #[arg(short = 'n', long)]
         namespace: Option<String>,
         /// Output format; a table when omitted.
@@ -211,6 +211,12 @@ pub async fn get(
     if name.is_some() && kind.is_none() {
         bail!("a name needs a kind: rune-agent get KIND NAME");
     }
+    // A name is looked up in one namespace (`default` unless -n says otherwise), as
+    // `delete` does; without a name, every namespace is listed.
+    let namespace = match (name, namespace) {
+        (Some(_), None) => Some(crate::model::DEFAULT_NAMESPACE),
+        _ => namespace,
+    };
     let (_, objects) = match target(config).await? {
         Target::Agent(mut c) => c.get(kind, namespace, name).await?,
         Target::Store(store) => store.get(kind, namespace, name)?,
@@ -219,7 +225,7 @@ pub async fn get(
         bail!(
             "{} {}/{} not found",
             kind.map(Kind::as_str).unwrap_or_default(),
-            namespace.unwrap_or(crate::model::DEFAULT_NAMESPACE),
+            namespace.unwrap_or_default(),
             name.unwrap_or_default()
         );
     }
@@ -326,12 +332,7 @@ pub async fn delete(config: &Config, kind: &str, name: &str, namespace: &str) ->
         Target::Agent(mut c) => c.delete(&key).await?,
         Target::Store(store) => store.delete(&key)?,
     };
-    let shown = format!(
-        "{}/{}/{}",
-        key.kind.as_str().to_ascii_lowercase(),
-        key.namespace,
-        key.name
-    );
+    let shown = localapi::object_path(&key);
     match deleted {
         Some(_) => {
             println!("{shown} deleted");

@@ -15,6 +15,9 @@ use thiserror::Error;
 /// Default `--metrics-addr`.
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
 
+/// Longest accepted UDP idle timeout (one day).
+pub const MAX_UDP_IDLE_SECONDS: u64 = 86_400;
+
 /// Everything `rune-agent run` needs, resolved and checked.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
@@ -159,10 +162,10 @@ impl FileConfig {
             });
         }
         let udp_idle = self.udp_idle_timeout_seconds.unwrap_or(60);
-        if udp_idle == 0 {
+        if !(1..=MAX_UDP_IDLE_SECONDS).contains(&udp_idle) {
             return Err(ConfigError::Invalid {
                 setting: "--udp-idle-timeout-seconds",
-                message: "must be at least 1".into(),
+                message: format!("{udp_idle} is out of range 1-{MAX_UDP_IDLE_SECONDS}"),
             });
         }
         let log_history = self.log_history.unwrap_or(10_000);

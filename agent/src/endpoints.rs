@@ -39,13 +39,27 @@ impl ServiceView {
     }
 }
 
+/// The whole cache at one revision, for `status`.
+#[derive(Clone, Debug, Default)]
+pub struct CacheSummary {
+    /// The revision.
+    pub revision: Revision,
+    /// Objects by kind.
+    pub counts: BTreeMap<Kind, usize>,
+    /// Every service with its endpoints, ordered by key.
+    pub views: Vec<ServiceView>,
+    /// Endpoints objects without a service.
+    pub orphans: Vec<ObjectKey>,
+}
+
 /// What changed for one subscriber since its previous [`Delta`].
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Delta {
     /// The cache revision this delta brings the subscriber to.
     pub revision: Revision,
-    /// True for the first delta (and after a resync): `upserted` holds every service
-    /// and anything the subscriber holds that is not in it must go.
+    /// True for the first delta (and when the subscriber asked for one with
+    /// [`Subscription::request_full`]): `upserted` holds every service and anything
+    /// the subscriber holds that is not in it must go.
     pub full: bool,
     /// Services created or changed, with their endpoints.
     pub upserted: Vec<ServiceView>,
@@ -108,19 +122,18 @@ impl EndpointCache {
             }
         }
         let mut st = lock(&self.state);
-        let mut changed = BTreeSet::new();
-        for key in st.services.keys().chain(services.keys()) {
-            if st.services.get(key) != services.get(key)
-                || st.endpoints.get(key) != endpoints.get(key)
-            {
-                changed.insert(key.clone());
-            }
-        }
-        for key in st.endpoints.keys().chain(endpoints.keys()) {
-            if st.endpoints.get(key) != endpoints.get(key) {
-                changed.insert(key.clone());
-            }
-        }
+        let changed: BTreeSet<ServiceKey> = st
+            .services
+            .keys()
+            .chain(services.keys())
+            .chain(st.endpoints.keys())
+            .chain(endpoints.keys())
+            .filter(|key| {
+                st.services.get(*key) != services.get(*key)
+                    || st.endpoints.get(*key) != endpoints.get(*key)
+            })
+            .cloned()
+            .collect();
         st.services = services;
         st.endpoints = endpoints;
         st.revision = snapshot.revision;
@@ -191,16 +204,15 @@ impl EndpointCache {
 
     /// Every service's view, ordered by key.
     pub fn views(&self) -> Vec<ServiceView> {
-        let st = lock(&self.state);
-        st.services
-            .keys()
-            .filter_map(|k| Self::view_locked(&st, k))
-            .collect()
+        self.summary().views
     }
 
     /// Objects held, by kind (for metrics and status).
     pub fn counts(&self) -> BTreeMap<Kind, usize> {
-        let st = lock(&self.state);
+        Self::counts_locked(&lock(&self.state))
+    }
+
+    fn counts_locked(st: &State) -> BTreeMap<Kind, usize> {
         BTreeMap::from([
             (Kind::Service, st.services.len()),
             (Kind::Endpoints, st.endpoints.len()),
@@ -209,12 +221,30 @@ impl EndpointCache {
 
     /// Endpoints objects whose service does not exist (visible in `status`).
     pub fn orphan_endpoints(&self) -> Vec<ObjectKey> {
-        let st = lock(&self.state);
+        Self::orphans_locked(&lock(&self.state))
+    }
+
+    fn orphans_locked(st: &State) -> Vec<ObjectKey> {
         st.endpoints
             .keys()
             .filter(|k| !st.services.contains_key(*k))
             .map(|k| ObjectKey::new(Kind::Endpoints, &k.namespace, &k.name))
             .collect()
+    }
+
+    /// Everything `status` shows, read at one revision.
+    pub fn summary(&self) -> CacheSummary {
+        let st = lock(&self.state);
+        CacheSummary {
+            revision: st.revision,
+            counts: Self::counts_locked(&st),
+            views: st
+                .services
+                .keys()
+                .filter_map(|k| Self::view_locked(&st, k))
+                .collect(),
+            orphans: Self::orphans_locked(&st),
+        }
     }
 
     /// Subscribes a reconciler. Its first [`Subscription::next`] returns a full delta.
@@ -349,6 +379,9 @@ impl Subsystem for CacheFeed {
     }
 }
 
+/// First pause before retrying the ordered log; doubles up to [`MAX_BACKOFF`].
+const INITIAL_BACKOFF: Duration = Duration::from_millis(100);
+/// Longest pause between retries.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 fn publish(cache: &EndpointCache, metrics: &Metrics) {
@@ -371,7 +404,7 @@ async fn follow(
     synced: ReadySetter,
     cancel: CancellationToken,
 ) {
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = INITIAL_BACKOFF;
     let pause = |d: Duration| {
         let cancel = cancel.clone();
         async move {
@@ -416,7 +449,6 @@ async fn follow(
                 continue;
             }
         };
-        backoff = Duration::from_millis(100);
         loop {
             let item = tokio::select! {
                 () = cancel.cancelled() => return,
@@ -426,6 +458,8 @@ async fn follow(
                 Some(Ok(event)) => {
                     cache.apply_event(&event);
                     publish(&cache, &metrics);
+                    // Only a stream that delivers counts as healthy.
+                    backoff = INITIAL_BACKOFF;
                 }
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, resync = e.needs_resync(), "watch ended; taking a new snapshot");
@@ -437,9 +471,10 @@ async fn follow(
                 }
             }
         }
-        if !pause(Duration::from_millis(50)).await {
+        if !pause(backoff).await {
             return;
         }
+        backoff = (backoff * 2).min(MAX_BACKOFF);
     }
 }
 

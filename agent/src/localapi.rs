@@ -20,7 +20,7 @@ use rune_proto::v1::{
 };
 use std::{
     io,
-    os::unix::fs::PermissionsExt,
+    os::unix::fs::{FileTypeExt, PermissionsExt},
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -77,17 +77,31 @@ pub async fn bind(path: &Path) -> Result<UnixListener, LocalApiError> {
         path: path.to_owned(),
         source,
     };
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
         match UnixStream::connect(path).await {
             Ok(_) => {
                 return Err(LocalApiError::InUse {
                     path: path.to_owned(),
                 });
             }
-            Err(_) => std::fs::remove_file(path).map_err(sock_err)?,
+            // Only a socket nobody listens on is stale; anything else (a regular file,
+            // a socket we may not open) is left alone and reported.
+            Err(e)
+                if e.kind() == io::ErrorKind::ConnectionRefused && meta.file_type().is_socket() =>
+            {
+                std::fs::remove_file(path).map_err(sock_err)?;
+            }
+            Err(e) => return Err(sock_err(e)),
         }
     }
-    let listener = UnixListener::bind(path).map_err(sock_err)?;
+    // Created 0600 from the start (not chmod-ed after bind, which would leave a
+    // window where other users could connect).
+    // SAFETY: umask(2) cannot fail; the previous mask is restored right after.
+    let old = unsafe { libc::umask(0o177) };
+    let bound = UnixListener::bind(path);
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let listener = bound.map_err(sock_err)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(sock_err)?;
     Ok(listener)
 }
@@ -227,18 +241,22 @@ impl LocalApiService for LocalApi {
 
 /// `service/default/web created`, as `apply` prints it.
 pub fn format_change(key: &ObjectKey, change: Change) -> String {
-    let verb = match change {
-        Change::Created => "created",
-        Change::Configured => "configured",
-        Change::Unchanged => "unchanged",
-    };
+    format!("{} {change}", object_path(key))
+}
+
+/// `service/default/web`: how the CLI names an object in its answers.
+pub fn object_path(key: &ObjectKey) -> String {
     format!(
-        "{}/{}/{} {verb}",
+        "{}/{}/{}",
         key.kind.as_str().to_ascii_lowercase(),
         key.namespace,
         key.name
     )
 }
+
+/// How long the CLI waits for the agent before giving up (a stuck agent must not
+/// hang `rune-agent status`).
+pub const CLIENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A connection to a running agent.
 pub struct Client {
@@ -254,7 +272,9 @@ impl Client {
         }
         let path = path.to_owned();
         // The URI is required by tonic but unused: the connector dials the socket.
-        let endpoint = tonic::transport::Endpoint::from_static("http://agent.sock");
+        let endpoint = tonic::transport::Endpoint::from_static("http://agent.sock")
+            .connect_timeout(CLIENT_TIMEOUT)
+            .timeout(CLIENT_TIMEOUT);
         let channel = endpoint
             .connect_with_connector(tower::service_fn(move |_| {
                 let path = path.clone();
@@ -334,6 +354,8 @@ pub struct LocalApiServer {
     store: Arc<EmbeddedLog>,
     status: StatusFn,
     tasks: tokio_util::task::TaskTracker,
+    /// Whether this server bound the socket (and so may remove it on stop).
+    bound: std::sync::atomic::AtomicBool,
 }
 
 impl LocalApiServer {
@@ -344,6 +366,7 @@ impl LocalApiServer {
             store,
             status,
             tasks: tokio_util::task::TaskTracker::new(),
+            bound: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }
@@ -361,6 +384,7 @@ impl crate::agent::Subsystem for LocalApiServer {
         let listener = bind(&self.path)
             .await
             .map_err(|e| crate::agent::SubsystemError::failed("local API", e))?;
+        self.bound.store(true, std::sync::atomic::Ordering::SeqCst);
         let api = LocalApi::new(self.store.clone(), self.status.clone());
         let cancel = ctx.cancel.clone();
         let path = self.path.clone();
@@ -379,6 +403,10 @@ impl crate::agent::Subsystem for LocalApiServer {
     async fn stop(&self) -> Result<(), crate::agent::SubsystemError> {
         self.tasks.close();
         self.tasks.wait().await;
+        // Never remove a socket another agent bound (our bind may have failed on it).
+        if !self.bound.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return Ok(());
+        }
         match std::fs::remove_file(&self.path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),

@@ -7,6 +7,11 @@ use std::process::ExitCode;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The version needs no settings: a bad config must not hide it.
+    if let Command::Version = cli.command {
+        println!("rune-agent {}", env!("CARGO_PKG_VERSION"));
+        return ExitCode::SUCCESS;
+    }
     let run_args = match &cli.command {
         Command::Run(args) => Some(args),
         _ => None,
@@ -18,10 +23,6 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Command::Version = cli.command {
-        println!("rune-agent {}", env!("CARGO_PKG_VERSION"));
-        return ExitCode::SUCCESS;
-    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -90,9 +90,13 @@ pub async fn run(config: Config) -> Result<()> {
         "starting rune-agent"
     );
     tracing::warn!("dev mode: network policy is not enforced");
+    // One signal future for the whole run, installed before start: a SIGTERM that
+    // arrives between start and the wait below is not lost.
+    let signal = shutdown_signal()?;
+    tokio::pin!(signal);
     let started = tokio::select! {
         r = agent.start() => Some(r),
-        () = shutdown_signal() => None,
+        () = &mut signal => None,
     };
     match started {
         Some(Ok(())) => match agent.ready_err() {
@@ -106,7 +110,7 @@ pub async fn run(config: Config) -> Result<()> {
         None => tracing::info!("signal received during start"),
     }
     if started.is_some() {
-        shutdown_signal().await;
+        signal.await;
     }
     tracing::info!("stopping");
     agent.stop().await.context("stopping the agent")?;
@@ -114,19 +118,17 @@ pub async fn run(config: Config) -> Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Resolves on the first SIGTERM or SIGINT; the handlers are installed at once.
+fn shutdown_signal() -> Result<impl Future<Output = ()>> {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        tracing::error!("cannot install signal handlers; stop with SIGKILL");
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
 }
 
 /// The status document of the running agent.

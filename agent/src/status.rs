@@ -188,21 +188,18 @@ impl AgentStatus {
     /// What the cache alone says: revision, object counts, services with their
     /// endpoints (no data plane state) and orphan endpoints.
     pub fn from_cache(state_dir: &Path, cache: &EndpointCache) -> AgentStatus {
+        let c = cache.summary();
         AgentStatus {
             running: false,
             state_dir: state_dir.display().to_string(),
-            revision: cache.revision(),
-            objects: cache
-                .counts()
+            revision: c.revision,
+            objects: c
+                .counts
                 .into_iter()
                 .map(|(k, n)| (k.to_string(), n))
                 .collect(),
-            services: cache.views().iter().map(ServiceStatus::from_view).collect(),
-            orphan_endpoints: cache
-                .orphan_endpoints()
-                .iter()
-                .map(|k| k.to_string())
-                .collect(),
+            services: c.views.iter().map(ServiceStatus::from_view).collect(),
+            orphan_endpoints: c.orphans.iter().map(|k| k.to_string()).collect(),
             ..AgentStatus::default()
         }
     }

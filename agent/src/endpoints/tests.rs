@@ -142,7 +142,13 @@ async fn next_waits_for_a_change() {
     let mut sub = cache.subscribe();
     assert!(sub.next().await.full);
     let waiter = tokio::spawn(async move { sub.next().await });
+    // On the test's single-threaded runtime, one yield lets the waiter run up to
+    // its wait: it must then be blocked, so the event below is what wakes it.
     tokio::task::yield_now().await;
+    assert!(
+        !waiter.is_finished(),
+        "next() returned with nothing changed"
+    );
     cache.apply_event(&put(1, service("a", 80)));
     let d = tokio::time::timeout(Duration::from_secs(5), waiter)
         .await
@@ -161,4 +167,80 @@ fn request_full_resends_everything() {
     let d = sub.try_next().unwrap();
     assert!(d.full);
     assert_eq!(names(&d.upserted), ["default/a"]);
+}
+
+/// An ordered log whose first watch breaks with a compaction: the feed must resync
+/// from a new snapshot.
+struct CompactingLog {
+    snapshots: Mutex<Vec<Snapshot>>,
+    watches: Mutex<u32>,
+}
+
+#[async_trait::async_trait]
+impl OrderedLog for CompactingLog {
+    async fn snapshot(&self) -> Result<Snapshot, crate::orderedlog::LogError> {
+        let mut s = self.snapshots.lock().unwrap();
+        Ok(if s.len() > 1 {
+            s.remove(0)
+        } else {
+            s[0].clone()
+        })
+    }
+
+    async fn watch(
+        &self,
+        from: Revision,
+    ) -> Result<crate::orderedlog::EventStream, crate::orderedlog::LogError> {
+        *self.watches.lock().unwrap() += 1;
+        if from == 1 {
+            let err = crate::orderedlog::LogError::Compacted {
+                requested: 1,
+                oldest: 4,
+            };
+            Ok(futures::stream::iter([Err(err)]).boxed())
+        } else {
+            Ok(futures::stream::pending().boxed())
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_feed_resyncs_after_a_compaction() {
+    let log = Arc::new(CompactingLog {
+        snapshots: Mutex::new(vec![
+            Snapshot {
+                revision: 1,
+                objects: vec![service("a", 80)],
+            },
+            Snapshot {
+                revision: 5,
+                objects: vec![service("b", 81)],
+            },
+        ]),
+        watches: Mutex::new(0),
+    });
+    let cache = Arc::new(EndpointCache::new());
+    let metrics = Arc::new(Metrics::new());
+    let feed = CacheFeed::new(log.clone(), cache.clone(), metrics.clone());
+    let ctx = StartContext::new(CancellationToken::new(), crate::agent::Mode::Dev);
+    feed.start(&ctx).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), feed.ready().wait())
+        .await
+        .expect("ready after the first snapshot");
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while cache.revision() != 5 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("resynced to revision 5");
+    assert!(cache.view(&ServiceKey::new("default", "a")).is_none());
+    assert!(cache.view(&ServiceKey::new("default", "b")).is_some());
+    assert_eq!(*log.watches.lock().unwrap(), 2);
+    assert_eq!(metrics.revision_applied.get(), 5);
+    ctx.cancel.cancel();
+    tokio::time::timeout(Duration::from_secs(5), feed.stop())
+        .await
+        .unwrap()
+        .unwrap();
 }

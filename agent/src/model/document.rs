@@ -18,21 +18,33 @@ pub fn parse_documents(text: &str) -> Result<Vec<Object>, ModelError> {
         if value.is_null() {
             continue;
         }
-        out.push(from_value(index, value)?);
+        let obj = parse_value(index, value)?;
+        obj.validate()?;
+        out.push(obj);
     }
     Ok(out)
 }
 
-/// Parses and checks one JSON document (as stored, and as sent over the local API).
+/// Parses and checks one JSON document (as sent over the local API).
 pub fn parse_json(text: &str) -> Result<Object, ModelError> {
+    let obj = parse_stored(text)?;
+    obj.validate()?;
+    Ok(obj)
+}
+
+/// Parses one JSON document the store wrote, without re-checking it: it was checked
+/// when written, and a rule that got stricter since must not make the store
+/// unreadable (the agent would lose every other object's state).
+pub fn parse_stored(text: &str) -> Result<Object, ModelError> {
     let value: Value = serde_json::from_str(text).map_err(|e| ModelError::Syntax {
         index: 1,
         message: e.to_string(),
     })?;
-    from_value(1, value)
+    parse_value(1, value)
 }
 
-fn from_value(index: usize, mut value: Value) -> Result<Object, ModelError> {
+/// The typed object of one document, before the semantic checks of `validate`.
+fn parse_value(index: usize, mut value: Value) -> Result<Object, ModelError> {
     let doc = format!("document {index}");
     let Some(map) = value.as_object_mut() else {
         return Err(ModelError::Syntax {
@@ -96,12 +108,10 @@ fn from_value(index: usize, mut value: Value) -> Result<Object, ModelError> {
             ));
         }
     };
-    let obj = match kind {
+    Ok(match kind {
         Kind::Service => Object::Service(typed::<Service>(&object, value)?),
         Kind::Endpoints => Object::Endpoints(typed::<Endpoints>(&object, value)?),
-    };
-    obj.validate()?;
-    Ok(obj)
+    })
 }
 
 /// Deserializes the body, turning serde's error into one that names the field path

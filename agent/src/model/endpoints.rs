@@ -74,6 +74,7 @@ impl Endpoints {
         for (i, e) in self.spec.endpoints.iter().enumerate() {
             let field = |f: &str| format!("spec.endpoints[{i}].{f}");
             let a = e.address;
+            super::check_plain_address(object, &field("address"), a)?;
             if a.is_unspecified() || a.is_multicast() {
                 return Err(ModelError::invalid(
                     object,

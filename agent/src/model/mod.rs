@@ -11,7 +11,7 @@ mod endpoints;
 mod error;
 mod service;
 
-pub use document::{parse_documents, parse_json};
+pub use document::{parse_documents, parse_json, parse_stored};
 pub use endpoints::{Endpoint, Endpoints, EndpointsSpec};
 pub use error::ModelError;
 pub use service::{
@@ -19,7 +19,11 @@ pub use service::{
 };
 
 use serde::{Deserialize, Serialize};
-use std::{collections::BTreeMap, fmt};
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    fmt,
+    net::IpAddr,
+};
 
 /// The only API version this agent speaks.
 pub const API_VERSION: &str = "rune/v1";
@@ -186,37 +190,64 @@ impl Object {
         }
     }
 
-    /// Checks the object against the others in a store (e.g. a VIP used by two
-    /// services). `others` may contain the object's own previous version; it is skipped.
-    pub fn validate_against<'a>(
-        &self,
-        others: impl IntoIterator<Item = &'a Object>,
-    ) -> Result<(), ModelError> {
-        let Object::Service(svc) = self else {
-            return Ok(());
-        };
-        let me = self.key();
-        for other in others {
-            let Object::Service(o) = other else { continue };
-            if other.key() == me {
-                continue;
-            }
-            for (i, vip) in svc.spec.discovery.vips.iter().enumerate() {
-                if o.spec.discovery.vips.contains(vip) {
-                    return Err(ModelError::invalid(
-                        me.to_string(),
-                        format!("spec.discovery.vips[{i}]"),
-                        format!("VIP {vip} is already used by {}", other.key()),
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// The object as a JSON document (`apiVersion` and `kind` first).
     pub fn to_json(&self) -> serde_json::Value {
         document::to_value(self)
+    }
+}
+
+/// Checks what objects cannot check alone: that no VIP is used by two services in
+/// `state` (every object as it will be stored, the batch included). A conflict is
+/// reported on the object of `batch` involved. One pass with an index, so applying
+/// to a large store stays fast.
+pub fn check_vips<'a>(
+    state: impl IntoIterator<Item = &'a Object>,
+    batch: &[Object],
+) -> Result<(), ModelError> {
+    let batch_keys: HashSet<ObjectKey> = batch.iter().map(Object::key).collect();
+    // Objects outside the batch first, so that the error names the one being written.
+    let (mut order, mine): (Vec<&Object>, Vec<&Object>) = state
+        .into_iter()
+        .partition(|o| !batch_keys.contains(&o.key()));
+    order.extend(mine);
+    let mut owner: HashMap<IpAddr, ObjectKey> = HashMap::new();
+    for o in order {
+        let Object::Service(s) = o else { continue };
+        let key = o.key();
+        for (i, vip) in s.spec.discovery.vips.iter().enumerate() {
+            if let Some(prev) = owner.insert(*vip, key.clone())
+                && prev != key
+            {
+                return Err(ModelError::invalid(
+                    key.to_string(),
+                    format!("spec.discovery.vips[{i}]"),
+                    format!("VIP {vip} is already used by {prev}"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Refuses addresses that would reach the data planes in a confusing form: an
+/// IPv4-mapped IPv6 address (the same host as its IPv4 form, so it would dodge the
+/// duplicate and family checks) and the IPv4 broadcast address.
+pub(crate) fn check_plain_address(object: &str, field: &str, a: IpAddr) -> Result<(), ModelError> {
+    match a {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => Err(ModelError::invalid(
+                object,
+                field,
+                format!("{a} is an IPv4-mapped address: write {v4}"),
+            )),
+            None => Ok(()),
+        },
+        IpAddr::V4(v4) if v4.is_broadcast() => Err(ModelError::invalid(
+            object,
+            field,
+            format!("{a} is the broadcast address"),
+        )),
+        IpAddr::V4(_) => Ok(()),
     }
 }
 

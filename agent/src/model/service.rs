@@ -218,6 +218,7 @@ impl Service {
         let (mut v4, mut v6) = (false, false);
         for (i, vip) in d.vips.iter().enumerate() {
             let field = format!("spec.discovery.vips[{i}]");
+            super::check_plain_address(object, &field, *vip)?;
             if vip.is_unspecified() || vip.is_multicast() || vip.is_loopback() {
                 return Err(ModelError::invalid(
                     object,

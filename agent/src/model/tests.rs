@@ -101,6 +101,9 @@ fn bad_inputs_are_refused_with_object_field_and_value() {
         (svc("{ports: [{port: 80}], discovery: {vips: [300.1.2.3]}}"), "Service default/web", "spec.discovery.vips[0]", "300.1.2.3"),
         (svc("{ports: [{port: 80}], discovery: {vips: [0.0.0.0]}}"), "Service default/web", "spec.discovery.vips[0]", "0.0.0.0"),
         (svc("{ports: [{port: 80}], discovery: {vips: [198.18.0.1, 198.18.0.2]}}"), "Service default/web", "spec.discovery.vips[1]", "198.18.0.2"),
+        (svc("{ports: [{port: 80}], discovery: {vips: [\"::ffff:198.18.0.1\"]}}"), "Service default/web", "spec.discovery.vips[0]", "write 198.18.0.1"),
+        (svc("{ports: [{port: 80}], discovery: {vips: [255.255.255.255]}}"), "Service default/web", "spec.discovery.vips[0]", "broadcast"),
+        (eps("{endpoints: [{address: \"::ffff:127.0.0.2\"}]}"), "Endpoints default/web", "spec.endpoints[0].address", "IPv4-mapped"),
         (svc("{ports: [{port: 80}], discovery: {vips: [198.18.0.1], headless: true}}"), "Service default/web", "spec.discovery.vips", "headless"),
         (svc("{ports: [{port: 80}], discovery: {localityPreference: nearby}}"), "Service default/web", "spec.discovery.localityPreference", "nearby"),
         (svc("{ports: [{port: 80}], sessionAffinity: {type: ClientIP, timeoutSeconds: 0}}"), "Service default/web", "spec.sessionAffinity.timeoutSeconds", "0 is out of range"),
@@ -174,13 +177,16 @@ fn a_vip_used_by_two_services_is_refused() {
         "apiVersion: rune/v1\nkind: Service\nmetadata: {name: other}\nspec: {ports: [{port: 81}], discovery: {vips: [198.18.100.10]}}\n",
     )
     .unwrap()[0];
-    let err = b.validate_against([a]).unwrap_err();
+    let err = check_vips([a, b], std::slice::from_ref(b)).unwrap_err();
     assert_eq!(
         err.to_string(),
         "Service default/other: spec.discovery.vips[0]: VIP 198.18.100.10 is already used by Service default/web"
     );
     // Its own earlier version is no conflict.
-    a.validate_against([a]).unwrap();
+    check_vips([a], std::slice::from_ref(a)).unwrap();
+    // The error lands on the object being written, whichever order the state has.
+    let err = check_vips([b, a], std::slice::from_ref(a)).unwrap_err();
+    assert!(err.to_string().starts_with("Service default/web:"), "{err}");
 }
 
 #[test]

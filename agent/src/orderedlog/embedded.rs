@@ -19,7 +19,7 @@
 //! or the CLI while an agent runs) fails with [`LogError::Locked`].
 
 use super::{Event, EventStream, LogError, OrderedLog, Revision, Snapshot};
-use crate::model::{Kind, ModelError, Object, ObjectKey, parse_json};
+use crate::model::{Kind, ModelError, Object, ObjectKey, parse_stored};
 use async_trait::async_trait;
 use redb::{
     Database, DatabaseError, ReadableDatabase, ReadableTable, Table, TableDefinition,
@@ -239,9 +239,7 @@ impl EmbeddedLog {
                 for o in &objects {
                     after.insert(o.key(), o);
                 }
-                for o in &objects {
-                    o.validate_against(after.values().copied())?;
-                }
+                crate::model::check_vips(after.values().copied(), &objects)?;
             }
             let mut log = txn.open_table(LOG).map_err(|e| inner.storage(e))?;
             let mut meta = txn.open_table(META).map_err(|e| inner.storage(e))?;
@@ -405,7 +403,7 @@ impl Inner {
                 break;
             }
             let (revision, doc) = v.value();
-            let object = parse_json(doc).map_err(|e| LogError::Corrupt {
+            let object = parse_stored(doc).map_err(|e| LogError::Corrupt {
                 what: format!("object {k}"),
                 message: e.to_string(),
             })?;
@@ -520,7 +518,7 @@ fn parse_event(revision: Revision, text: &str) -> Result<Event, LogError> {
     match serde_json::from_str(text).map_err(|e| corrupt(e.to_string()))? {
         StoredEvent::Put { object } => Ok(Event::Put {
             revision,
-            object: parse_json(&object.to_string()).map_err(|e| corrupt(e.to_string()))?,
+            object: parse_stored(&object.to_string()).map_err(|e| corrupt(e.to_string()))?,
         }),
         StoredEvent::Delete { key } => Ok(Event::Delete {
             revision,
@@ -535,7 +533,12 @@ async fn blocking<T: Send + 'static>(
 ) -> Result<T, LogError> {
     match tokio::task::spawn_blocking(f).await {
         Ok(r) => r,
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // A panic in the store layer becomes an error the caller can report and retry
+        // (the watch loop resyncs), instead of silently ending the caller's task.
+        Err(e) if e.is_panic() => Err(LogError::Storage {
+            path: "store task".into(),
+            message: format!("panicked: {e}"),
+        }),
         // Cancelled: the runtime is shutting down.
         Err(_) => Err(LogError::Closed),
     }
