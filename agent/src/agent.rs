@@ -817,7 +817,10 @@ impl Agent {
                 .enumerate()
                 .rev()
                 .filter_map(|(index, entry)| {
-                    let token = entry.token.take()?;
+                    // Cloned, not taken: a token is cleared only once its subsystem's
+                    // stop returned, so a shutdown cut short (its future dropped) is
+                    // completed by the next one instead of skipping subsystems.
+                    let token = entry.token.clone()?;
                     Some((index, entry.name.clone(), entry.subsystem.clone(), token))
                 })
                 .collect()
@@ -833,6 +836,9 @@ impl Agent {
                 });
             }
             let mut state = self.shared.lock();
+            if let Some(entry) = state.entries.get_mut(index) {
+                entry.token = None;
+            }
             let failed = state
                 .entries
                 .get(index)
@@ -877,6 +883,8 @@ mod tests {
         HangStart,
         /// Ready at start; stop returns an error.
         FailStop,
+        /// Ready at start; stop waits until the test releases it.
+        SlowStop,
     }
 
     type Log = Arc<Mutex<Vec<String>>>;
@@ -895,6 +903,7 @@ mod tests {
         token: Mutex<Option<CancellationToken>>,
         cancelled_before_stop: AtomicBool,
         stops: AtomicUsize,
+        release_stop: Notify,
     }
 
     impl Fake {
@@ -912,6 +921,7 @@ mod tests {
                 token: Mutex::new(None),
                 cancelled_before_stop: AtomicBool::new(false),
                 stops: AtomicUsize::new(0),
+                release_stop: Notify::new(),
             })
         }
 
@@ -951,7 +961,7 @@ mod tests {
             }));
             if matches!(
                 self.behaviour,
-                Behaviour::ReadyAtStart | Behaviour::FailStop
+                Behaviour::ReadyAtStart | Behaviour::FailStop | Behaviour::SlowStop
             ) {
                 self.setter.set_ready();
             }
@@ -973,6 +983,9 @@ mod tests {
                 .is_none_or(CancellationToken::is_cancelled);
             self.cancelled_before_stop
                 .store(cancelled, Ordering::SeqCst);
+            if self.behaviour == Behaviour::SlowStop {
+                self.release_stop.notified().await;
+            }
             // Waits for the task, which ends only once the agent cancelled the token.
             let task = self.task.lock().unwrap().take();
             if let Some(task) = task {
@@ -1034,6 +1047,30 @@ mod tests {
     }
 
     use std::collections::BTreeMap;
+
+    #[tokio::test]
+    async fn a_stop_cut_short_is_completed_by_the_next_one() {
+        let (agent, _) = agent_with(PATIENCE);
+        let log = log();
+        let a = Fake::new("a", Behaviour::ReadyAtStart, &log);
+        let b = Fake::new("b", Behaviour::SlowStop, &log);
+        agent.register(a.clone()).unwrap();
+        agent.register(b.clone()).unwrap();
+        agent.start().await.unwrap();
+        // The first stop is abandoned while b is still stopping (e.g. a timeout).
+        let cut = tokio::time::timeout(Duration::from_millis(100), agent.stop()).await;
+        assert!(cut.is_err(), "b's stop should still be running");
+        assert_eq!(a.stops.load(Ordering::SeqCst), 0);
+        // The next stop finishes b and still stops a.
+        b.release_stop.notify_one();
+        stop_in_time(&agent).await.unwrap();
+        assert_eq!(a.stops.load(Ordering::SeqCst), 1, "a was skipped");
+        assert!(a.task_ended.load(Ordering::SeqCst) && b.task_ended.load(Ordering::SeqCst));
+        assert_eq!(
+            entries(&log),
+            ["start:a", "start:b", "stop:b", "stop:b", "stop:a"]
+        );
+    }
 
     #[test]
     fn mode_display_serde_and_parse() {

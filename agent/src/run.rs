@@ -94,23 +94,31 @@ pub async fn run(config: Config) -> Result<()> {
     // arrives between start and the wait below is not lost.
     let signal = shutdown_signal()?;
     tokio::pin!(signal);
+    let start = agent.start();
+    tokio::pin!(start);
     let started = tokio::select! {
-        r = agent.start() => Some(r),
+        r = &mut start => Some(r),
         () = &mut signal => None,
     };
     match started {
-        Some(Ok(())) => match agent.ready_err() {
-            None => tracing::info!("agent ready"),
-            Some(e) => tracing::warn!(error = %e, "agent running but not ready"),
-        },
+        Some(Ok(())) => {
+            match agent.ready_err() {
+                None => tracing::info!("agent ready"),
+                Some(e) => tracing::warn!(error = %e, "agent running but not ready"),
+            }
+            signal.await;
+        }
         Some(Err(e)) => {
             let _ = agent.stop().await;
             return Err(e).context("starting the agent");
         }
-        None => tracing::info!("signal received during start"),
-    }
-    if started.is_some() {
-        signal.await;
+        None => {
+            // Never drop a start in progress (it may be rolling back): stop aborts
+            // it, and both run to their end.
+            tracing::info!("signal received during start; stopping");
+            let (_, stopped) = tokio::join!(start, agent.stop());
+            return stopped.context("stopping the agent");
+        }
     }
     tracing::info!("stopping");
     agent.stop().await.context("stopping the agent")?;
