@@ -13,7 +13,7 @@ use std::{
     error::Error as StdError,
     fmt,
     str::FromStr,
-    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    sync::{Arc, Mutex, MutexGuard},
     time::Duration,
 };
 
@@ -457,7 +457,7 @@ struct Shared {
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::sync::lock(&self.state)
     }
 
     fn set_metric(&self, name: &str, ready: bool) {

@@ -12,11 +12,12 @@ use crate::{
     metrics::{KindLabels, Metrics},
     model::{Endpoints, Kind, Object, ObjectKey, Service, ServiceKey},
     orderedlog::{Event, OrderedLog, Revision, Snapshot},
+    sync::lock,
 };
 use futures::StreamExt;
 use std::{
     collections::{BTreeMap, BTreeSet},
-    sync::{Arc, Mutex, MutexGuard, Weak},
+    sync::{Arc, Mutex, Weak},
     time::Duration,
 };
 use tokio::sync::Notify;
@@ -91,12 +92,6 @@ struct Dirty {
 #[derive(Default)]
 pub struct EndpointCache {
     state: Mutex<State>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding the lock cannot leave the maps half-updated (each update
-    // is a single insert or remove), so a poisoned lock is still consistent.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl EndpointCache {

@@ -18,3 +18,4 @@ pub mod orderedlog;
 pub mod outbox;
 pub mod run;
 pub mod status;
+mod sync;

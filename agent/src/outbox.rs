@@ -9,7 +9,7 @@
 use std::{
     collections::VecDeque,
     sync::{
-        Mutex, MutexGuard, PoisonError,
+        Mutex, MutexGuard,
         atomic::{AtomicU64, Ordering},
     },
     time::SystemTime,
@@ -101,7 +101,7 @@ impl Outbox {
     }
 
     fn lock(&self) -> MutexGuard<'_, VecDeque<OutboxEntry>> {
-        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::sync::lock(&self.queue)
     }
 
     fn set_depth(&self, len: usize) {

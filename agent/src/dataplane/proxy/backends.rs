@@ -1,6 +1,7 @@
 //! Backend choice for one service port: the eligible endpoints, their Maglev table,
 //! and client-IP session affinity.
 
+use crate::sync::lock;
 use crate::{
     dataplane::{BackendState, BackendStatus},
     endpoints::ServiceView,
@@ -13,9 +14,10 @@ use prometheus_client::metrics::counter::Counter;
 use std::{
     collections::HashMap,
     net::{IpAddr, SocketAddr},
-    sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock},
+    sync::{Arc, Mutex, PoisonError, RwLock},
     time::{Duration, Instant},
 };
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 /// At most this many client IPs are remembered per service port for session affinity.
 const MAX_AFFINITY_ENTRIES: usize = 65_536;
@@ -181,23 +183,21 @@ pub(super) struct PortShared {
     pub(super) service: String,
     backends: RwLock<Arc<Backends>>,
     affinity: Mutex<HashMap<IpAddr, (SocketAddr, Instant)>>,
-    /// Per backend with open connections: the token that ends them once the backend
-    /// has been out of the eligible set for the drain time.
+    /// Per backend with open connections or flows: the token that ends them once the
+    /// backend has been out of the eligible set for the drain time.
     drains: Mutex<HashMap<SocketAddr, Drain>>,
+    /// Where drain timers run, and the proxy-wide shutdown that ends them.
+    timers: TaskTracker,
+    shutdown: CancellationToken,
     pub(super) m: PortMetrics,
 }
 
 /// The drain state of one backend's connections.
 struct Drain {
     /// Cancelled when the drain time is over: the connections close.
-    token: tokio_util::sync::CancellationToken,
+    token: CancellationToken,
     /// Since when the backend gets no new connections (`None` while it does).
     leaving: Option<Instant>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The map stays consistent (single inserts/removes), so a poisoned lock is fine.
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl PortShared {
@@ -206,6 +206,8 @@ impl PortShared {
         protocol: Protocol,
         backends: Backends,
         metrics: &Metrics,
+        timers: TaskTracker,
+        shutdown: CancellationToken,
     ) -> Self {
         let m = PortMetrics::new(metrics, &service, protocol);
         Self {
@@ -213,55 +215,73 @@ impl PortShared {
             backends: RwLock::new(Arc::new(backends)),
             affinity: Mutex::new(HashMap::new()),
             drains: Mutex::new(HashMap::new()),
+            timers,
+            shutdown,
             m,
         }
     }
 
-    /// The token a new connection to `backend` ends on when the backend is drained.
-    pub(super) fn drain_token(&self, backend: SocketAddr) -> tokio_util::sync::CancellationToken {
-        lock(&self.drains)
-            .entry(backend)
-            .or_insert_with(|| Drain {
-                token: tokio_util::sync::CancellationToken::new(),
-                leaving: None,
-            })
-            .token
-            .clone()
+    /// The token a connection or flow to `backend` ends on when the backend is
+    /// drained. Taken after the backend was picked: if it stopped being eligible
+    /// meanwhile, its drain time starts now, so no connection escapes draining.
+    pub(super) fn drain_token(self: &Arc<Self>, backend: SocketAddr) -> CancellationToken {
+        let mut drains = lock(&self.drains);
+        let entry = drains.entry(backend).or_insert_with(|| Drain {
+            token: CancellationToken::new(),
+            leaving: None,
+        });
+        let token = entry.token.clone();
+        if entry.leaving.is_none() {
+            // Read under the drains lock, so a concurrent `set_backends` either sees
+            // this entry or has already swapped the set read here.
+            let b = self.backends();
+            if b.eligible.binary_search(&backend).is_err() {
+                let now = Instant::now();
+                entry.leaving = Some(now);
+                drop(drains);
+                self.expire_later(backend, now, b.drain);
+            }
+        }
+        token
     }
 
     /// Marks backends with connections that are no longer eligible (all of them when
-    /// `eligible` is `None`, i.e. the port is going away) as leaving now, and eligible
-    /// ones as staying. Returns the newly leaving ones with their start time, for
-    /// [`expire`](Self::expire) after the drain time.
-    pub(super) fn mark_leaving(
-        &self,
-        eligible: Option<&[SocketAddr]>,
-    ) -> Vec<(SocketAddr, Instant)> {
+    /// `eligible` is `None`: the port is going away) as leaving now, and eligible ones
+    /// as staying; each newly leaving one is drained after `drain`.
+    pub(super) fn mark_leaving(self: &Arc<Self>, eligible: Option<&[SocketAddr]>, drain: Duration) {
         let now = Instant::now();
-        let mut out = Vec::new();
+        let mut leaving = Vec::new();
         for (addr, d) in lock(&self.drains).iter_mut() {
             let stays = eligible.is_some_and(|e| e.binary_search(addr).is_ok());
             if stays {
                 d.leaving = None;
             } else if d.leaving.is_none() {
                 d.leaving = Some(now);
-                out.push((*addr, now));
+                leaving.push(*addr);
             }
         }
-        out
+        for backend in leaving {
+            self.expire_later(backend, now, drain);
+        }
     }
 
-    /// Ends the connections to `backend` if it has been leaving since `since` without
-    /// coming back in between.
-    pub(super) fn expire(&self, backend: SocketAddr, since: Instant) {
-        let mut drains = lock(&self.drains);
-        if drains
-            .get(&backend)
-            .is_some_and(|d| d.leaving == Some(since))
-            && let Some(d) = drains.remove(&backend)
-        {
-            d.token.cancel();
-        }
+    /// After `drain`, ends the connections to `backend` if it has been leaving since
+    /// `since` without coming back in between.
+    fn expire_later(self: &Arc<Self>, backend: SocketAddr, since: Instant, drain: Duration) {
+        let (me, shutdown) = (self.clone(), self.shutdown.clone());
+        self.timers.spawn(async move {
+            tokio::select! {
+                _ = shutdown.cancelled() => {}
+                _ = tokio::time::sleep(drain) => {
+                    let mut drains = lock(&me.drains);
+                    if drains.get(&backend).is_some_and(|d| d.leaving == Some(since))
+                        && let Some(d) = drains.remove(&backend)
+                    {
+                        d.token.cancel();
+                    }
+                }
+            }
+        });
     }
 
     /// The current backends.
@@ -272,18 +292,23 @@ impl PortShared {
             .clone()
     }
 
-    /// Swaps in a new backend set; connections already open are not touched. Returns
-    /// the backends whose connections start draining now.
-    pub(super) fn set_backends(&self, b: Backends) -> Vec<(SocketAddr, Instant)> {
+    /// Swaps in a new backend set. Connections already open are not touched: those
+    /// to backends that left the set are drained after the service's drain time.
+    pub(super) fn set_backends(self: &Arc<Self>, b: Backends) {
         if b.affinity.is_none() {
             lock(&self.affinity).clear();
         }
-        let leaving = self.mark_leaving(Some(&b.eligible));
+        let b = Arc::new(b);
         *self
             .backends
             .write()
-            .unwrap_or_else(PoisonError::into_inner) = Arc::new(b);
-        leaving
+            .unwrap_or_else(PoisonError::into_inner) = b.clone();
+        self.mark_leaving(Some(&b.eligible), b.drain);
+    }
+
+    /// The port is going away: every backend's connections drain.
+    pub(super) fn retire(self: &Arc<Self>) {
+        self.mark_leaving(None, self.backends().drain);
     }
 
     /// The backend for a new connection from `client`, `None` when there is none.

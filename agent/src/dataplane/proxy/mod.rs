@@ -20,12 +20,13 @@ use crate::{
     maglev::{self, Maglev},
     metrics::{Metrics, ServicePortLabels},
     model::{Protocol, ServiceKey, ServicePort},
+    sync::lock,
 };
 use async_trait::async_trait;
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, Ipv4Addr, SocketAddr},
-    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    sync::{Arc, Mutex},
     time::Duration,
 };
 use tokio::net::{TcpSocket, UdpSocket};
@@ -120,12 +121,6 @@ enum Listener {
     Failed(String),
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every update of the state is a single map operation: a panic cannot leave it
-    // half-changed, so a poisoned lock is still consistent.
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 impl UserspaceProxy {
     /// A proxy with nothing to serve yet; listeners start on the first
     /// [`apply`](DataPlane::apply).
@@ -188,10 +183,8 @@ impl Inner {
         for (k, p) in wanted {
             if let Some(e) = ports.get_mut(&k) {
                 let prev = e.shared.backends();
-                let next = Backends::build(view, p, node, size, Some(&prev));
-                let drain = next.drain;
-                let leaving = e.shared.set_backends(next);
-                self.drain_later(&e.shared, leaving, drain);
+                e.shared
+                    .set_backends(Backends::build(view, p, node, size, Some(&prev)));
                 if matches!(e.listener, Listener::Failed(_)) {
                     self.start(e, p.protocol);
                 }
@@ -203,6 +196,8 @@ impl Inner {
                 p.protocol,
                 backends,
                 &self.metrics,
+                self.tracker.clone(),
+                self.cancel.clone(),
             ));
             let offset = u32::from(p.port) + u32::from(self.config.port_offset);
             let listen = u16::try_from(offset)
@@ -289,28 +284,8 @@ impl Inner {
         if let Listener::Running(stop) = e.listener {
             stop.cancel();
         }
-        let leaving = e.shared.mark_leaving(None);
-        self.drain_later(&e.shared, leaving, e.shared.backends().drain);
+        e.shared.retire();
         self.metrics.proxy_listener_up.remove(&e.labels);
-    }
-
-    /// Ends the connections to each leaving backend once `drain` has passed, unless
-    /// the backend became eligible again meanwhile.
-    fn drain_later(
-        &self,
-        shared: &Arc<PortShared>,
-        leaving: Vec<(SocketAddr, std::time::Instant)>,
-        drain: Duration,
-    ) {
-        for (backend, since) in leaving {
-            let (shared, cancel) = (shared.clone(), self.cancel.clone());
-            self.tracker.spawn(async move {
-                tokio::select! {
-                    _ = cancel.cancelled() => {}
-                    _ = tokio::time::sleep(drain) => shared.expire(backend, since),
-                }
-            });
-        }
     }
 
     fn retry_failed(&self) {

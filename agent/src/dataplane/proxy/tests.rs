@@ -379,6 +379,47 @@ async fn udp_round_trip(c: &UdpSocket, msg: &[u8]) -> u8 {
 }
 
 #[tokio::test]
+async fn a_udp_flow_to_a_removed_backend_moves_after_the_drain_time() {
+    let (p, _) = proxy();
+    let port = free_port();
+    let a = ep([127, 0, 0, 2], udp_backend([127, 0, 0, 2], 1).await);
+    let b = ep([127, 0, 0, 3], udp_backend([127, 0, 0, 3], 2).await);
+    let mut svc = service("stats", port, Protocol::Udp);
+    svc.spec.drain_seconds = 1;
+    p.apply(&upsert(vec![view(&svc, Some(vec![a.clone(), b.clone()]))]))
+        .await
+        .unwrap();
+    let c = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    c.connect(("127.0.0.1", port)).await.unwrap();
+    let first = udp_round_trip(&c, b"m0").await;
+    let rest = if first == 1 { b } else { a };
+    p.apply(&upsert(vec![view(&svc, Some(vec![rest]))]))
+        .await
+        .unwrap();
+    // Within the drain time the flow keeps its backend...
+    assert_eq!(udp_round_trip(&c, b"m1").await, first);
+    // ...then it ends, and the client's next datagram goes to a live backend, even
+    // though the client never paused (an idle timeout alone would never move it).
+    let moved = timeout(PATIENCE, async {
+        loop {
+            // A datagram in flight when the flow ends may be lost, as on a network.
+            c.send(b"m2").await.unwrap();
+            let mut buf = [0u8; 64];
+            if let Ok(Ok(n)) = timeout(Duration::from_millis(300), c.recv(&mut buf)).await
+                && n > 0
+                && buf[0] != first
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(moved.is_ok(), "the flow outlived drainSeconds");
+    p.shutdown().await;
+}
+
+#[tokio::test]
 async fn udp_round_trips_and_a_flow_keeps_its_backend() {
     let (p, metrics) = proxy();
     let port = free_port();
@@ -529,6 +570,8 @@ fn locality_preference_and_target_ports() {
             Protocol::Tcp,
             Backends::build(&v, &s.spec.ports[0], "node-a", 13, None),
             &Metrics::new(),
+            TaskTracker::new(),
+            CancellationToken::new(),
         );
         (1000..1200)
             .filter_map(|port| shared.pick(SocketAddr::from(([192, 0, 2, 1], port))))
@@ -557,12 +600,14 @@ fn client_ip_affinity_sticks_across_ports_and_backend_changes() {
     let build = |eps: Vec<Endpoint>| {
         Backends::build(&view(&svc, Some(eps)), &svc.spec.ports[0], "", 13, None)
     };
-    let shared = PortShared::new(
+    let shared = Arc::new(PortShared::new(
         "x".into(),
         Protocol::Tcp,
         build(eps.clone()),
         &Metrics::new(),
-    );
+        TaskTracker::new(),
+        CancellationToken::new(),
+    ));
     let client = |port| SocketAddr::from(([192, 0, 2, 9], port));
     let first = shared.pick(client(1000)).unwrap();
     for port in 1001..1100 {

@@ -18,6 +18,11 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 /// The largest UDP payload.
 const MAX_DATAGRAM: usize = 65_536;
 
+thread_local! {
+    /// The reply buffer of the flows running on this thread.
+    static REPLY_BUF: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0; MAX_DATAGRAM]);
+}
+
 /// Flow limits of a UDP port.
 #[derive(Clone, Copy)]
 pub(super) struct UdpLimits {
@@ -85,11 +90,13 @@ pub(super) async fn serve(
             continue;
         };
         flow.last.store(millis(epoch), Ordering::Relaxed);
-        match flow.sock.send(&buf[..n]).await {
+        // Never wait on one flow's full send buffer: every client of the port would
+        // wait behind it. The datagram is dropped, as a congested network would.
+        match flow.sock.try_send(&buf[..n]) {
             Ok(sent) => {
                 port.m.to_backend.inc_by(sent as u64);
             }
-            Err(e) => tracing::debug!(service = %port.service, error = %e, "udp send failed"),
+            Err(e) => tracing::debug!(service = %port.service, error = %e, "udp datagram dropped"),
         }
     }
 }
@@ -124,7 +131,15 @@ async fn open_flow(
         port.m.dial_error.inc();
         return None;
     }
+    // A new socket's readiness is unknown to tokio until the driver reports it; the
+    // relay uses `try_send`, so learn it once here (a fresh socket is writable).
+    if let Err(e) = sock.writable().await {
+        tracing::debug!(service = %port.service, %backend, error = %e, "udp socket not writable");
+        port.m.dial_error.inc();
+        return None;
+    }
     port.m.ok.inc();
+    let drained = port.drain_token(backend);
     let flow = Flow {
         sock: Arc::new(sock),
         last: Arc::new(AtomicU64::new(millis(epoch))),
@@ -139,12 +154,14 @@ async fn open_flow(
         epoch,
         limits.idle,
         flow.done.clone(),
+        drained,
     ));
     Some(flow)
 }
 
 /// Relays the backend's replies to the client until the flow is idle for `idle`, the
-/// backend refuses (ICMP unreachable), or `done` is cancelled.
+/// backend refuses (ICMP unreachable), its drain time is over (`drained`), or `done`
+/// is cancelled. The client's next datagram then opens a new flow.
 #[expect(
     clippy::too_many_arguments,
     reason = "a task entry point: its state, spelled out"
@@ -158,6 +175,7 @@ async fn replies(
     epoch: Instant,
     idle: Duration,
     done: CancellationToken,
+    drained: CancellationToken,
 ) {
     let _ended = done.clone().drop_guard();
     loop {
@@ -167,15 +185,16 @@ async fn replies(
         }
         tokio::select! {
             _ = done.cancelled() => return,
+            _ = drained.cancelled() => return,
             _ = tokio::time::sleep_until(deadline) => continue,
             r = backend.readable() => if let Err(e) = r {
                 tracing::debug!(service = %port.service, error = %e, "udp flow failed");
                 return;
             },
         }
-        // Not held across an await: the buffer lives on the stack only here.
-        let mut buf = [0u8; MAX_DATAGRAM];
-        match backend.try_recv(&mut buf) {
+        // One buffer per worker thread, used without an await in between: idle flows
+        // hold no buffer and no datagram pays for zeroing 64 KiB.
+        let relayed = REPLY_BUF.with_borrow_mut(|buf| match backend.try_recv(buf) {
             Ok(n) => {
                 last.store(millis(epoch), Ordering::Relaxed);
                 match service.try_send_to(&buf[..n], peer) {
@@ -186,14 +205,16 @@ async fn replies(
                     Err(e) => tracing::debug!(service = %port.service, error = %e,
                         "udp reply dropped"),
                 }
+                Ok(())
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-            Err(e) => {
-                // The backend is gone (connection refused): the next datagram from
-                // this client opens a new flow to a live backend.
-                tracing::debug!(service = %port.service, error = %e, "udp flow ended");
-                return;
-            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(()),
+            Err(e) => Err(e),
+        });
+        if let Err(e) = relayed {
+            // The backend is gone (connection refused): the next datagram from this
+            // client opens a new flow to a live backend.
+            tracing::debug!(service = %port.service, error = %e, "udp flow ended");
+            return;
         }
     }
 }
