@@ -150,8 +150,8 @@ impl FileConfig {
             });
         }
         let maglev_table_size = self.maglev_table_size.unwrap_or(16381);
-        if !crate::maglev::is_prime(maglev_table_size)
-            || !(101..=crate::maglev::MAX_TABLE_SIZE).contains(&maglev_table_size)
+        if !(101..=crate::maglev::MAX_TABLE_SIZE).contains(&maglev_table_size)
+            || !crate::maglev::is_prime(maglev_table_size)
         {
             return Err(ConfigError::Invalid {
                 setting: "--maglev-table-size",

@@ -89,7 +89,8 @@ enum Slots {
 pub fn is_prime(n: u32) -> bool {
     n >= 2
         && (2..)
-            .take_while(|d: &u32| d * d <= n)
+            // `d <= n / d`, not `d * d <= n`: no overflow for n near u32::MAX.
+            .take_while(|d: &u32| *d <= n / d)
             .all(|d| !n.is_multiple_of(d))
 }
 
@@ -313,6 +314,14 @@ mod tests {
         let empty = Maglev::new(&[], DEFAULT_TABLE_SIZE).unwrap();
         assert_eq!(empty.lookup(42), None);
         assert!(empty.is_empty());
+    }
+
+    #[test]
+    fn primality_of_large_sizes_does_not_overflow() {
+        assert!(is_prime(4_294_967_291)); // the largest 32-bit prime
+        assert!(!is_prime(u32::MAX));
+        assert!(is_prime(DEFAULT_TABLE_SIZE) && is_prime(MAX_TABLE_SIZE));
+        assert!(!is_prime(0) && !is_prime(1) && !is_prime(16383));
     }
 
     #[test]

@@ -34,6 +34,7 @@ pub async fn run(config: Config) -> Result<()> {
         );
     }
     let mode = Mode::Dev;
+    raise_fd_limit();
     std::fs::create_dir_all(&config.state_dir)
         .with_context(|| format!("creating state dir {}", config.state_dir.display()))?;
     let identity = Identity::load_or_create(&config.state_dir)?;
@@ -124,6 +125,35 @@ pub async fn run(config: Config) -> Result<()> {
     agent.stop().await.context("stopping the agent")?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Raises the soft limit on open files to the hard limit: every proxied connection
+/// takes two descriptors and every UDP flow one, and the usual soft limit of 1024
+/// would otherwise starve every listener at once.
+fn raise_fd_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to an initialised rlimit.
+    let raised = unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && {
+            if lim.rlim_cur < lim.rlim_max {
+                lim.rlim_cur = lim.rlim_max;
+                libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0
+            } else {
+                true
+            }
+        }
+    };
+    if raised {
+        tracing::debug!(limit = lim.rlim_cur, "open file limit");
+    } else {
+        tracing::warn!(
+            error = %std::io::Error::last_os_error(),
+            "cannot raise the open file limit; many connections may fail"
+        );
+    }
 }
 
 /// Resolves on the first SIGTERM or SIGINT; the handlers are installed at once.

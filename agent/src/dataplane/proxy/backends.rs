@@ -19,6 +19,17 @@ use std::{
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
+/// How often a full affinity map may be swept for expired clients.
+const AFFINITY_SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// Client IP → (backend, last use), for ClientIP session affinity.
+#[derive(Default)]
+struct Affinity {
+    clients: HashMap<IpAddr, (SocketAddr, Instant)>,
+    /// When the map was last swept because it was full.
+    swept: Option<Instant>,
+}
+
 /// At most this many client IPs are remembered per service port for session affinity.
 const MAX_AFFINITY_ENTRIES: usize = 65_536;
 
@@ -182,7 +193,7 @@ pub(super) struct PortShared {
     /// `namespace/name`, for logs.
     pub(super) service: String,
     backends: RwLock<Arc<Backends>>,
-    affinity: Mutex<HashMap<IpAddr, (SocketAddr, Instant)>>,
+    affinity: Mutex<Affinity>,
     /// Per backend with open connections or flows: the token that ends them once the
     /// backend has been out of the eligible set for the drain time.
     drains: Mutex<HashMap<SocketAddr, Drain>>,
@@ -213,7 +224,7 @@ impl PortShared {
         Self {
             service,
             backends: RwLock::new(Arc::new(backends)),
-            affinity: Mutex::new(HashMap::new()),
+            affinity: Mutex::new(Affinity::default()),
             drains: Mutex::new(HashMap::new()),
             timers,
             shutdown,
@@ -296,7 +307,7 @@ impl PortShared {
     /// to backends that left the set are drained after the service's drain time.
     pub(super) fn set_backends(self: &Arc<Self>, b: Backends) {
         if b.affinity.is_none() {
-            lock(&self.affinity).clear();
+            lock(&self.affinity).clients.clear();
         }
         let b = Arc::new(b);
         *self
@@ -319,8 +330,8 @@ impl PortShared {
             return b.eligible.get(i).copied();
         };
         let now = Instant::now();
-        let mut map = lock(&self.affinity);
-        if let Some((addr, last)) = map.get_mut(&client.ip())
+        let mut aff = lock(&self.affinity);
+        if let Some((addr, last)) = aff.clients.get_mut(&client.ip())
             && now.duration_since(*last) < timeout
             && b.eligible.binary_search(addr).is_ok()
         {
@@ -329,9 +340,20 @@ impl PortShared {
         }
         let i = b.maglev.lookup(client_hash(client.ip(), 0))?;
         let addr = *b.eligible.get(i)?;
-        if map.len() >= MAX_AFFINITY_ENTRIES && !map.contains_key(&client.ip()) {
-            map.retain(|_, (_, last)| now.duration_since(*last) < timeout);
+        let map_full = aff.clients.len() >= MAX_AFFINITY_ENTRIES;
+        // Sweeping a full map costs a pass over every entry: at most once a second,
+        // not once per new client.
+        if map_full
+            && !aff.clients.contains_key(&client.ip())
+            && aff
+                .swept
+                .is_none_or(|t| now.duration_since(t) >= AFFINITY_SWEEP_EVERY)
+        {
+            aff.swept = Some(now);
+            aff.clients
+                .retain(|_, (_, last)| now.duration_since(*last) < timeout);
         }
+        let map = &mut aff.clients;
         // When still full the hash alone keeps the client on its backend while the
         // backend set is unchanged.
         if map.len() < MAX_AFFINITY_ENTRIES || map.contains_key(&client.ip()) {

@@ -32,6 +32,10 @@ use std::{
 use tokio::net::{TcpSocket, UdpSocket};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
+/// How long after a port was freed failed binds are retried (its listener task
+/// needs a moment to end and close the socket).
+const RETRY_SOON_AFTER: Duration = Duration::from_millis(50);
+
 /// Where the proxy listens.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -98,6 +102,8 @@ struct Inner {
     state: Mutex<State>,
     /// Cancelled on shutdown: ends every task (listeners are children of it).
     cancel: CancellationToken,
+    /// Wakes the bind retry loop early (a port was freed).
+    retry_soon: tokio::sync::Notify,
     tracker: TaskTracker,
 }
 
@@ -149,6 +155,7 @@ impl UserspaceProxy {
                 metrics,
                 state: Mutex::new(State::default()),
                 cancel: CancellationToken::new(),
+                retry_soon: tokio::sync::Notify::new(),
                 tracker: TaskTracker::new(),
             }),
         })
@@ -333,46 +340,47 @@ impl DataPlane for UserspaceProxy {
         if st.shut_down {
             return Err(DataPlaneError::ShutDown { mode: self.mode() });
         }
+        let mut gone: Vec<ServiceKey> = delta.removed.clone();
         if delta.full {
             let keep: BTreeSet<ServiceKey> = delta.upserted.iter().map(|v| v.key()).collect();
-            let drop: Vec<_> = st
-                .services
-                .keys()
-                .filter(|k| !keep.contains(k))
-                .cloned()
-                .collect();
-            for k in drop {
-                for e in st
-                    .services
-                    .remove(&k)
-                    .into_iter()
-                    .flat_map(|p| p.into_values())
-                {
-                    inner.stop(e);
-                }
-            }
+            gone.extend(st.services.keys().filter(|k| !keep.contains(*k)).cloned());
         }
-        for k in &delta.removed {
+        let mut freed = false;
+        for k in &gone {
             for e in st
                 .services
                 .remove(k)
                 .into_iter()
                 .flat_map(|p| p.into_values())
             {
+                freed |= matches!(e.listener, Listener::Running(_));
                 inner.stop(e);
             }
         }
         for view in &delta.upserted {
             inner.upsert(&mut st, view);
         }
+        // A port freed by this delta may be wanted by another service in it: its
+        // listener closes as its task ends, so retry failed binds shortly.
+        if freed {
+            inner.retry_soon.notify_one();
+        }
         if !std::mem::replace(&mut st.retrying, true) {
             let me = Arc::downgrade(inner);
             let (cancel, every) = (inner.cancel.clone(), inner.config.bind_retry_interval);
             inner.tracker.spawn(async move {
                 loop {
+                    let soon = async {
+                        match me.upgrade() {
+                            Some(inner) => inner.retry_soon.notified().await,
+                            None => std::future::pending().await,
+                        }
+                        tokio::time::sleep(RETRY_SOON_AFTER).await;
+                    };
                     tokio::select! {
                         _ = cancel.cancelled() => return,
                         _ = tokio::time::sleep(every) => {}
+                        _ = soon => {}
                     }
                     match me.upgrade() {
                         Some(inner) => inner.retry_failed(),

@@ -498,6 +498,37 @@ async fn a_taken_port_fails_alone_and_is_retried() {
 }
 
 #[tokio::test]
+async fn a_port_freed_and_taken_in_one_delta_is_bound_without_waiting_for_the_retry() {
+    let config = ProxyConfig {
+        bind_retry_interval: Duration::from_secs(600),
+        ..ProxyConfig::default()
+    };
+    let p = UserspaceProxy::new(config, Arc::new(Metrics::new())).unwrap();
+    let port = free_port();
+    let backend = ep([127, 0, 0, 2], tcp_backend([127, 0, 0, 2], 7).await);
+    let old = service("old", port, Protocol::Tcp);
+    let new = service("new", port, Protocol::Tcp);
+    p.apply(&upsert(vec![view(&old, Some(vec![backend.clone()]))]))
+        .await
+        .unwrap();
+    let delta = Delta {
+        removed: vec![old.key()],
+        upserted: vec![view(&new, Some(vec![backend]))],
+        ..Delta::default()
+    };
+    p.apply(&delta).await.unwrap();
+    timeout(PATIENCE, async {
+        while p.status()[0].state != PortState::Listening {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the new service did not get the freed port");
+    assert_eq!(connect(port).await.1, 7);
+    p.shutdown().await;
+}
+
+#[tokio::test]
 async fn a_port_beyond_65535_after_offset_fails_with_a_reason() {
     let metrics = Arc::new(Metrics::new());
     let config = ProxyConfig {
