@@ -186,6 +186,12 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long to pause after a failed accept (e.g. out of file descriptors).
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 
+/// Connections served at once by the metrics listener.
+const MAX_CONNECTIONS: usize = 64;
+
+/// How long an open connection may take to finish once the listener stops.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
 /// Serves `GET /metrics`, `/healthz` (always 200 while the process runs) and
 /// `/readyz` (503 until `ready` is set, then 200) on `listener`, over HTTP/1.
 ///
@@ -198,6 +204,7 @@ pub async fn serve(
     cancel: CancellationToken,
 ) {
     let connections = TaskTracker::new();
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let (stream, peer) = tokio::select! {
             () = cancel.cancelled() => break,
@@ -211,6 +218,12 @@ pub async fn serve(
                     }
                 }
             },
+        };
+        // Bounded: a flood of connections must not take the descriptors the
+        // proxies need. Extra ones are closed at once.
+        let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
+            tracing::debug!(%peer, "metrics listener: too many connections, closing");
+            continue;
         };
         let metrics = Arc::clone(&metrics);
         let ready = ready.clone();
@@ -230,9 +243,14 @@ pub async fn serve(
                 result = connection.as_mut() => result,
                 () = cancel.cancelled() => {
                     connection.as_mut().graceful_shutdown();
-                    connection.await
+                    // A client that stops reading must not hold the agent's stop.
+                    match tokio::time::timeout(SHUTDOWN_GRACE, connection).await {
+                        Ok(result) => result,
+                        Err(_) => Ok(()),
+                    }
                 }
             };
+            drop(permit);
             if let Err(error) = result {
                 tracing::debug!(%error, %peer, "metrics listener: connection ended with an error");
             }
@@ -498,6 +516,39 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(2), server.task)
             .await
             .expect("serve did not end on cancel while a connection was idle")
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn cancel_ends_serve_while_a_client_does_not_read_its_answer() {
+        use tokio::io::AsyncWriteExt;
+        // A body far larger than the socket buffers (about 15 MB).
+        let metrics = Metrics::new();
+        for i in 0..150_000 {
+            metrics
+                .proxy_bytes
+                .get_or_create(&BytesLabels {
+                    service: format!("default/service-{i}"),
+                    protocol: "TCP".into(),
+                    direction: "to_backend".into(),
+                })
+                .inc();
+        }
+        let (_setter, ready) = Readiness::new();
+        let server = start(Arc::new(metrics), ready).await;
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.set_recv_buffer_size(4096).unwrap();
+        let mut stuck = sock.connect(server.addr).await.unwrap();
+        stuck
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        // Let the server start answering into the full socket.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        server.cancel.cancel();
+        tokio::time::timeout(SHUTDOWN_GRACE + Duration::from_secs(3), server.task)
+            .await
+            .expect("a client that does not read held the listener's stop")
             .unwrap();
     }
 }
