@@ -106,8 +106,16 @@ impl Identity {
                     hostname: hostname().map_err(|source| IdentityError::Hostname { source })?,
                     labels: BTreeMap::new(),
                 };
-                persist(state_dir, &path, &identity)?;
-                Ok(identity)
+                if persist(state_dir, &path, &identity)? {
+                    Ok(identity)
+                } else {
+                    // Another process created it first: its identity is the node's.
+                    let bytes = fs::read(&path).map_err(|source| IdentityError::Read {
+                        path: path.clone(),
+                        source,
+                    })?;
+                    Self::parse(&path, &bytes)
+                }
             }
             Err(source) => Err(IdentityError::Read { path, source }),
         }
@@ -161,18 +169,16 @@ fn hostname() -> io::Result<String> {
     Ok(name)
 }
 
-/// Writes a temporary file in the same directory, syncs it, renames it over `path`
-/// and syncs the directory, so a crash leaves either no file or a complete one.
-fn persist(dir: &Path, path: &Path, identity: &Identity) -> Result<(), IdentityError> {
+/// Writes a temporary file in the same directory, syncs it, links it to `path` and
+/// syncs the directory, so a crash leaves either no file or a complete one. Never
+/// replaces an existing file (a link, not a rename): returns `false` when another
+/// process created `path` first.
+fn persist(dir: &Path, path: &Path, identity: &Identity) -> Result<bool, IdentityError> {
     let tmp = dir.join(format!(
         ".{IDENTITY_FILE}.tmp.{}.{:08x}",
         std::process::id(),
         rand::rng().random::<u32>()
     ));
-    let write_err = |path: &Path| {
-        let path = path.to_owned();
-        move |source| IdentityError::Write { path, source }
-    };
     let mut json = serde_json::to_vec_pretty(identity).map_err(|error| IdentityError::Write {
         path: tmp.clone(),
         source: io::Error::other(error),
@@ -192,16 +198,25 @@ fn persist(dir: &Path, path: &Path, identity: &Identity) -> Result<(), IdentityE
         let _ = fs::remove_file(&tmp);
         return Err(IdentityError::Write { path: tmp, source });
     }
-    if let Err(source) = fs::rename(&tmp, path) {
-        let _ = fs::remove_file(&tmp);
-        return Err(IdentityError::Write {
-            path: path.to_owned(),
-            source,
-        });
+    let linked = fs::hard_link(&tmp, path);
+    let _ = fs::remove_file(&tmp);
+    match linked {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(false),
+        Err(source) => {
+            return Err(IdentityError::Write {
+                path: path.to_owned(),
+                source,
+            });
+        }
     }
     File::open(dir)
         .and_then(|d| d.sync_all())
-        .map_err(write_err(dir))
+        .map_err(|source| IdentityError::Write {
+            path: dir.to_owned(),
+            source,
+        })?;
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -235,6 +250,26 @@ mod tests {
         let a = Identity::load_or_create(a.path()).unwrap();
         let b = Identity::load_or_create(b.path()).unwrap();
         assert_ne!(a.node_id, b.node_id);
+    }
+
+    #[test]
+    fn an_identity_created_concurrently_is_never_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(IDENTITY_FILE);
+        let first = Identity {
+            node_id: "aaaa".into(),
+            hostname: "h".into(),
+            labels: BTreeMap::new(),
+        };
+        assert!(persist(dir.path(), &path, &first).unwrap());
+        // A second writer that raced the first loses and adopts the stored identity.
+        let second = Identity {
+            node_id: "bbbb".into(),
+            ..first.clone()
+        };
+        assert!(!persist(dir.path(), &path, &second).unwrap());
+        assert_eq!(Identity::load_or_create(dir.path()).unwrap(), first);
+        assert_eq!(dir_names(dir.path()), [IDENTITY_FILE]);
     }
 
     #[test]
