@@ -407,7 +407,7 @@ pub struct AgentConfig {
     pub mode: Mode,
     /// Entries the outbox holds before it drops new ones (at least 1).
     pub outbox_capacity: usize,
-    /// How long start waits for subsystems (each start call, then all readiness).
+    /// How long start may take in all: every subsystem's start, then all readiness.
     pub ready_timeout: Duration,
     /// The metrics every subsystem updates.
     pub metrics: Arc<Metrics>,
@@ -604,8 +604,8 @@ impl Agent {
         Ok(())
     }
 
-    /// Starts every subsystem in registration order, then waits up to the ready
-    /// timeout for all of them to report ready.
+    /// Starts every subsystem in registration order, then waits for all of them to
+    /// report ready, all within one ready timeout.
     ///
     /// Returns `Ok` once everything started, even when some subsystem did not become
     /// ready in time ([`Agent::ready_err`] says which). When a subsystem fails to
@@ -623,6 +623,9 @@ impl Agent {
             }
             state.entries.len()
         };
+        // One deadline for the whole start: every subsystem's start and the wait for
+        // readiness share `ready_timeout`, so start never blocks longer than that.
+        let deadline = tokio::time::Instant::now() + self.ready_timeout;
         for index in 0..count {
             let Some((subsystem, name, token)) = self.begin_start(index) else {
                 continue;
@@ -632,7 +635,7 @@ impl Agent {
             let outcome = tokio::select! {
                 biased;
                 () = self.abort.cancelled() => return Err(AgentError::Stopped),
-                outcome = tokio::time::timeout(self.ready_timeout, subsystem.start(&ctx)) => outcome,
+                outcome = tokio::time::timeout_at(deadline, subsystem.start(&ctx)) => outcome,
             };
             let (reason, error) = match outcome {
                 Ok(Ok(())) => {
@@ -647,7 +650,10 @@ impl Agent {
                     },
                 ),
                 Err(_elapsed) => (
-                    format!("start did not return within {:?}", self.ready_timeout),
+                    format!(
+                        "start did not return within the ready timeout ({:?})",
+                        self.ready_timeout
+                    ),
                     AgentError::StartTimedOut {
                         subsystem: name,
                         timeout: self.ready_timeout,
@@ -681,7 +687,7 @@ impl Agent {
         let in_time = tokio::select! {
             biased;
             () = self.abort.cancelled() => return Err(AgentError::Stopped),
-            waited = tokio::time::timeout(self.ready_timeout, ready.wait()) => waited.is_ok(),
+            waited = tokio::time::timeout_at(deadline, ready.wait()) => waited.is_ok(),
         };
         if !in_time {
             let mut state = self.shared.lock();
