@@ -25,6 +25,7 @@ const BPFFS: &str = "/sys/fs/bpf";
 /// Checks and, where missing, installs every item.
 pub fn run() -> anyhow::Result<()> {
     apt_packages()?;
+    stable_components()?;
     nightly()?;
     rust_src()?;
     bpf_linker()?;
@@ -108,6 +109,22 @@ fn nightly() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// rustfmt and clippy for the default toolchain (`cargo xtask test` runs both).
+fn stable_components() -> anyhow::Result<()> {
+    for (component, probe) in [("rustfmt", "fmt"), ("clippy", "clippy")] {
+        if util::output(util::cargo().args([probe, "--version"])).is_some() {
+            report(component, "ok");
+            continue;
+        }
+        util::run_status(
+            &format!("rustup component add {component}"),
+            Command::new("rustup").args(["component", "add", component]),
+        )?;
+        report(component, "installed");
+    }
+    Ok(())
+}
+
 fn rust_src() -> anyhow::Result<()> {
     let sysroot = nightly_sysroot().ok_or_else(|| anyhow!("no {NIGHTLY} toolchain"))?;
     if sysroot
@@ -156,6 +173,9 @@ fn bpf_linker() -> anyhow::Result<()> {
         .arg(format!("^{BPF_LINKER_VERSION}"))
         .args(["--no-default-features", "--features"])
         .arg(format!("llvm-{major}"))
+        // An installed but broken bpf-linker (its libLLVM gone after a nightly
+        // update) must be rebuilt, not reported as "already installed".
+        .arg("--force")
         .env("LLVM_PREFIX", &prefix);
     util::run_status("cargo install bpf-linker", &mut install)?;
     report("bpf-linker", "installed");
