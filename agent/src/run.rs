@@ -35,8 +35,7 @@ pub async fn run(config: Config) -> Result<()> {
     }
     let mode = Mode::Dev;
     raise_fd_limit();
-    std::fs::create_dir_all(&config.state_dir)
-        .with_context(|| format!("creating state dir {}", config.state_dir.display()))?;
+    // Creates the state dir when missing.
     let identity = Identity::load_or_create(&config.state_dir)?;
     let store = Arc::new(EmbeddedLog::open(
         &config.state_dir,
