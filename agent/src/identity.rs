@@ -127,11 +127,21 @@ impl Identity {
                 path: path.to_owned(),
                 source,
             })?;
-        if identity.node_id.trim().is_empty() {
+        let id = &identity.node_id;
+        let reason = if id.trim().is_empty() {
+            Some("is empty".to_owned())
+        } else if id.len() > 253 {
+            Some(format!("is {} characters long (at most 253)", id.len()))
+        } else {
+            id.chars()
+                .find(|c| c.is_whitespace() || c.is_control())
+                .map(|c| format!("contains {c:?} (node ids end up in labels and logs)"))
+        };
+        if let Some(reason) = reason {
             return Err(IdentityError::Invalid {
                 path: path.to_owned(),
                 field: "node_id",
-                reason: "is empty".to_owned(),
+                reason,
             });
         }
         Ok(identity)
@@ -328,24 +338,27 @@ mod tests {
     }
 
     #[test]
-    fn empty_node_id_is_rejected_and_not_overwritten() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join(IDENTITY_FILE);
-        let content = br#"{"node_id":"","hostname":"h"}"#.to_vec();
-        fs::write(&path, &content).unwrap();
+    fn bad_node_ids_are_rejected_and_not_overwritten() {
+        for id in ["", "  ", "node one", "a\u{7}b"] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join(IDENTITY_FILE);
+            let content =
+                serde_json::to_vec(&serde_json::json!({"node_id": id, "hostname": "h"})).unwrap();
+            fs::write(&path, &content).unwrap();
 
-        let error = Identity::load_or_create(dir.path()).unwrap_err();
-        assert!(
-            matches!(
-                error,
-                IdentityError::Invalid {
-                    field: "node_id",
-                    ..
-                }
-            ),
-            "{error:?}"
-        );
-        assert!(error.to_string().contains(&path.display().to_string()));
-        assert_eq!(fs::read(&path).unwrap(), content);
+            let error = Identity::load_or_create(dir.path()).unwrap_err();
+            assert!(
+                matches!(
+                    error,
+                    IdentityError::Invalid {
+                        field: "node_id",
+                        ..
+                    }
+                ),
+                "{id:?}: {error:?}"
+            );
+            assert!(error.to_string().contains(&path.display().to_string()));
+            assert_eq!(fs::read(&path).unwrap(), content);
+        }
     }
 }
