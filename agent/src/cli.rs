@@ -112,6 +112,21 @@ pub struct RunArgs {
     /// Ordered-log events kept for watchers before compaction [default: 10000].
     #[arg(long, env = "RUNE_LOG_HISTORY", value_name = "N")]
     pub log_history: Option<u64>,
+    /// Where the embedded DNS server listens, UDP and TCP; repeatable
+    /// [default: 127.0.0.123:53; with --dev 127.0.0.1:15353].
+    #[arg(
+        long = "dns-addr",
+        env = "RUNE_DNS_ADDR",
+        value_name = "ADDR:PORT",
+        value_delimiter = ','
+    )]
+    pub dns_addrs: Vec<String>,
+    /// The DNS zone answered for services, `<service>.<namespace>.<domain>` [default: rune].
+    #[arg(long, env = "RUNE_DNS_DOMAIN", value_name = "DOMAIN")]
+    pub dns_domain: Option<String>,
+    /// TTL of DNS answers, in seconds [default: 5].
+    #[arg(long, env = "RUNE_DNS_TTL_SECONDS", value_name = "S")]
+    pub dns_ttl_seconds: Option<u32>,
 }
 
 impl Cli {
@@ -134,6 +149,9 @@ impl Cli {
             flags.maglev_table_size = r.maglev_table_size;
             flags.udp_idle_timeout_seconds = r.udp_idle_timeout_seconds;
             flags.log_history = r.log_history;
+            flags.dns_addrs = (!r.dns_addrs.is_empty()).then(|| r.dns_addrs.clone());
+            flags.dns_domain = r.dns_domain.clone();
+            flags.dns_ttl_seconds = r.dns_ttl_seconds;
         }
         file.overridden_by(flags).resolve()
     }

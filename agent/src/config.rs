@@ -18,6 +18,21 @@ pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
 /// Longest accepted UDP idle timeout (one day).
 pub const MAX_UDP_IDLE_SECONDS: u64 = 86_400;
 
+/// Default `--dns-addr` in production (the Rune agent's address).
+pub const DEFAULT_DNS_ADDR: &str = "127.0.0.123:53";
+
+/// Default `--dns-addr` in dev mode (unprivileged, on loopback).
+pub const DEFAULT_DEV_DNS_ADDR: &str = "127.0.0.1:15353";
+
+/// Default `--dns-domain`.
+pub const DEFAULT_DNS_DOMAIN: &str = "rune.";
+
+/// Default `--dns-ttl-seconds`.
+pub const DEFAULT_DNS_TTL_SECONDS: u32 = 5;
+
+/// Longest accepted DNS TTL (one day).
+pub const MAX_DNS_TTL_SECONDS: u32 = 86_400;
+
 /// Everything `rune-agent run` needs, resolved and checked.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
@@ -39,6 +54,12 @@ pub struct Config {
     pub udp_idle_timeout: Duration,
     /// Ordered-log events kept for watchers before compaction.
     pub log_history: u64,
+    /// Where the embedded DNS server listens (UDP and TCP on each).
+    pub dns_addrs: Vec<SocketAddr>,
+    /// The zone the DNS server is authoritative for: lower case, with a trailing dot.
+    pub dns_domain: String,
+    /// TTL of every DNS answer (and of negative answers), in seconds.
+    pub dns_ttl_seconds: u32,
 }
 
 /// The config file's shape; every field optional. Unknown keys are errors.
@@ -63,6 +84,12 @@ pub struct FileConfig {
     pub udp_idle_timeout_seconds: Option<u64>,
     /// See [`Config::log_history`].
     pub log_history: Option<u64>,
+    /// See [`Config::dns_addrs`]; empty or absent means the mode's default.
+    pub dns_addrs: Option<Vec<String>>,
+    /// See [`Config::dns_domain`].
+    pub dns_domain: Option<String>,
+    /// See [`Config::dns_ttl_seconds`].
+    pub dns_ttl_seconds: Option<u32>,
 }
 
 /// Why the settings were refused.
@@ -125,6 +152,9 @@ impl FileConfig {
                 .udp_idle_timeout_seconds
                 .or(self.udp_idle_timeout_seconds),
             log_history: over.log_history.or(self.log_history),
+            dns_addrs: over.dns_addrs.or(self.dns_addrs),
+            dns_domain: over.dns_domain.or(self.dns_domain),
+            dns_ttl_seconds: over.dns_ttl_seconds.or(self.dns_ttl_seconds),
         }
     }
 
@@ -175,9 +205,19 @@ impl FileConfig {
                 message: "must be at least 1".into(),
             });
         }
+        let dev = self.dev.unwrap_or(false);
+        let dns_addrs = resolve_dns_addrs(self.dns_addrs, dev)?;
+        let dns_domain = resolve_dns_domain(self.dns_domain.as_deref())?;
+        let dns_ttl_seconds = self.dns_ttl_seconds.unwrap_or(DEFAULT_DNS_TTL_SECONDS);
+        if dns_ttl_seconds > MAX_DNS_TTL_SECONDS {
+            return Err(ConfigError::Invalid {
+                setting: "--dns-ttl-seconds",
+                message: format!("{dns_ttl_seconds} is out of range 0-{MAX_DNS_TTL_SECONDS}"),
+            });
+        }
         Ok(Config {
             state_dir: self.state_dir.unwrap_or_else(default_state_dir),
-            dev: self.dev.unwrap_or(false),
+            dev,
             dev_port_offset: self.dev_port_offset.unwrap_or(0),
             metrics_addr,
             ready_timeout: Duration::from_secs(ready_timeout),
@@ -185,8 +225,69 @@ impl FileConfig {
             maglev_table_size,
             udp_idle_timeout: Duration::from_secs(udp_idle),
             log_history,
+            dns_addrs,
+            dns_domain,
+            dns_ttl_seconds,
         })
     }
+}
+
+/// The DNS listen addresses, or the mode's default when none are given.
+fn resolve_dns_addrs(
+    addrs: Option<Vec<String>>,
+    dev: bool,
+) -> Result<Vec<SocketAddr>, ConfigError> {
+    let addrs = addrs.filter(|a| !a.is_empty()).unwrap_or_else(|| {
+        vec![
+            if dev {
+                DEFAULT_DEV_DNS_ADDR
+            } else {
+                DEFAULT_DNS_ADDR
+            }
+            .to_owned(),
+        ]
+    });
+    let mut out: Vec<SocketAddr> = Vec::with_capacity(addrs.len());
+    for a in &addrs {
+        let addr: SocketAddr = a.parse().map_err(|_| ConfigError::Invalid {
+            setting: "--dns-addr",
+            message: format!("{a:?} is not an address:port"),
+        })?;
+        if !out.contains(&addr) {
+            out.push(addr);
+        }
+    }
+    Ok(out)
+}
+
+/// The DNS zone as a lower-case absolute name (`rune.`), checked to be a valid,
+/// non-root domain name.
+fn resolve_dns_domain(domain: Option<&str>) -> Result<String, ConfigError> {
+    let raw = domain.unwrap_or(DEFAULT_DNS_DOMAIN);
+    let mut domain = raw.trim().to_ascii_lowercase();
+    if !domain.ends_with('.') {
+        domain.push('.');
+    }
+    let valid = domain.len() > 1
+        && domain.len() <= 200
+        && domain[..domain.len() - 1].split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        });
+    if !valid {
+        return Err(ConfigError::Invalid {
+            setting: "--dns-domain",
+            message: format!(
+                "{raw:?} is not a domain name (e.g. \"rune\" or \"cluster.example.\")"
+            ),
+        });
+    }
+    Ok(domain)
 }
 
 /// `/var/lib/rune` as root; `$XDG_STATE_HOME/rune` (or `~/.local/state/rune`)
@@ -216,6 +317,65 @@ mod tests {
         assert_eq!(c.outbox_capacity, 4096);
         assert_eq!(c.maglev_table_size, 16381);
         assert!(!c.dev);
+        assert_eq!(c.dns_addrs, ["127.0.0.123:53".parse().unwrap()]);
+        assert_eq!(c.dns_domain, "rune.");
+        assert_eq!(c.dns_ttl_seconds, 5);
+        let dev = FileConfig {
+            dev: Some(true),
+            ..FileConfig::default()
+        };
+        assert_eq!(
+            dev.resolve().unwrap().dns_addrs,
+            ["127.0.0.1:15353".parse().unwrap()]
+        );
+    }
+
+    #[test]
+    fn dns_settings_are_checked_and_normalised() {
+        let c = FileConfig {
+            dns_addrs: Some(vec!["127.0.0.1:1053".into(), "[::1]:1053".into()]),
+            dns_domain: Some("Cluster.Example".into()),
+            dns_ttl_seconds: Some(30),
+            ..FileConfig::default()
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(c.dns_addrs.len(), 2);
+        assert_eq!(c.dns_domain, "cluster.example.");
+        assert_eq!(c.dns_ttl_seconds, 30);
+        for (bad, setting) in [
+            (
+                FileConfig {
+                    dns_addrs: Some(vec!["nowhere".into()]),
+                    ..FileConfig::default()
+                },
+                "--dns-addr",
+            ),
+            (
+                FileConfig {
+                    dns_domain: Some(".".into()),
+                    ..FileConfig::default()
+                },
+                "--dns-domain",
+            ),
+            (
+                FileConfig {
+                    dns_domain: Some("bad_label.rune".into()),
+                    ..FileConfig::default()
+                },
+                "--dns-domain",
+            ),
+            (
+                FileConfig {
+                    dns_ttl_seconds: Some(MAX_DNS_TTL_SECONDS + 1),
+                    ..FileConfig::default()
+                },
+                "--dns-ttl-seconds",
+            ),
+        ] {
+            let err = bad.resolve().unwrap_err().to_string();
+            assert!(err.starts_with(&format!("setting {setting}:")), "{err}");
+        }
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod agent;
 pub mod cli;
 pub mod config;
 pub mod dataplane;
+pub mod dns;
 pub mod endpoints;
 pub mod identity;
 pub mod localapi;

@@ -5,6 +5,10 @@ use clap::Parser;
 use rune_agent::cli::{self, Cli, Command};
 use std::process::ExitCode;
 
+/// The log filter without `RUST_LOG`: hickory-server logs every DNS query at
+/// `info`, which would drown the agent's own lines.
+const DEFAULT_LOG_FILTER: &str = "info,hickory_server=warn";
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The version needs no settings: a bad config must not hide it.
@@ -26,7 +30,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER)),
         )
         .with_writer(std::io::stderr)
         .init();

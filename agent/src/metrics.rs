@@ -72,6 +72,17 @@ pub struct BytesLabels {
     pub direction: String,
 }
 
+/// Labels of DNS queries answered by the embedded DNS server.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DnsQueryLabels {
+    /// The query type (`A`, `AAAA`, `SRV`, ...).
+    pub r#type: &'static str,
+    /// The response code (`NOERROR`, `NXDOMAIN`, `REFUSED`, ...).
+    pub rcode: &'static str,
+    /// `rune` for names the agent is authoritative for, `other` for the rest.
+    pub zone: &'static str,
+}
+
 /// Every metric the agent exports, registered once in [`Metrics::new`].
 #[derive(Debug)]
 pub struct Metrics {
@@ -92,6 +103,8 @@ pub struct Metrics {
     pub outbox_depth: Gauge,
     /// `rune_outbox_dropped_total`: entries refused because the outbox was full.
     pub outbox_dropped: Counter,
+    /// `rune_dns_queries_total{type,rcode,zone}`: queries answered by the DNS server.
+    pub dns_queries: Family<DnsQueryLabels, Counter>,
 }
 
 impl Metrics {
@@ -146,6 +159,12 @@ impl Metrics {
             "Entries refused because the outbox was full",
             outbox_dropped.clone(),
         );
+        let dns_queries = Family::<DnsQueryLabels, Counter>::default();
+        registry.register(
+            "dns_queries",
+            "DNS queries answered, by query type, response code and zone",
+            dns_queries.clone(),
+        );
         Self {
             registry,
             subsystem_ready,
@@ -156,6 +175,7 @@ impl Metrics {
             proxy_listener_up,
             outbox_depth,
             outbox_dropped,
+            dns_queries,
         }
     }
 

@@ -2,7 +2,7 @@
 //!
 //! Order of subsystems (started in this order, stopped in reverse): `metrics` first
 //! so `/readyz` answers 503 while the rest comes up, then `localapi`, `watch` (the
-//! ordered log into the cache), and `dataplane`.
+//! ordered log into the cache), `dataplane`, and `dns` (which reads the cache).
 
 use crate::{
     agent::{Agent, AgentConfig, Mode},
@@ -12,6 +12,7 @@ use crate::{
         proxy::{ListenOn, ProxyConfig, UserspaceProxy},
         reconciler::Reconciler,
     },
+    dns::{DnsConfig, DnsServer, DnsState, ZoneConfig},
     endpoints::{CacheFeed, EndpointCache},
     identity::Identity,
     localapi::{self, LocalApiServer, StatusFn},
@@ -64,10 +65,25 @@ pub async fn run(config: Config) -> Result<()> {
         metrics: metrics.clone(),
     })?);
 
+    let dns = Arc::new(DnsServer::new(
+        DnsConfig {
+            addrs: config.dns_addrs.clone(),
+            zone: ZoneConfig {
+                domain: config.dns_domain.clone(),
+                ttl: config.dns_ttl_seconds,
+                mode,
+                dev_port_offset: config.dev_port_offset,
+            },
+        },
+        cache.clone(),
+        metrics.clone(),
+    )?);
+
     let status = status_fn(
         Arc::downgrade(&agent),
         cache.clone(),
         plane.clone(),
+        Arc::new(dns.state_handle()),
         config.state_dir.clone(),
     );
     agent.register(Arc::new(MetricsServer::new(
@@ -82,6 +98,7 @@ pub async fn run(config: Config) -> Result<()> {
     )))?;
     agent.register(Arc::new(CacheFeed::new(store, cache.clone(), metrics)))?;
     agent.register(Arc::new(Reconciler::new(plane, cache)))?;
+    agent.register(dns)?;
 
     tracing::info!(
         mode = %mode,
@@ -173,12 +190,14 @@ fn status_fn(
     agent: Weak<Agent>,
     cache: Arc<EndpointCache>,
     plane: Arc<dyn DataPlane>,
+    dns: Arc<dyn Fn() -> DnsState + Send + Sync>,
     state_dir: PathBuf,
 ) -> StatusFn {
     Arc::new(move || {
         let mut st = AgentStatus::from_cache(&state_dir, &cache);
         st.running = true;
         st.dataplane = Some(plane.mode().to_owned());
+        st.dns = Some(dns().to_string());
         let ports = plane.status();
         for s in &mut st.services {
             for p in &mut s.ports {

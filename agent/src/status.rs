@@ -25,6 +25,9 @@ pub struct AgentStatus {
     /// The data plane carrying services (`userspace`, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dataplane: Option<String>,
+    /// The embedded DNS server: `serving on ADDR, ...`, or `off: <reason>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns: Option<String>,
     /// The node's identity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<NodeStatus>,
@@ -223,6 +226,9 @@ impl AgentStatus {
         }
         if let Some(d) = &self.dataplane {
             writeln!(o, "data plane: {d}")?;
+        }
+        if let Some(d) = &self.dns {
+            writeln!(o, "dns:        {d}")?;
         }
         if let Some(n) = &self.node {
             writeln!(o, "node:       {} ({})", n.node_id, n.hostname)?;

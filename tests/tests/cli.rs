@@ -171,7 +171,7 @@ fn a_running_agent_serves_the_cli_and_keeps_identity_and_store_across_restarts()
         .iter()
         .map(|s| s["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["metrics", "localapi", "watch", "dataplane"]);
+    assert_eq!(names, ["metrics", "localapi", "watch", "dataplane", "dns"]);
     let node_id = status["node"]["nodeId"].as_str().unwrap().to_owned();
     assert_eq!(agent.terminate(PATIENCE), Some(0));
     assert!(!sock.exists(), "the socket is removed on stop");

@@ -1,0 +1,408 @@
+//! The `dns` subsystem: an authoritative DNS server for service names,
+//! `<service>.<namespace>.rune`, on UDP and TCP, kept current from the endpoint cache.
+//!
+//! hickory-server carries the protocol (sockets, framing, parsing); answers come from
+//! our own [`Zone`], an immutable table of precomputed record sets that is rebuilt
+//! and swapped in atomically whenever the cache delivers a delta, so a lookup takes
+//! no lock and answers change within milliseconds of a change in the cache.
+//!
+//! Names outside the zone are refused for now (forwarding comes in a later step).
+
+mod zone;
+
+pub use zone::{Answer, Authority, InvalidDomain, Zone, ZoneConfig};
+
+use crate::{
+    agent::{Mode, Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
+    endpoints::{EndpointCache, ServiceView},
+    metrics::{DnsQueryLabels, Metrics},
+    model::ServiceKey,
+    sync::lock,
+};
+use arc_swap::ArcSwap;
+use hickory_proto::{
+    op::{Edns, Header, HeaderCounts, MessageType, Metadata, OpCode, ResponseCode},
+    rr::RecordType,
+};
+use hickory_server::{
+    Server,
+    net::runtime::Time,
+    server::{Request, RequestHandler, ResponseHandler, ResponseInfo},
+    zone_handler::MessageResponseBuilder,
+};
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+use tokio::net::{TcpListener, UdpSocket};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+/// How long a TCP client may stay idle between queries before it is disconnected.
+const TCP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Responses buffered per TCP connection.
+const TCP_RESPONSE_BUFFER: usize = 16;
+
+/// The DNS server's settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DnsConfig {
+    /// Where to listen, UDP and TCP on each address.
+    pub addrs: Vec<SocketAddr>,
+    /// What the zone holds.
+    pub zone: ZoneConfig,
+}
+
+/// Whether the server answers, as `status` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DnsState {
+    /// Not started yet.
+    Off,
+    /// Listening on these addresses.
+    Serving {
+        /// Every bound address (UDP and TCP on each).
+        addrs: Vec<SocketAddr>,
+    },
+    /// Dev mode only: nothing could be bound, the agent runs without DNS.
+    Disabled {
+        /// Why, with the addresses and the OS's reasons.
+        reason: String,
+    },
+}
+
+impl std::fmt::Display for DnsState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DnsState::Off => f.write_str("off"),
+            DnsState::Serving { addrs } => {
+                let addrs: Vec<String> = addrs.iter().map(ToString::to_string).collect();
+                write!(f, "serving on {}", addrs.join(", "))
+            }
+            DnsState::Disabled { reason } => write!(f, "off: {reason}"),
+        }
+    }
+}
+
+/// The `dns` subsystem.
+pub struct DnsServer {
+    config: DnsConfig,
+    cache: Arc<EndpointCache>,
+    metrics: Arc<Metrics>,
+    zone: Arc<ArcSwap<Zone>>,
+    state: Arc<Mutex<DnsState>>,
+    serving: ReadySetter,
+    readiness: Readiness,
+    tasks: TaskTracker,
+}
+
+impl DnsServer {
+    /// A server answering from `cache`, counting queries in `metrics`. Fails when the
+    /// configured domain is not a valid name.
+    pub fn new(
+        config: DnsConfig,
+        cache: Arc<EndpointCache>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, InvalidDomain> {
+        let empty = Zone::build(&config.zone, 0, std::iter::empty())?;
+        let (serving, readiness) = Readiness::new();
+        Ok(Self {
+            config,
+            cache,
+            metrics,
+            zone: Arc::new(ArcSwap::from_pointee(empty)),
+            state: Arc::new(Mutex::new(DnsState::Off)),
+            serving,
+            readiness,
+            tasks: TaskTracker::new(),
+        })
+    }
+
+    /// Whether and where the server answers (for `status`).
+    pub fn state(&self) -> DnsState {
+        lock(&self.state).clone()
+    }
+
+    /// A closure reading [`DnsServer::state`], for a status document that outlives
+    /// borrowing the server.
+    pub fn state_handle(&self) -> impl Fn() -> DnsState + Send + Sync + 'static {
+        let state = self.state.clone();
+        move || lock(&state).clone()
+    }
+}
+
+/// A listen address the server could not bind.
+#[derive(Debug, thiserror::Error)]
+#[error("bind {protocol} {addr}")]
+pub struct BindError {
+    /// The address.
+    pub addr: SocketAddr,
+    /// `udp` or `tcp`.
+    pub protocol: &'static str,
+    /// The OS's reason.
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Binds UDP and TCP on each address; returns the sockets and the failures.
+async fn bind_all(
+    addrs: &[SocketAddr],
+) -> (Vec<(UdpSocket, TcpListener, SocketAddr)>, Vec<BindError>) {
+    let mut bound = Vec::new();
+    let mut failed = Vec::new();
+    for &addr in addrs {
+        let udp = match UdpSocket::bind(addr).await {
+            Ok(s) => s,
+            Err(source) => {
+                failed.push(BindError {
+                    addr,
+                    protocol: "udp",
+                    source,
+                });
+                continue;
+            }
+        };
+        // Port 0: take the UDP socket's port for TCP too.
+        let local = udp.local_addr().unwrap_or(addr);
+        match TcpListener::bind(local).await {
+            Ok(tcp) => bound.push((udp, tcp, local)),
+            Err(source) => failed.push(BindError {
+                addr: local,
+                protocol: "tcp",
+                source,
+            }),
+        }
+    }
+    (bound, failed)
+}
+
+#[async_trait::async_trait]
+impl Subsystem for DnsServer {
+    fn name(&self) -> &str {
+        "dns"
+    }
+
+    async fn start(&self, ctx: &StartContext) -> Result<(), SubsystemError> {
+        let (bound, failed) = bind_all(&self.config.addrs).await;
+        if !failed.is_empty() {
+            if ctx.mode == Mode::Production {
+                // Nothing half-serves in production: the agent's start fails with the
+                // first address that could not be bound and the OS's reason.
+                if let Some(error) = failed.into_iter().next() {
+                    return Err(SubsystemError::io(error.to_string(), error.source));
+                }
+                return Ok(());
+            }
+            let reason = failed
+                .iter()
+                .map(|e| format!("{e}: {}", e.source))
+                .collect::<Vec<_>>()
+                .join("; ");
+            if bound.is_empty() {
+                tracing::warn!(%reason, "dev mode: DNS is off; continuing without it");
+                *lock(&self.state) = DnsState::Disabled { reason };
+                self.serving.set_ready();
+                return Ok(());
+            }
+            tracing::warn!(%reason, "dev mode: DNS serves on the other addresses only");
+        }
+        let addrs: Vec<SocketAddr> = bound.iter().map(|(_, _, a)| *a).collect();
+
+        let mut server = Server::new(Handler {
+            zone: self.zone.clone(),
+            metrics: self.metrics.clone(),
+        });
+        for (udp, tcp, _) in bound {
+            server.register_socket(udp);
+            server.register_listener(tcp, TCP_TIMEOUT, TCP_RESPONSE_BUFFER);
+        }
+        let cancel = ctx.cancel.clone();
+        self.tasks.spawn(async move {
+            tokio::select! {
+                () = cancel.cancelled() => {
+                    if let Err(error) = server.shutdown_gracefully().await {
+                        tracing::warn!(%error, "DNS server shut down with an error");
+                    }
+                }
+                result = server.block_until_done() => {
+                    if let Err(error) = result {
+                        tracing::error!(%error, "DNS server stopped");
+                    }
+                }
+            }
+        });
+        self.tasks.spawn(follow(
+            self.cache.clone(),
+            self.config.zone.clone(),
+            self.zone.clone(),
+            self.serving.clone(),
+            ctx.cancel.clone(),
+        ));
+        tracing::info!(addrs = ?addrs, domain = %self.config.zone.domain, "DNS serving");
+        *lock(&self.state) = DnsState::Serving { addrs };
+        Ok(())
+    }
+
+    fn ready(&self) -> Readiness {
+        self.readiness.clone()
+    }
+
+    async fn stop(&self) -> Result<(), SubsystemError> {
+        self.tasks.close();
+        self.tasks.wait().await;
+        let mut state = lock(&self.state);
+        if matches!(*state, DnsState::Serving { .. }) {
+            *state = DnsState::Off;
+        }
+        Ok(())
+    }
+}
+
+/// Rebuilds the zone on every cache delta and swaps it in; ready after the first.
+async fn follow(
+    cache: Arc<EndpointCache>,
+    config: ZoneConfig,
+    zone: Arc<ArcSwap<Zone>>,
+    ready: ReadySetter,
+    cancel: CancellationToken,
+) {
+    let mut sub = cache.subscribe();
+    let mut views: BTreeMap<ServiceKey, ServiceView> = BTreeMap::new();
+    loop {
+        let delta = tokio::select! {
+            () = cancel.cancelled() => return,
+            d = sub.next() => d,
+        };
+        if delta.full {
+            views.clear();
+        }
+        for key in &delta.removed {
+            views.remove(key);
+        }
+        for view in delta.upserted {
+            views.insert(view.key(), view);
+        }
+        // The SOA serial is 32 bits; the revision wraps into it.
+        let serial = delta.revision as u32;
+        match Zone::build(&config, serial, views.values()) {
+            Ok(built) => {
+                zone.store(Arc::new(built));
+                ready.set_ready();
+                tracing::debug!(
+                    revision = delta.revision,
+                    services = views.len(),
+                    "DNS zone updated"
+                );
+            }
+            // The domain was checked when the server was made; this cannot happen.
+            Err(error) => tracing::error!(%error, "DNS zone not rebuilt"),
+        }
+    }
+}
+
+/// Answers queries from the current zone.
+struct Handler {
+    zone: Arc<ArcSwap<Zone>>,
+    metrics: Arc<Metrics>,
+}
+
+/// The `rcode` label of a response code.
+fn rcode_label(rcode: ResponseCode) -> &'static str {
+    match rcode {
+        ResponseCode::NoError => "NOERROR",
+        ResponseCode::FormErr => "FORMERR",
+        ResponseCode::ServFail => "SERVFAIL",
+        ResponseCode::NXDomain => "NXDOMAIN",
+        ResponseCode::NotImp => "NOTIMP",
+        ResponseCode::Refused => "REFUSED",
+        _ => "OTHER",
+    }
+}
+
+impl Handler {
+    fn count(&self, qtype: Option<RecordType>, rcode: ResponseCode, authority: Authority) {
+        self.metrics
+            .dns_queries
+            .get_or_create(&DnsQueryLabels {
+                r#type: qtype.map_or("NONE", <&'static str>::from),
+                rcode: rcode_label(rcode),
+                zone: match authority {
+                    Authority::Zone => "rune",
+                    Authority::Other => "other",
+                },
+            })
+            .inc();
+    }
+}
+
+#[async_trait::async_trait]
+impl RequestHandler for Handler {
+    async fn handle_request<R: ResponseHandler, T: Time>(
+        &self,
+        request: &Request,
+        mut response_handle: R,
+    ) -> ResponseInfo {
+        let request_edns = request.edns.as_ref();
+        let response_edns = request_edns.map(|e| {
+            let mut edns = Edns::new();
+            edns.set_max_payload(e.max_payload().max(512));
+            edns
+        });
+        let builder = MessageResponseBuilder::new(&request.queries, response_edns.as_ref());
+        let mut metadata = Metadata::response_from_request(&request.metadata);
+        metadata.recursion_available = false;
+
+        let query = match request.request_info() {
+            Ok(info) if request.metadata.op_code == OpCode::Query => Some(info.query),
+            _ => None,
+        };
+        // Held for the whole request: the response borrows its records.
+        let zone = self.zone.load_full();
+        let sent = match query {
+            Some(q) => {
+                let qtype = q.query_type();
+                let answer = zone.lookup(q.name(), qtype);
+                metadata.response_code = answer.rcode;
+                metadata.authoritative = answer.authoritative;
+                self.count(Some(qtype), answer.rcode, answer.authority_kind);
+                let response = builder.build(
+                    metadata,
+                    answer.answers.iter(),
+                    answer.authority.iter(),
+                    std::iter::empty(),
+                    std::iter::empty(),
+                );
+                response_handle.send_response(response).await
+            }
+            None => {
+                metadata.response_code = if request.metadata.op_code == OpCode::Query {
+                    ResponseCode::FormErr
+                } else {
+                    ResponseCode::NotImp
+                };
+                self.count(None, metadata.response_code, Authority::Other);
+                let response = builder.build_no_records(metadata);
+                response_handle.send_response(response).await
+            }
+        };
+        match sent {
+            Ok(info) => info,
+            Err(error) => {
+                tracing::debug!(%error, "DNS response not sent");
+                let mut failed = Metadata::new(
+                    request.metadata.id,
+                    MessageType::Response,
+                    request.metadata.op_code,
+                );
+                failed.response_code = ResponseCode::ServFail;
+                ResponseInfo::from(Header {
+                    metadata: failed,
+                    counts: HeaderCounts::default(),
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
