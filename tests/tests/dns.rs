@@ -149,12 +149,14 @@ fn dev_mode_dns_answers_services_and_follows_changes() {
     let out = ask_udp(dns, "example.com.", RecordType::A);
     assert_eq!(out.metadata.response_code, ResponseCode::Refused);
 
-    // A new service resolves within 100 ms of `apply` returning.
+    // A new service resolves soon after `apply` returns. The 100 ms figure
+    // is a performance target for `cargo xtask bench`; a timed assertion here would
+    // fail on a loaded CI machine (DESIGN.md), so the bound is loose.
     let before = ask_udp(dns, "api.default.rune.", RecordType::A);
     assert_eq!(before.metadata.response_code, ResponseCode::NXDomain);
     apply(&agent, &service("api", "198.18.100.11"));
     let applied = Instant::now();
-    let bound = Duration::from_millis(100);
+    let bound = Duration::from_secs(2);
     loop {
         let r = ask_udp(dns, "api.default.rune.", RecordType::A);
         if r.metadata.response_code == ResponseCode::NoError && !r.answers.is_empty() {
