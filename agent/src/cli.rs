@@ -127,6 +127,24 @@ pub struct RunArgs {
     /// TTL of DNS answers, in seconds [default: 5].
     #[arg(long, env = "RUNE_DNS_TTL_SECONDS", value_name = "S")]
     pub dns_ttl_seconds: Option<u32>,
+    /// Upstream resolver for names outside the DNS zone, ADDR or ADDR:PORT; repeatable
+    /// [default: the nameservers of --dns-resolv-conf, minus the agent's own].
+    #[arg(
+        long = "dns-upstream",
+        env = "RUNE_DNS_UPSTREAM",
+        value_name = "ADDR[:PORT]",
+        value_delimiter = ','
+    )]
+    pub dns_upstreams: Vec<String>,
+    /// Where upstream resolvers are read when none are given [default: /etc/resolv.conf].
+    #[arg(long, env = "RUNE_DNS_RESOLV_CONF", value_name = "PATH")]
+    pub dns_resolv_conf: Option<PathBuf>,
+    /// How long one forwarded DNS question may take, retry included [default: 2000].
+    #[arg(long, env = "RUNE_DNS_UPSTREAM_TIMEOUT_MS", value_name = "MS")]
+    pub dns_upstream_timeout_ms: Option<u64>,
+    /// Forwarded DNS answers kept in the cache, 0 for none [default: 10000].
+    #[arg(long, env = "RUNE_DNS_CACHE_SIZE", value_name = "N")]
+    pub dns_cache_size: Option<usize>,
 }
 
 impl Cli {
@@ -152,6 +170,10 @@ impl Cli {
             flags.dns_addrs = (!r.dns_addrs.is_empty()).then(|| r.dns_addrs.clone());
             flags.dns_domain = r.dns_domain.clone();
             flags.dns_ttl_seconds = r.dns_ttl_seconds;
+            flags.dns_upstreams = (!r.dns_upstreams.is_empty()).then(|| r.dns_upstreams.clone());
+            flags.dns_resolv_conf = r.dns_resolv_conf.clone();
+            flags.dns_upstream_timeout_ms = r.dns_upstream_timeout_ms;
+            flags.dns_cache_size = r.dns_cache_size;
         }
         file.overridden_by(flags).resolve()
     }

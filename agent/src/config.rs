@@ -33,6 +33,22 @@ pub const DEFAULT_DNS_TTL_SECONDS: u32 = 5;
 /// Longest accepted DNS TTL (one day).
 pub const MAX_DNS_TTL_SECONDS: u32 = 86_400;
 
+/// Default `--dns-resolv-conf`: where upstream resolvers are found when none are
+/// configured.
+pub const DEFAULT_DNS_RESOLV_CONF: &str = "/etc/resolv.conf";
+
+/// Default `--dns-upstream-timeout-ms`.
+pub const DEFAULT_DNS_UPSTREAM_TIMEOUT_MS: u64 = 2000;
+
+/// Longest accepted `--dns-upstream-timeout-ms` (one minute).
+pub const MAX_DNS_UPSTREAM_TIMEOUT_MS: u64 = 60_000;
+
+/// Default `--dns-cache-size`.
+pub const DEFAULT_DNS_CACHE_SIZE: usize = 10_000;
+
+/// Largest accepted `--dns-cache-size`.
+pub const MAX_DNS_CACHE_SIZE: usize = 10_000_000;
+
 /// Everything `rune-agent run` needs, resolved and checked.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
@@ -60,6 +76,15 @@ pub struct Config {
     pub dns_domain: String,
     /// TTL of every DNS answer (and of negative answers), in seconds.
     pub dns_ttl_seconds: u32,
+    /// Upstream resolvers for names outside the zone; empty: those of
+    /// [`Config::dns_resolv_conf`].
+    pub dns_upstreams: Vec<SocketAddr>,
+    /// The resolv.conf read for upstreams when none are configured.
+    pub dns_resolv_conf: PathBuf,
+    /// How long one forwarded question may take, retry included.
+    pub dns_upstream_timeout: Duration,
+    /// How many forwarded answers are cached (0: none).
+    pub dns_cache_size: usize,
 }
 
 /// The config file's shape; every field optional. Unknown keys are errors.
@@ -90,6 +115,14 @@ pub struct FileConfig {
     pub dns_domain: Option<String>,
     /// See [`Config::dns_ttl_seconds`].
     pub dns_ttl_seconds: Option<u32>,
+    /// See [`Config::dns_upstreams`]: `ADDR` or `ADDR:PORT` each.
+    pub dns_upstreams: Option<Vec<String>>,
+    /// See [`Config::dns_resolv_conf`].
+    pub dns_resolv_conf: Option<PathBuf>,
+    /// See [`Config::dns_upstream_timeout`], in milliseconds.
+    pub dns_upstream_timeout_ms: Option<u64>,
+    /// See [`Config::dns_cache_size`].
+    pub dns_cache_size: Option<usize>,
 }
 
 /// Why the settings were refused.
@@ -155,6 +188,12 @@ impl FileConfig {
             dns_addrs: over.dns_addrs.or(self.dns_addrs),
             dns_domain: over.dns_domain.or(self.dns_domain),
             dns_ttl_seconds: over.dns_ttl_seconds.or(self.dns_ttl_seconds),
+            dns_upstreams: over.dns_upstreams.or(self.dns_upstreams),
+            dns_resolv_conf: over.dns_resolv_conf.or(self.dns_resolv_conf),
+            dns_upstream_timeout_ms: over
+                .dns_upstream_timeout_ms
+                .or(self.dns_upstream_timeout_ms),
+            dns_cache_size: over.dns_cache_size.or(self.dns_cache_size),
         }
     }
 
@@ -215,6 +254,25 @@ impl FileConfig {
                 message: format!("{dns_ttl_seconds} is out of range 0-{MAX_DNS_TTL_SECONDS}"),
             });
         }
+        let dns_upstreams = resolve_dns_upstreams(self.dns_upstreams.unwrap_or_default())?;
+        let upstream_timeout = self
+            .dns_upstream_timeout_ms
+            .unwrap_or(DEFAULT_DNS_UPSTREAM_TIMEOUT_MS);
+        if !(1..=MAX_DNS_UPSTREAM_TIMEOUT_MS).contains(&upstream_timeout) {
+            return Err(ConfigError::Invalid {
+                setting: "--dns-upstream-timeout-ms",
+                message: format!(
+                    "{upstream_timeout} is out of range 1-{MAX_DNS_UPSTREAM_TIMEOUT_MS}"
+                ),
+            });
+        }
+        let dns_cache_size = self.dns_cache_size.unwrap_or(DEFAULT_DNS_CACHE_SIZE);
+        if dns_cache_size > MAX_DNS_CACHE_SIZE {
+            return Err(ConfigError::Invalid {
+                setting: "--dns-cache-size",
+                message: format!("{dns_cache_size} is out of range 0-{MAX_DNS_CACHE_SIZE}"),
+            });
+        }
         Ok(Config {
             state_dir: self.state_dir.unwrap_or_else(default_state_dir),
             dev,
@@ -228,8 +286,40 @@ impl FileConfig {
             dns_addrs,
             dns_domain,
             dns_ttl_seconds,
+            dns_upstreams,
+            dns_resolv_conf: self
+                .dns_resolv_conf
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_DNS_RESOLV_CONF)),
+            dns_upstream_timeout: Duration::from_millis(upstream_timeout),
+            dns_cache_size,
         })
     }
+}
+
+/// Upstream resolvers as socket addresses: `ADDR` means port 53; IPv6 with a port
+/// is written `[ADDR]:PORT`.
+fn resolve_dns_upstreams(upstreams: Vec<String>) -> Result<Vec<SocketAddr>, ConfigError> {
+    let mut out: Vec<SocketAddr> = Vec::with_capacity(upstreams.len());
+    for raw in &upstreams {
+        let text = raw.trim();
+        let addr = text
+            .parse::<SocketAddr>()
+            .ok()
+            .or_else(|| {
+                text.parse::<std::net::IpAddr>()
+                    .ok()
+                    .map(|ip| SocketAddr::new(ip, 53))
+            })
+            .filter(|a| a.port() != 0 && !a.ip().is_unspecified())
+            .ok_or_else(|| ConfigError::Invalid {
+                setting: "--dns-upstream",
+                message: format!("{raw:?} is not an ADDR or ADDR:PORT"),
+            })?;
+        if !out.contains(&addr) {
+            out.push(addr);
+        }
+    }
+    Ok(out)
 }
 
 /// The DNS listen addresses, or the mode's default when none are given.
@@ -320,6 +410,10 @@ mod tests {
         assert_eq!(c.dns_addrs, ["127.0.0.123:53".parse().unwrap()]);
         assert_eq!(c.dns_domain, "rune.");
         assert_eq!(c.dns_ttl_seconds, 5);
+        assert!(c.dns_upstreams.is_empty());
+        assert_eq!(c.dns_resolv_conf, PathBuf::from("/etc/resolv.conf"));
+        assert_eq!(c.dns_upstream_timeout, Duration::from_secs(2));
+        assert_eq!(c.dns_cache_size, 10_000);
         let dev = FileConfig {
             dev: Some(true),
             ..FileConfig::default()
@@ -328,6 +422,75 @@ mod tests {
             dev.resolve().unwrap().dns_addrs,
             ["127.0.0.1:15353".parse().unwrap()]
         );
+    }
+
+    #[test]
+    fn dns_forwarding_settings_are_checked() {
+        let c = FileConfig {
+            dns_upstreams: Some(vec![
+                "127.0.0.1:5300".into(),
+                "192.0.2.53".into(),
+                "::1".into(),
+                "[::1]:5300".into(),
+                "192.0.2.53:53".into(),
+            ]),
+            dns_upstream_timeout_ms: Some(500),
+            dns_cache_size: Some(0),
+            dns_resolv_conf: Some("/tmp/r.conf".into()),
+            ..FileConfig::default()
+        }
+        .resolve()
+        .unwrap();
+        let expected: Vec<SocketAddr> =
+            ["127.0.0.1:5300", "192.0.2.53:53", "[::1]:53", "[::1]:5300"]
+                .iter()
+                .map(|a| a.parse().unwrap())
+                .collect();
+        assert_eq!(c.dns_upstreams, expected);
+        assert_eq!(c.dns_upstream_timeout, Duration::from_millis(500));
+        assert_eq!(c.dns_cache_size, 0);
+        assert_eq!(c.dns_resolv_conf, PathBuf::from("/tmp/r.conf"));
+        for (bad, setting) in [
+            (
+                FileConfig {
+                    dns_upstreams: Some(vec!["resolver.example".into()]),
+                    ..FileConfig::default()
+                },
+                "--dns-upstream",
+            ),
+            (
+                FileConfig {
+                    dns_upstreams: Some(vec!["127.0.0.1:0".into()]),
+                    ..FileConfig::default()
+                },
+                "--dns-upstream",
+            ),
+            (
+                FileConfig {
+                    dns_upstream_timeout_ms: Some(0),
+                    ..FileConfig::default()
+                },
+                "--dns-upstream-timeout-ms",
+            ),
+            (
+                FileConfig {
+                    dns_cache_size: Some(MAX_DNS_CACHE_SIZE + 1),
+                    ..FileConfig::default()
+                },
+                "--dns-cache-size",
+            ),
+        ] {
+            match bad.resolve() {
+                Err(ConfigError::Invalid { setting: s, .. }) => assert_eq!(s, setting),
+                other => panic!("{setting}: {other:?}"),
+            }
+        }
+        let file: FileConfig = serde_yaml_ng::from_str(
+            "dnsUpstreams: [127.0.0.1:5300]\ndnsUpstreamTimeoutMs: 100\ndnsCacheSize: 5\n\
+             dnsResolvConf: /x\n",
+        )
+        .unwrap();
+        assert_eq!(file.dns_upstreams, Some(vec!["127.0.0.1:5300".into()]));
     }
 
     #[test]

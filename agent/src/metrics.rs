@@ -17,7 +17,12 @@ use hyper::{
 use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::{
     encoding::EncodeLabelSet,
-    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    metrics::{
+        counter::Counter,
+        family::Family,
+        gauge::Gauge,
+        histogram::{Histogram, exponential_buckets},
+    },
     registry::Registry,
 };
 use tokio::net::TcpListener;
@@ -83,6 +88,25 @@ pub struct DnsQueryLabels {
     pub zone: &'static str,
 }
 
+/// Labels of failed upstream DNS exchanges.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DnsUpstreamErrorLabels {
+    /// `timeout`, `io` or `malformed`.
+    pub reason: &'static str,
+}
+
+/// Labels of DNS query latency.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DnsZoneLabels {
+    /// `rune` for names the agent is authoritative for, `other` for the rest.
+    pub zone: &'static str,
+}
+
+/// The buckets of `rune_dns_query_duration_seconds`: 50 µs to about 3.3 s.
+fn dns_duration_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.000_05, 4.0, 9))
+}
+
 /// Every metric the agent exports, registered once in [`Metrics::new`].
 #[derive(Debug)]
 pub struct Metrics {
@@ -105,6 +129,14 @@ pub struct Metrics {
     pub outbox_dropped: Counter,
     /// `rune_dns_queries_total{type,rcode,zone}`: queries answered by the DNS server.
     pub dns_queries: Family<DnsQueryLabels, Counter>,
+    /// `rune_dns_upstream_errors_total{reason}`: failed exchanges with upstreams.
+    pub dns_upstream_errors: Family<DnsUpstreamErrorLabels, Counter>,
+    /// `rune_dns_cache_hits_total`: forwarded questions answered from the cache.
+    pub dns_cache_hits: Counter,
+    /// `rune_dns_cache_misses_total`: forwarded questions sent upstream.
+    pub dns_cache_misses: Counter,
+    /// `rune_dns_query_duration_seconds{zone}`: time from query to response.
+    pub dns_query_duration: Family<DnsZoneLabels, Histogram, fn() -> Histogram>,
 }
 
 impl Metrics {
@@ -165,6 +197,33 @@ impl Metrics {
             "DNS queries answered, by query type, response code and zone",
             dns_queries.clone(),
         );
+        let dns_upstream_errors = Family::<DnsUpstreamErrorLabels, Counter>::default();
+        registry.register(
+            "dns_upstream_errors",
+            "Failed exchanges with upstream DNS resolvers, by reason",
+            dns_upstream_errors.clone(),
+        );
+        let dns_cache_hits = Counter::default();
+        registry.register(
+            "dns_cache_hits",
+            "Forwarded DNS questions answered from the cache",
+            dns_cache_hits.clone(),
+        );
+        let dns_cache_misses = Counter::default();
+        registry.register(
+            "dns_cache_misses",
+            "Forwarded DNS questions sent to an upstream",
+            dns_cache_misses.clone(),
+        );
+        let dns_query_duration =
+            Family::<DnsZoneLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+                dns_duration_histogram,
+            );
+        registry.register(
+            "dns_query_duration_seconds",
+            "Time from a DNS query to its response, by zone",
+            dns_query_duration.clone(),
+        );
         Self {
             registry,
             subsystem_ready,
@@ -176,6 +235,10 @@ impl Metrics {
             outbox_depth,
             outbox_dropped,
             dns_queries,
+            dns_upstream_errors,
+            dns_cache_hits,
+            dns_cache_misses,
+            dns_query_duration,
         }
     }
 

@@ -93,6 +93,10 @@ fn dev_mode_dns_answers_services_and_follows_changes() {
     let dir = tempfile::tempdir().unwrap();
     let dns: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let dns_arg = dns.to_string();
+    // No upstreams: an empty resolv.conf instead of the system's.
+    let resolv = dir.path().join("resolv.conf");
+    std::fs::write(&resolv, "").unwrap();
+    let resolv_arg = resolv.to_str().unwrap();
     let mut agent = Agent::start(
         dir.path(),
         &[
@@ -101,13 +105,17 @@ fn dev_mode_dns_answers_services_and_follows_changes() {
             "10000",
             "--dns-addr",
             &dns_arg,
+            "--dns-resolv-conf",
+            resolv_arg,
         ],
     );
     agent.wait_ready(PATIENCE);
     let status = agent.cli(&["status"], None);
     let status = String::from_utf8_lossy(&status.stdout);
     assert!(
-        status.contains(&format!("dns:        serving on {dns}")),
+        status.contains(&format!(
+            "dns:        serving on {dns}; no upstream, other names refused"
+        )),
         "{status}"
     );
 
@@ -145,7 +153,7 @@ fn dev_mode_dns_answers_services_and_follows_changes() {
     let nx = ask_udp(dns, "nope.default.rune.", RecordType::A);
     assert_eq!(nx.metadata.response_code, ResponseCode::NXDomain);
     assert_eq!(nx.authorities[0].record_type(), RecordType::SOA);
-    // Outside the zone: refused, never forwarded in this version.
+    // Outside the zone with no upstream: refused.
     let out = ask_udp(dns, "example.com.", RecordType::A);
     assert_eq!(out.metadata.response_code, ResponseCode::Refused);
 

@@ -6,16 +6,25 @@
 //! and swapped in atomically whenever the cache delivers a delta, so a lookup takes
 //! no lock and answers change within milliseconds of a change in the cache.
 //!
-//! Names outside the zone are refused for now (forwarding comes in a later step).
+//! Names outside the zone are forwarded to upstream resolvers ([`Forwarder`]:
+//! configured ones, or those of a resolv.conf minus the agent's own addresses), with
+//! a cache; with no upstream at all they are refused.
 
+mod cache;
+mod forward;
 mod zone;
 
+pub use cache::{CacheKey, Cached, DnsCache, MAX_NEGATIVE_TTL, MAX_POSITIVE_TTL};
+pub use forward::{
+    DEFAULT_CACHE_SIZE, DEFAULT_UPSTREAM_TIMEOUT, ForwardConfig, ForwardError, Forwarder,
+    ResolvConfError, parse_resolv_conf, upstreams_from_resolv_conf,
+};
 pub use zone::{Answer, Authority, InvalidDomain, Zone, ZoneConfig};
 
 use crate::{
     agent::{Mode, Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
     endpoints::{EndpointCache, ServiceView},
-    metrics::{DnsQueryLabels, Metrics},
+    metrics::{DnsQueryLabels, DnsZoneLabels, Metrics},
     model::ServiceKey,
     sync::lock,
 };
@@ -42,6 +51,9 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 /// How long a TCP client may stay idle between queries before it is disconnected.
 const TCP_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How many ports are tried for a listen address with port 0.
+const PORT_ZERO_TRIES: u32 = 8;
+
 /// Responses buffered per TCP connection.
 const TCP_RESPONSE_BUFFER: usize = 16;
 
@@ -52,6 +64,8 @@ pub struct DnsConfig {
     pub addrs: Vec<SocketAddr>,
     /// What the zone holds.
     pub zone: ZoneConfig,
+    /// Where names outside the zone go.
+    pub forward: ForwardConfig,
 }
 
 /// Whether the server answers, as `status` shows it.
@@ -63,6 +77,8 @@ pub enum DnsState {
     Serving {
         /// Every bound address (UDP and TCP on each).
         addrs: Vec<SocketAddr>,
+        /// Where names outside the zone are forwarded; empty: they are refused.
+        upstreams: Vec<SocketAddr>,
     },
     /// Dev mode only: nothing could be bound, the agent runs without DNS.
     Disabled {
@@ -75,9 +91,16 @@ impl std::fmt::Display for DnsState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             DnsState::Off => f.write_str("off"),
-            DnsState::Serving { addrs } => {
+            DnsState::Serving { addrs, upstreams } => {
                 let addrs: Vec<String> = addrs.iter().map(ToString::to_string).collect();
-                write!(f, "serving on {}", addrs.join(", "))
+                write!(f, "serving on {}", addrs.join(", "))?;
+                if upstreams.is_empty() {
+                    f.write_str("; no upstream, other names refused")
+                } else {
+                    let upstreams: Vec<String> =
+                        upstreams.iter().map(ToString::to_string).collect();
+                    write!(f, "; forwarding to {}", upstreams.join(", "))
+                }
             }
             DnsState::Disabled { reason } => write!(f, "off: {reason}"),
         }
@@ -131,6 +154,39 @@ impl DnsServer {
     }
 }
 
+impl DnsServer {
+    /// The configured upstreams, or those of the resolv.conf without the agent's own
+    /// addresses (configured and bound); a resolv.conf that cannot be read means
+    /// none, with a warning.
+    fn upstreams(&self, bound: &[SocketAddr]) -> Vec<SocketAddr> {
+        let forward = &self.config.forward;
+        let own: Vec<SocketAddr> = self.config.addrs.iter().chain(bound).copied().collect();
+        if !forward.upstreams.is_empty() {
+            let (mine, others): (Vec<SocketAddr>, Vec<SocketAddr>) = forward
+                .upstreams
+                .iter()
+                .partition(|u| forward::is_own(**u, &own));
+            if !mine.is_empty() {
+                tracing::warn!(
+                    upstreams = ?mine,
+                    "DNS upstreams that are the agent itself are left out"
+                );
+            }
+            return others;
+        }
+        let Some(path) = &forward.resolv_conf else {
+            return Vec::new();
+        };
+        match upstreams_from_resolv_conf(path, &own) {
+            Ok(found) => found,
+            Err(error) => {
+                tracing::warn!(%error, "no DNS upstreams: names outside the zone are refused");
+                Vec::new()
+            }
+        }
+    }
+}
+
 /// A listen address the server could not bind.
 #[derive(Debug, thiserror::Error)]
 #[error("bind {protocol} {addr}")]
@@ -151,26 +207,38 @@ async fn bind_all(
     let mut bound = Vec::new();
     let mut failed = Vec::new();
     for &addr in addrs {
-        let udp = match UdpSocket::bind(addr).await {
-            Ok(s) => s,
-            Err(source) => {
-                failed.push(BindError {
-                    addr,
-                    protocol: "udp",
-                    source,
-                });
-                continue;
+        // Port 0: the UDP socket's port is taken for TCP too, and may be in use for
+        // TCP already; a few fresh ports are tried before giving up.
+        let tries = if addr.port() == 0 { PORT_ZERO_TRIES } else { 1 };
+        for attempt in 1..=tries {
+            let udp = match UdpSocket::bind(addr).await {
+                Ok(s) => s,
+                Err(source) => {
+                    failed.push(BindError {
+                        addr,
+                        protocol: "udp",
+                        source,
+                    });
+                    break;
+                }
+            };
+            let local = udp.local_addr().unwrap_or(addr);
+            match TcpListener::bind(local).await {
+                Ok(tcp) => {
+                    bound.push((udp, tcp, local));
+                    break;
+                }
+                Err(source)
+                    if attempt < tries && source.kind() == std::io::ErrorKind::AddrInUse => {}
+                Err(source) => {
+                    failed.push(BindError {
+                        addr: local,
+                        protocol: "tcp",
+                        source,
+                    });
+                    break;
+                }
             }
-        };
-        // Port 0: take the UDP socket's port for TCP too.
-        let local = udp.local_addr().unwrap_or(addr);
-        match TcpListener::bind(local).await {
-            Ok(tcp) => bound.push((udp, tcp, local)),
-            Err(source) => failed.push(BindError {
-                addr: local,
-                protocol: "tcp",
-                source,
-            }),
         }
     }
     (bound, failed)
@@ -207,10 +275,20 @@ impl Subsystem for DnsServer {
             tracing::warn!(%reason, "dev mode: DNS serves on the other addresses only");
         }
         let addrs: Vec<SocketAddr> = bound.iter().map(|(_, _, a)| *a).collect();
+        let upstreams = self.upstreams(&addrs);
+        let forwarder = (!upstreams.is_empty()).then(|| {
+            Forwarder::new(
+                upstreams.clone(),
+                self.config.forward.timeout,
+                self.config.forward.cache_size,
+                self.metrics.clone(),
+            )
+        });
 
         let mut server = Server::new(Handler {
             zone: self.zone.clone(),
             metrics: self.metrics.clone(),
+            forwarder,
         });
         for (udp, tcp, _) in bound {
             server.register_socket(udp);
@@ -238,8 +316,13 @@ impl Subsystem for DnsServer {
             self.serving.clone(),
             ctx.cancel.clone(),
         ));
-        tracing::info!(addrs = ?addrs, domain = %self.config.zone.domain, "DNS serving");
-        *lock(&self.state) = DnsState::Serving { addrs };
+        tracing::info!(
+            addrs = ?addrs,
+            upstreams = ?upstreams,
+            domain = %self.config.zone.domain,
+            "DNS serving"
+        );
+        *lock(&self.state) = DnsState::Serving { addrs, upstreams };
         Ok(())
     }
 
@@ -300,10 +383,11 @@ async fn follow(
     }
 }
 
-/// Answers queries from the current zone.
+/// Answers queries from the current zone, and forwards the rest.
 struct Handler {
     zone: Arc<ArcSwap<Zone>>,
     metrics: Arc<Metrics>,
+    forwarder: Option<Forwarder>,
 }
 
 /// The `rcode` label of a response code.
@@ -319,6 +403,14 @@ fn rcode_label(rcode: ResponseCode) -> &'static str {
     }
 }
 
+/// The `zone` label of an answer.
+fn zone_label(authority: Authority) -> &'static str {
+    match authority {
+        Authority::Zone => "rune",
+        Authority::Other => "other",
+    }
+}
+
 impl Handler {
     fn count(&self, qtype: Option<RecordType>, rcode: ResponseCode, authority: Authority) {
         self.metrics
@@ -326,10 +418,7 @@ impl Handler {
             .get_or_create(&DnsQueryLabels {
                 r#type: qtype.map_or("NONE", <&'static str>::from),
                 rcode: rcode_label(rcode),
-                zone: match authority {
-                    Authority::Zone => "rune",
-                    Authority::Other => "other",
-                },
+                zone: zone_label(authority),
             })
             .inc();
     }
@@ -342,6 +431,7 @@ impl RequestHandler for Handler {
         request: &Request,
         mut response_handle: R,
     ) -> ResponseInfo {
+        let started = std::time::Instant::now();
         let request_edns = request.edns.as_ref();
         let response_edns = request_edns.map(|e| {
             let mut edns = Edns::new();
@@ -358,10 +448,42 @@ impl RequestHandler for Handler {
         };
         // Held for the whole request: the response borrows its records.
         let zone = self.zone.load_full();
+        let mut zone_kind = Authority::Other;
         let sent = match query {
             Some(q) => {
                 let qtype = q.query_type();
                 let answer = zone.lookup(q.name(), qtype);
+                zone_kind = answer.authority_kind;
+                if answer.authority_kind == Authority::Other
+                    && let Some(forwarder) = &self.forwarder
+                {
+                    let forwarded = forwarder.resolve(q.original()).await;
+                    metadata.recursion_available = true;
+                    metadata.authoritative = false;
+                    let sent = match forwarded {
+                        Ok(reply) => {
+                            metadata.response_code = reply.rcode;
+                            self.count(Some(qtype), reply.rcode, Authority::Other);
+                            let response = builder.build(
+                                metadata,
+                                reply.answers.iter(),
+                                reply.authorities.iter(),
+                                std::iter::empty(),
+                                reply.additionals.iter(),
+                            );
+                            response_handle.send_response(response).await
+                        }
+                        Err(error) => {
+                            tracing::debug!(%error, name = %q.name(), "DNS forward failed");
+                            metadata.response_code = ResponseCode::ServFail;
+                            self.count(Some(qtype), ResponseCode::ServFail, Authority::Other);
+                            let response = builder.build_no_records(metadata);
+                            response_handle.send_response(response).await
+                        }
+                    };
+                    self.observe(started, Authority::Other);
+                    return self.finish(sent, request);
+                }
                 metadata.response_code = answer.rcode;
                 metadata.authoritative = answer.authoritative;
                 self.count(Some(qtype), answer.rcode, answer.authority_kind);
@@ -385,6 +507,29 @@ impl RequestHandler for Handler {
                 response_handle.send_response(response).await
             }
         };
+        self.observe(started, zone_kind);
+        self.finish(sent, request)
+    }
+}
+
+impl Handler {
+    /// Records the time since `started` in the latency histogram.
+    fn observe(&self, started: std::time::Instant, authority: Authority) {
+        self.metrics
+            .dns_query_duration
+            .get_or_create(&DnsZoneLabels {
+                zone: zone_label(authority),
+            })
+            .observe(started.elapsed().as_secs_f64());
+    }
+
+    /// What hickory-server is told about a response: sent, or SERVFAIL when sending
+    /// failed.
+    fn finish(
+        &self,
+        sent: Result<ResponseInfo, hickory_server::net::NetError>,
+        request: &Request,
+    ) -> ResponseInfo {
         match sent {
             Ok(info) => info,
             Err(error) => {

@@ -334,6 +334,7 @@ fn server(addrs: Vec<SocketAddr>) -> DnsServer {
         DnsConfig {
             addrs,
             zone: config(Mode::Production),
+            forward: ForwardConfig::default(),
         },
         Arc::new(EndpointCache::new()),
         Arc::new(Metrics::new()),
@@ -387,14 +388,58 @@ async fn serves_on_a_bound_port_and_stops() {
     tokio::time::timeout(Duration::from_secs(5), dns.ready().wait())
         .await
         .unwrap();
-    let DnsState::Serving { addrs } = dns.state() else {
+    let DnsState::Serving { addrs, upstreams } = dns.state() else {
         panic!("{:?}", dns.state())
     };
     assert_ne!(addrs[0].port(), 0);
+    assert!(upstreams.is_empty(), "no upstream configured, none read");
     cancel.cancel();
     tokio::time::timeout(Duration::from_secs(5), dns.stop())
         .await
         .unwrap()
         .unwrap();
     assert_eq!(dns.state(), DnsState::Off);
+}
+
+#[tokio::test]
+async fn upstreams_that_are_the_agent_itself_are_left_out() {
+    // A port free for both TCP and UDP when asked.
+    let port = loop {
+        let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = tcp.local_addr().unwrap().port();
+        if std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok() {
+            break port;
+        }
+    };
+    let own: SocketAddr = SocketAddr::from(([127, 0, 0, 1], port));
+    // Never asked: no query is sent in this test.
+    let other: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let dns = DnsServer::new(
+        DnsConfig {
+            addrs: vec![own],
+            zone: config(Mode::Production),
+            forward: ForwardConfig {
+                upstreams: vec![own, other],
+                ..ForwardConfig::default()
+            },
+        },
+        Arc::new(EndpointCache::new()),
+        Arc::new(Metrics::new()),
+    )
+    .unwrap();
+    let cancel = CancellationToken::new();
+    dns.start(&StartContext::new(cancel.clone(), Mode::Dev))
+        .await
+        .unwrap();
+    match dns.state() {
+        DnsState::Serving { upstreams, .. } => assert_eq!(upstreams, [other]),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        dns.state()
+            .to_string()
+            .ends_with("; forwarding to 127.0.0.1:9")
+    );
+    cancel.cancel();
+    dns.stop().await.unwrap();
 }

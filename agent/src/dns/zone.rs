@@ -54,7 +54,7 @@ pub struct InvalidDomain {
 pub enum Authority {
     /// Inside the zone (or a VIP's reverse name): answered authoritatively.
     Zone,
-    /// Anywhere else: refused (forwarding comes later).
+    /// Anywhere else: forwarded upstream, or refused when there is no upstream.
     Other,
 }
 

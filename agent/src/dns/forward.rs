@@ -1,0 +1,591 @@
+//! Forwarding of names outside the zone to upstream resolvers, with a cache.
+//!
+//! A small stub forwarder over tokio sockets: one query over UDP (TCP when the
+//! answer comes back truncated), a total deadline per question split between the
+//! first upstream and one retry on the next, and answers cached per their TTLs
+//! ([`DnsCache`]). Upstreams are always explicit: either configured, or read from a
+//! resolv.conf file the caller names ([`upstreams_from_resolv_conf`]).
+
+use super::cache::{CacheKey, Cached, DnsCache};
+use crate::{
+    metrics::{DnsUpstreamErrorLabels, Metrics},
+    sync::lock,
+};
+use futures::{
+    FutureExt,
+    future::{BoxFuture, Shared},
+};
+use hickory_proto::{
+    op::{Edns, Message, MessageType, OpCode, Query},
+    rr::LowerName,
+};
+use std::{
+    collections::HashMap,
+    net::{IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpStream, UdpSocket},
+};
+
+/// Default `--dns-upstream-timeout-ms`: the whole budget of one forwarded question.
+pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Default `--dns-cache-size`.
+pub const DEFAULT_CACHE_SIZE: usize = 10_000;
+
+/// EDNS payload size advertised upstream (the DNS flag day 2020 value).
+const UPSTREAM_PAYLOAD: u16 = 1232;
+
+/// The forwarder's settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ForwardConfig {
+    /// Upstream resolvers, in order of preference. Empty: read `resolv_conf`.
+    pub upstreams: Vec<SocketAddr>,
+    /// Where to find upstreams when none are configured; `None`: no forwarding.
+    pub resolv_conf: Option<PathBuf>,
+    /// How long one forwarded question may take, retry included.
+    pub timeout: Duration,
+    /// How many answers the cache holds (0: none).
+    pub cache_size: usize,
+}
+
+impl Default for ForwardConfig {
+    /// No upstreams and no resolv.conf: names outside the zone are refused.
+    fn default() -> Self {
+        Self {
+            upstreams: Vec::new(),
+            resolv_conf: None,
+            timeout: DEFAULT_UPSTREAM_TIMEOUT,
+            cache_size: DEFAULT_CACHE_SIZE,
+        }
+    }
+}
+
+/// A resolv.conf that could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("read {path}")]
+pub struct ResolvConfError {
+    /// The file.
+    pub path: PathBuf,
+    /// The OS's reason.
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// The `nameserver` lines of resolv.conf text (port 53), in order, without
+/// duplicates and without any address in `own` (the agent's own DNS listeners, so it
+/// never forwards to itself). Lines it cannot parse are skipped.
+pub fn parse_resolv_conf(text: &str, own: &[SocketAddr]) -> Vec<SocketAddr> {
+    let mut out: Vec<SocketAddr> = Vec::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        if words.next() != Some("nameserver") {
+            continue;
+        }
+        let Some(Ok(ip)) = words.next().map(str::parse::<IpAddr>) else {
+            continue;
+        };
+        let addr = SocketAddr::new(ip, 53);
+        if !is_own(addr, own) && !out.contains(&addr) {
+            out.push(addr);
+        }
+    }
+    out
+}
+
+/// Whether `addr` is one of the agent's listeners (a wildcard listener covers the
+/// loopback addresses of its family).
+pub(crate) fn is_own(addr: SocketAddr, own: &[SocketAddr]) -> bool {
+    own.iter().any(|o| {
+        o.port() == addr.port()
+            && (o.ip() == addr.ip()
+                || (o.ip().is_unspecified()
+                    && o.is_ipv4() == addr.is_ipv4()
+                    && addr.ip().is_loopback()))
+    })
+}
+
+/// [`parse_resolv_conf`] of the file at `path`; a missing file means no upstreams.
+pub fn upstreams_from_resolv_conf(
+    path: &Path,
+    own: &[SocketAddr],
+) -> Result<Vec<SocketAddr>, ResolvConfError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(parse_resolv_conf(&text, own)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(source) => Err(ResolvConfError {
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// Why a forwarded question got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    /// No upstream answered in time.
+    #[error("upstream {upstream} did not answer within {timeout:?}")]
+    Timeout {
+        /// The last upstream asked.
+        upstream: SocketAddr,
+        /// The time it had.
+        timeout: Duration,
+    },
+    /// A socket operation failed.
+    #[error("upstream {upstream}: {operation}")]
+    Io {
+        /// The upstream.
+        upstream: SocketAddr,
+        /// What was tried, e.g. `udp send`.
+        operation: &'static str,
+        /// The OS's reason.
+        #[source]
+        source: std::io::Error,
+    },
+    /// No upstream is configured.
+    #[error("no upstream resolver")]
+    NoUpstream,
+    /// The task asking upstream ended without an answer (it panicked).
+    #[error("forwarding ended early: {message}")]
+    Aborted {
+        /// The task's error.
+        message: String,
+    },
+    /// The upstream's answer could not be parsed or did not match the question.
+    #[error("upstream {upstream}: malformed answer: {message}")]
+    Malformed {
+        /// The upstream.
+        upstream: SocketAddr,
+        /// What was wrong.
+        message: String,
+    },
+}
+
+impl ForwardError {
+    /// The `reason` label of `rune_dns_upstream_errors_total`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ForwardError::Timeout { .. } => "timeout",
+            ForwardError::Io { .. } => "io",
+            ForwardError::Malformed { .. } => "malformed",
+            ForwardError::NoUpstream => "no_upstream",
+            ForwardError::Aborted { .. } => "aborted",
+        }
+    }
+}
+
+/// A question in flight upstream, awaited by every client that asked it meanwhile.
+type Flight = Shared<BoxFuture<'static, Result<Cached, Arc<ForwardError>>>>;
+
+/// Forwards questions to upstreams and caches their answers; concurrent identical
+/// misses share one upstream exchange.
+pub struct Forwarder {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    upstreams: Vec<SocketAddr>,
+    timeout: Duration,
+    cache: DnsCache,
+    metrics: Arc<Metrics>,
+    inflight: Mutex<HashMap<CacheKey, Flight>>,
+}
+
+impl Forwarder {
+    /// A forwarder to `upstreams` (at least one, or every question fails).
+    pub fn new(
+        upstreams: Vec<SocketAddr>,
+        timeout: Duration,
+        cache_size: usize,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                upstreams,
+                timeout,
+                cache: DnsCache::new(cache_size),
+                metrics,
+                inflight: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// The upstreams, in order of preference.
+    pub fn upstreams(&self) -> &[SocketAddr] {
+        &self.inner.upstreams
+    }
+
+    /// The answer to `query`: from the cache, from an identical question already in
+    /// flight, or from the first upstream, or on failure from the next one, all
+    /// within the configured timeout.
+    pub async fn resolve(&self, query: &Query) -> Result<Cached, Arc<ForwardError>> {
+        let key = CacheKey {
+            name: LowerName::from(query.name()),
+            rtype: query.query_type(),
+            class: query.query_class(),
+        };
+        let inner = &self.inner;
+        if let Some(hit) = inner.cache.get(&key, Instant::now()) {
+            inner.metrics.dns_cache_hits.inc();
+            return Ok(hit);
+        }
+        inner.metrics.dns_cache_misses.inc();
+        let flight = {
+            let mut inflight = lock(&inner.inflight);
+            match inflight.get(&key) {
+                Some(flight) => flight.clone(),
+                None => {
+                    let flight = Inner::fly(inner.clone(), key.clone(), query.clone());
+                    inflight.insert(key, flight.clone());
+                    flight
+                }
+            }
+        };
+        flight.await
+    }
+}
+
+impl Inner {
+    /// Starts asking upstream in a task of its own, so that the answer is cached
+    /// and the flight ends even when every client that asked has gone.
+    fn fly(inner: Arc<Inner>, key: CacheKey, query: Query) -> Flight {
+        let task = tokio::spawn(async move {
+            let result = inner.ask_upstreams(&query).await;
+            if let Ok(answer) = &result {
+                inner
+                    .cache
+                    .insert(key.clone(), Arc::new(answer.clone()), Instant::now());
+            }
+            lock(&inner.inflight).remove(&key);
+            result.map_err(Arc::new)
+        });
+        async move {
+            match task.await {
+                Ok(result) => result,
+                Err(error) => Err(Arc::new(ForwardError::Aborted {
+                    message: error.to_string(),
+                })),
+            }
+        }
+        .boxed()
+        .shared()
+    }
+
+    /// One try on the first upstream with half the budget, then one on the next
+    /// with what is left.
+    async fn ask_upstreams(&self, query: &Query) -> Result<Cached, ForwardError> {
+        let start = tokio::time::Instant::now();
+        let deadline = start + self.timeout;
+        let n = self.upstreams.len();
+        let mut last = None;
+        for attempt in 0..2 {
+            let Some(&upstream) = self.upstreams.get(attempt % n.max(1)) else {
+                break;
+            };
+            let until = if attempt == 0 {
+                start + self.timeout / 2
+            } else {
+                deadline
+            };
+            let budget = until.saturating_duration_since(tokio::time::Instant::now());
+            let result = match tokio::time::timeout_at(until, exchange(upstream, query)).await {
+                Ok(result) => result,
+                Err(_) => Err(ForwardError::Timeout {
+                    upstream,
+                    timeout: budget,
+                }),
+            };
+            match result {
+                Ok(answer) => return Ok(answer),
+                Err(error) => {
+                    self.metrics
+                        .dns_upstream_errors
+                        .get_or_create(&DnsUpstreamErrorLabels {
+                            reason: error.reason(),
+                        })
+                        .inc();
+                    tracing::debug!(%error, attempt, "DNS upstream failed");
+                    last = Some(error);
+                }
+            }
+        }
+        Err(last.unwrap_or(ForwardError::NoUpstream))
+    }
+}
+
+/// Asks `upstream` over UDP, and again over TCP when the answer is truncated.
+async fn exchange(upstream: SocketAddr, query: &Query) -> Result<Cached, ForwardError> {
+    let id: u16 = rand::random();
+    let mut message = Message::new(id, MessageType::Query, OpCode::Query);
+    message.metadata.recursion_desired = true;
+    message.add_query(query.clone());
+    let mut edns = Edns::new();
+    edns.set_max_payload(UPSTREAM_PAYLOAD);
+    message.set_edns(edns);
+    let bytes = message.to_vec().map_err(|e| ForwardError::Malformed {
+        upstream,
+        message: format!("query not encodable: {e}"),
+    })?;
+    let reply = exchange_udp(upstream, &bytes, id, query).await?;
+    let reply = if reply.metadata.truncation {
+        exchange_tcp(upstream, &bytes, id, query).await?
+    } else {
+        reply
+    };
+    Ok(Cached {
+        rcode: reply.metadata.response_code,
+        answers: reply.answers,
+        authorities: reply.authorities,
+        additionals: reply.additionals,
+    })
+}
+
+/// Whether `reply` answers our query `id` for `query`.
+fn matches(reply: &Message, id: u16, query: &Query) -> bool {
+    reply.metadata.id == id
+        && reply.metadata.message_type == MessageType::Response
+        && reply.queries.len() == 1
+        && reply.queries[0].query_type() == query.query_type()
+        && reply.queries[0].query_class() == query.query_class()
+        && LowerName::from(reply.queries[0].name()) == LowerName::from(query.name())
+}
+
+fn io(
+    upstream: SocketAddr,
+    operation: &'static str,
+) -> impl FnOnce(std::io::Error) -> ForwardError {
+    move |source| ForwardError::Io {
+        upstream,
+        operation,
+        source,
+    }
+}
+
+/// One UDP exchange; answers that do not match the query (id, question) are
+/// ignored, as a spoofed or late answer would be.
+async fn exchange_udp(
+    upstream: SocketAddr,
+    bytes: &[u8],
+    id: u16,
+    query: &Query,
+) -> Result<Message, ForwardError> {
+    let local: SocketAddr = if upstream.is_ipv4() {
+        SocketAddr::from(([0, 0, 0, 0], 0))
+    } else {
+        SocketAddr::from(([0u16; 8], 0))
+    };
+    let socket = UdpSocket::bind(local)
+        .await
+        .map_err(io(upstream, "udp bind"))?;
+    socket
+        .connect(upstream)
+        .await
+        .map_err(io(upstream, "udp connect"))?;
+    socket.send(bytes).await.map_err(io(upstream, "udp send"))?;
+    let mut buf = vec![0u8; 65_535];
+    loop {
+        let n = socket
+            .recv(&mut buf)
+            .await
+            .map_err(io(upstream, "udp receive"))?;
+        if let Ok(reply) = Message::from_vec(&buf[..n])
+            && matches(&reply, id, query)
+        {
+            return Ok(reply);
+        }
+    }
+}
+
+/// One TCP exchange (two-byte length prefix).
+async fn exchange_tcp(
+    upstream: SocketAddr,
+    bytes: &[u8],
+    id: u16,
+    query: &Query,
+) -> Result<Message, ForwardError> {
+    let len = u16::try_from(bytes.len()).map_err(|_| ForwardError::Malformed {
+        upstream,
+        message: "query too long for TCP".into(),
+    })?;
+    let mut stream = TcpStream::connect(upstream)
+        .await
+        .map_err(io(upstream, "tcp connect"))?;
+    let mut framed = Vec::with_capacity(bytes.len() + 2);
+    framed.extend_from_slice(&len.to_be_bytes());
+    framed.extend_from_slice(bytes);
+    stream
+        .write_all(&framed)
+        .await
+        .map_err(io(upstream, "tcp send"))?;
+    let mut len = [0u8; 2];
+    stream
+        .read_exact(&mut len)
+        .await
+        .map_err(io(upstream, "tcp receive"))?;
+    let mut buf = vec![0u8; usize::from(u16::from_be_bytes(len))];
+    stream
+        .read_exact(&mut buf)
+        .await
+        .map_err(io(upstream, "tcp receive"))?;
+    let reply = Message::from_vec(&buf).map_err(|e| ForwardError::Malformed {
+        upstream,
+        message: e.to_string(),
+    })?;
+    if !matches(&reply, id, query) {
+        return Err(ForwardError::Malformed {
+            upstream,
+            message: "answer does not match the question".into(),
+        });
+    }
+    Ok(reply)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hickory_proto::rr::{Name, RData, Record, RecordType, rdata::A};
+    use std::{
+        str::FromStr,
+        sync::atomic::{AtomicUsize, Ordering},
+    };
+
+    /// A UDP upstream on 127.0.0.1 answering A 192.0.2.7 (TTL 60) after `delay`;
+    /// counts the queries it saw.
+    async fn upstream(delay: Duration) -> (SocketAddr, Arc<AtomicUsize>) {
+        let socket = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
+        let addr = socket.local_addr().unwrap();
+        let seen = Arc::new(AtomicUsize::new(0));
+        let count = seen.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 4096];
+            loop {
+                let Ok((n, from)) = socket.recv_from(&mut buf).await else {
+                    return;
+                };
+                count.fetch_add(1, Ordering::SeqCst);
+                let q = Message::from_vec(&buf[..n]).unwrap();
+                let socket = socket.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    let mut r = Message::new(q.metadata.id, MessageType::Response, OpCode::Query);
+                    r.add_query(q.queries[0].clone());
+                    r.add_answer(Record::from_rdata(
+                        q.queries[0].name().clone(),
+                        60,
+                        RData::A(A::new(192, 0, 2, 7)),
+                    ));
+                    socket.send_to(&r.to_vec().unwrap(), from).await.unwrap();
+                });
+            }
+        });
+        (addr, seen)
+    }
+
+    fn question(name: &str) -> Query {
+        Query::query(Name::from_str(name).unwrap(), RecordType::A)
+    }
+
+    #[tokio::test]
+    async fn concurrent_identical_misses_share_one_upstream_query() {
+        let (addr, seen) = upstream(Duration::from_millis(100)).await;
+        let metrics = Arc::new(Metrics::new());
+        let forwarder = Forwarder::new(vec![addr], Duration::from_secs(2), 100, metrics.clone());
+        let q = question("shared.example.");
+        let answers = futures::future::join_all((0..5).map(|_| forwarder.resolve(&q))).await;
+        for answer in answers {
+            assert_eq!(answer.unwrap().answers.len(), 1);
+        }
+        assert_eq!(seen.load(Ordering::SeqCst), 1);
+        // And then from the cache.
+        forwarder.resolve(&q).await.unwrap();
+        assert_eq!(seen.load(Ordering::SeqCst), 1);
+        assert_eq!(metrics.dns_cache_hits.get(), 1);
+        assert_eq!(metrics.dns_cache_misses.get(), 5);
+    }
+
+    #[tokio::test]
+    async fn a_silent_upstream_is_retried_on_the_next_within_the_timeout() {
+        let silent = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let (good, seen) = upstream(Duration::ZERO).await;
+        let metrics = Arc::new(Metrics::new());
+        let forwarder = Forwarder::new(
+            vec![silent.local_addr().unwrap(), good],
+            Duration::from_millis(400),
+            0,
+            metrics.clone(),
+        );
+        let answer = tokio::time::timeout(
+            Duration::from_secs(5),
+            forwarder.resolve(&question("retry.example.")),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        assert_eq!(answer.answers.len(), 1);
+        assert_eq!(seen.load(Ordering::SeqCst), 1);
+        let timeouts = metrics
+            .dns_upstream_errors
+            .get_or_create(&DnsUpstreamErrorLabels { reason: "timeout" })
+            .get();
+        assert_eq!(timeouts, 1);
+        // Both silent: an error, not a hang.
+        let forwarder = Forwarder::new(
+            vec![silent.local_addr().unwrap()],
+            Duration::from_millis(200),
+            0,
+            metrics,
+        );
+        let error = tokio::time::timeout(
+            Duration::from_secs(5),
+            forwarder.resolve(&question("retry.example.")),
+        )
+        .await
+        .unwrap()
+        .unwrap_err();
+        assert_eq!(error.reason(), "timeout");
+    }
+
+    #[test]
+    fn resolv_conf_nameservers_without_our_own_addresses() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("resolv.conf");
+        std::fs::write(
+            &path,
+            "# generated\nsearch example.internal\n\
+             nameserver 127.0.0.123\n\
+             nameserver 192.0.2.53\n\
+             ; a comment\n\
+             nameserver   2001:db8::53  \n\
+             nameserver fe80::1%eth0\n\
+             nameserver not-an-address\n\
+             nameserver 192.0.2.53\n\
+             nameserver 127.0.0.1\n\
+             options ndots:5\n",
+        )
+        .unwrap();
+        let own: Vec<SocketAddr> = vec![
+            "127.0.0.123:53".parse().unwrap(),
+            "127.0.0.1:15353".parse().unwrap(),
+        ];
+        let found = upstreams_from_resolv_conf(&path, &own).unwrap();
+        let expected: Vec<SocketAddr> = ["192.0.2.53:53", "[2001:db8::53]:53", "127.0.0.1:53"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect();
+        assert_eq!(found, expected);
+        // A wildcard listener on port 53 covers loopback resolvers of its family.
+        let wildcard: Vec<SocketAddr> = vec!["0.0.0.0:53".parse().unwrap()];
+        let found = upstreams_from_resolv_conf(&path, &wildcard).unwrap();
+        assert!(!found.iter().any(|a| a.ip().is_loopback()), "{found:?}");
+        assert!(found.contains(&"192.0.2.53:53".parse().unwrap()));
+        // No file: no upstreams, not an error.
+        assert_eq!(
+            upstreams_from_resolv_conf(&dir.path().join("missing"), &own).unwrap(),
+            []
+        );
+    }
+}
