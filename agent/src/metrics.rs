@@ -91,7 +91,7 @@ pub struct DnsQueryLabels {
 /// Labels of failed upstream DNS exchanges.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DnsUpstreamErrorLabels {
-    /// `timeout`, `io` or `malformed`.
+    /// `timeout`, `io`, `malformed` or `overloaded` (too many questions in flight).
     pub reason: &'static str,
 }
 

@@ -29,6 +29,7 @@ use std::{
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpStream, UdpSocket},
+    sync::Semaphore,
 };
 
 /// Default `--dns-upstream-timeout-ms`: the whole budget of one forwarded question.
@@ -36,6 +37,10 @@ pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Default `--dns-cache-size`.
 pub const DEFAULT_CACHE_SIZE: usize = 10_000;
+
+/// Default bound on questions in flight upstream at once (each holds a socket for
+/// up to the timeout); beyond it new questions fail at once instead of piling up.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
 
 /// EDNS payload size advertised upstream (the DNS flag day 2020 value).
 const UPSTREAM_PAYLOAD: u16 = 1232;
@@ -146,6 +151,12 @@ pub enum ForwardError {
         #[source]
         source: std::io::Error,
     },
+    /// Too many questions were in flight upstream already.
+    #[error("more than {max} questions in flight upstream")]
+    Overloaded {
+        /// The bound.
+        max: usize,
+    },
     /// No upstream is configured.
     #[error("no upstream resolver")]
     NoUpstream,
@@ -172,6 +183,7 @@ impl ForwardError {
             ForwardError::Timeout { .. } => "timeout",
             ForwardError::Io { .. } => "io",
             ForwardError::Malformed { .. } => "malformed",
+            ForwardError::Overloaded { .. } => "overloaded",
             ForwardError::NoUpstream => "no_upstream",
             ForwardError::Aborted { .. } => "aborted",
         }
@@ -193,6 +205,8 @@ struct Inner {
     cache: DnsCache,
     metrics: Arc<Metrics>,
     inflight: Mutex<HashMap<CacheKey, Flight>>,
+    permits: Arc<Semaphore>,
+    max_in_flight: usize,
 }
 
 impl Forwarder {
@@ -210,7 +224,27 @@ impl Forwarder {
                 cache: DnsCache::new(cache_size),
                 metrics,
                 inflight: Mutex::new(HashMap::new()),
+                permits: Arc::new(Semaphore::new(DEFAULT_MAX_IN_FLIGHT)),
+                max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             }),
+        }
+    }
+
+    /// The same forwarder with at most `max` distinct questions in flight upstream
+    /// at once (at least 1); more fail at once with [`ForwardError::Overloaded`].
+    pub fn with_max_in_flight(self, max: usize) -> Self {
+        let max_in_flight = max.max(1);
+        let permits = Arc::new(Semaphore::new(max_in_flight));
+        match Arc::try_unwrap(self.inner) {
+            Ok(inner) => Self {
+                inner: Arc::new(Inner {
+                    permits,
+                    max_in_flight,
+                    ..inner
+                }),
+            },
+            // Shared already: questions may be in flight; keep the bound it has.
+            Err(inner) => Self { inner },
         }
     }
 
@@ -253,8 +287,18 @@ impl Inner {
     /// Starts asking upstream in a task of its own, so that the answer is cached
     /// and the flight ends even when every client that asked has gone.
     fn fly(inner: Arc<Inner>, key: CacheKey, query: Query) -> Flight {
+        let permit = inner.permits.clone().try_acquire_owned();
         let task = tokio::spawn(async move {
-            let result = inner.ask_upstreams(&query).await;
+            let result = match permit {
+                Ok(_permit) => inner.ask_upstreams(&query).await,
+                Err(_) => {
+                    let error = ForwardError::Overloaded {
+                        max: inner.max_in_flight,
+                    };
+                    inner.count_error(&error);
+                    Err(error)
+                }
+            };
             if let Ok(answer) = &result {
                 inner
                     .cache
@@ -273,6 +317,16 @@ impl Inner {
         }
         .boxed()
         .shared()
+    }
+
+    /// Counts a failure in `rune_dns_upstream_errors_total{reason}`.
+    fn count_error(&self, error: &ForwardError) {
+        self.metrics
+            .dns_upstream_errors
+            .get_or_create(&DnsUpstreamErrorLabels {
+                reason: error.reason(),
+            })
+            .inc();
     }
 
     /// One try on the first upstream with half the budget, then one on the next
@@ -302,12 +356,7 @@ impl Inner {
             match result {
                 Ok(answer) => return Ok(answer),
                 Err(error) => {
-                    self.metrics
-                        .dns_upstream_errors
-                        .get_or_create(&DnsUpstreamErrorLabels {
-                            reason: error.reason(),
-                        })
-                        .inc();
+                    self.count_error(&error);
                     tracing::debug!(%error, attempt, "DNS upstream failed");
                     last = Some(error);
                 }
@@ -505,6 +554,28 @@ mod tests {
         assert_eq!(seen.load(Ordering::SeqCst), 1);
         assert_eq!(metrics.dns_cache_hits.get(), 1);
         assert_eq!(metrics.dns_cache_misses.get(), 5);
+    }
+
+    #[tokio::test]
+    async fn questions_beyond_the_in_flight_bound_fail_at_once() {
+        let (addr, seen) = upstream(Duration::from_millis(300)).await;
+        let metrics = Arc::new(Metrics::new());
+        let forwarder = Forwarder::new(vec![addr], Duration::from_secs(2), 100, metrics.clone())
+            .with_max_in_flight(1);
+        let (a, b) = (question("a.example."), question("b.example."));
+        let (first, second) = tokio::join!(forwarder.resolve(&a), forwarder.resolve(&b));
+        assert_eq!(first.unwrap().answers.len(), 1);
+        assert_eq!(second.unwrap_err().reason(), "overloaded");
+        assert_eq!(seen.load(Ordering::SeqCst), 1);
+        let overloaded = metrics
+            .dns_upstream_errors
+            .get_or_create(&DnsUpstreamErrorLabels {
+                reason: "overloaded",
+            })
+            .get();
+        assert_eq!(overloaded, 1);
+        // The permit is back once the first is answered.
+        assert!(forwarder.resolve(&b).await.is_ok());
     }
 
     #[tokio::test]
