@@ -7,7 +7,9 @@
 //! A UDP load generator keeps [`WINDOW`] queries in flight on each of [`SOCKETS`]
 //! sockets (prebuilt packets, responses matched by id), for interleaved rounds
 //! (agent, dnsmasq, agent, …); medians of queries/s and p99 latency are compared as
-//! ratios. Then the agent's memory with [`MEMORY_SERVICES`] services.
+//! ratios, as is each server's CPU time per answer (from /proc/PID/stat), which
+//! stays meaningful when the shared cores, not a server, limit the rate. Then the
+//! agent's memory with [`MEMORY_SERVICES`] services.
 //!
 //! Every load loop is bounded in time; all traffic stays on 127.0.0.0/8.
 
@@ -54,6 +56,8 @@ struct Run {
     qps: f64,
     p50_us: f64,
     p99_us: f64,
+    /// CPU time the server process spent per answered query (user + system).
+    cpu_us: f64,
     lost: u64,
 }
 
@@ -90,15 +94,15 @@ pub async fn run(bin: &Path) -> Result<String> {
     };
 
     // Warm-up, not counted.
-    load(agent_addr, &packets).await?;
+    load(agent_addr, agent.pid(), &packets).await?;
     if let Some(d) = &dnsmasq {
-        load(d.addr, &packets).await?;
+        load(d.addr, d.child.id(), &packets).await?;
     }
     let (mut agent_runs, mut dnsmasq_runs) = (Vec::new(), Vec::new());
     for _ in 0..ROUNDS {
-        agent_runs.push(load(agent_addr, &packets).await?);
+        agent_runs.push(load(agent_addr, agent.pid(), &packets).await?);
         if let Some(d) = &dnsmasq {
-            dnsmasq_runs.push(load(d.addr, &packets).await?);
+            dnsmasq_runs.push(load(d.addr, d.child.id(), &packets).await?);
         }
     }
     let rss_under_load = agent.rss_kib()?;
@@ -151,6 +155,11 @@ pub async fn run(bin: &Path) -> Result<String> {
             "| DNS p99 latency | - | {:.0} us | - | <= 1.0x |",
             a.p99_us
         )?;
+        writeln!(
+            t,
+            "| DNS server CPU per answer | - | {:.1} us | - | |",
+            a.cpu_us
+        )?;
     } else {
         let d = summarize(&mut dnsmasq_runs);
         writeln!(
@@ -173,6 +182,13 @@ pub async fn run(bin: &Path) -> Result<String> {
             d.p99_us,
             a.p99_us,
             a.p99_us / d.p99_us
+        )?;
+        writeln!(
+            t,
+            "| DNS server CPU per answer | {:.1} us | {:.1} us | {:.2}x | |",
+            d.cpu_us,
+            a.cpu_us,
+            a.cpu_us / d.cpu_us
         )?;
         if d.lost > 0 {
             writeln!(t, "| DNS queries lost (all rounds) | {} | | | |", d.lost)?;
@@ -205,10 +221,12 @@ fn summarize(runs: &mut [Run]) -> Run {
     let mut qps: Vec<f64> = runs.iter().map(|r| r.qps).collect();
     let mut p50: Vec<f64> = runs.iter().map(|r| r.p50_us).collect();
     let mut p99: Vec<f64> = runs.iter().map(|r| r.p99_us).collect();
+    let mut cpu: Vec<f64> = runs.iter().map(|r| r.cpu_us).collect();
     Run {
         qps: median(&mut qps),
         p50_us: median(&mut p50),
         p99_us: median(&mut p99),
+        cpu_us: median(&mut cpu),
         lost,
     }
 }
@@ -281,8 +299,9 @@ async fn wait_resolves(server: SocketAddr, name: &str) -> Result<()> {
     bail!("{server} did not resolve {name} within 60 s: {last}")
 }
 
-/// One run of [`RUN`] against `server`, cycling through `packets`.
-async fn load(server: SocketAddr, packets: &Arc<Vec<Vec<u8>>>) -> Result<Run> {
+/// One run of [`RUN`] against `server` (process `pid`), cycling through `packets`.
+async fn load(server: SocketAddr, pid: u32, packets: &Arc<Vec<Vec<u8>>>) -> Result<Run> {
+    let cpu_before = cpu_ticks(pid)?;
     ensure!(
         server.ip().is_loopback(),
         "DNS benchmarks query loopback only"
@@ -306,6 +325,7 @@ async fn load(server: SocketAddr, packets: &Arc<Vec<Vec<u8>>>) -> Result<Run> {
         lost += n;
     }
     let elapsed = start.elapsed().as_secs_f64();
+    let cpu = cpu_ticks(pid)?.saturating_sub(cpu_before);
     ensure!(!latencies.is_empty(), "{server} answered no query");
     latencies.sort_unstable();
     let pct = |p: f64| latencies[((latencies.len() - 1) as f64 * p) as usize] as f64;
@@ -313,8 +333,37 @@ async fn load(server: SocketAddr, packets: &Arc<Vec<Vec<u8>>>) -> Result<Run> {
         qps: latencies.len() as f64 / elapsed,
         p50_us: pct(0.50),
         p99_us: pct(0.99),
+        cpu_us: cpu as f64 * 1e6 / ticks_per_second()? / latencies.len() as f64,
         lost,
     })
+}
+
+/// User plus system CPU time of process `pid`, in clock ticks.
+fn cpu_ticks(pid: u32) -> Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("read /proc/{pid}/stat"))?;
+    // Fields after the command name (which may hold spaces) start at field 3.
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .context("malformed /proc/PID/stat")?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15, i.e. 11 and 12 after the name.
+    let field = |i: usize| -> Result<u64> {
+        fields
+            .get(i)
+            .and_then(|v| v.parse().ok())
+            .context("malformed /proc/PID/stat")
+    };
+    Ok(field(11)? + field(12)?)
+}
+
+/// Clock ticks per second (`getconf CLK_TCK`).
+fn ticks_per_second() -> Result<f64> {
+    // SAFETY: sysconf only reads a system constant.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    ensure!(t > 0, "sysconf(_SC_CLK_TCK) failed");
+    Ok(t as f64)
 }
 
 /// One socket keeping [`WINDOW`] queries in flight until `deadline`; returns the
