@@ -6,7 +6,7 @@
 //! compared as ratios, because on a 2-core machine absolute figures swing with
 //! whatever else runs. Direct and proxied runs use different client source addresses
 //! so that neither meets the other's TIME_WAIT entries (FACTS.md). Then the agent's
-//! memory with 1,000 services applied.
+//! memory with 1,000 services applied. Then the DNS figures ([`crate::bench_dns`]).
 //!
 //! Every load loop is bounded in time and stops by itself; all traffic stays on
 //! 127.0.0.0/8.
@@ -157,6 +157,7 @@ async fn bench_all(bin: &Path) -> Result<String> {
         "| agent memory (RSS), {MEMORY_SERVICES} services x 3 endpoints | | {:.1} MiB | | < 50 MiB |",
         rss_1000 as f64 / 1024.0
     )?;
+    t.push_str(&crate::bench_dns::run(bin).await?);
     Ok(t)
 }
 
@@ -184,7 +185,7 @@ impl Scenario {
     }
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -289,7 +290,7 @@ fn service_yaml(name: &str, port: u16, backend_port: u16, backends: &[Ipv4Addr])
     )
 }
 
-async fn free_port() -> Result<u16> {
+pub(crate) async fn free_port() -> Result<u16> {
     Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .await?
         .local_addr()?
@@ -320,7 +321,7 @@ async fn wait_connect(addr: SocketAddr) -> Result<()> {
     bail!("{addr} did not accept connections within 30 s")
 }
 
-fn tempdir(prefix: &str) -> Result<PathBuf> {
+pub(crate) fn tempdir(prefix: &str) -> Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
@@ -328,7 +329,7 @@ fn tempdir(prefix: &str) -> Result<PathBuf> {
 }
 
 /// The release agent in dev mode; killed on drop.
-struct AgentProc {
+pub(crate) struct AgentProc {
     child: Child,
     bin: PathBuf,
     state: PathBuf,
@@ -336,7 +337,7 @@ struct AgentProc {
 }
 
 impl AgentProc {
-    fn start(bin: &Path, state: &Path, extra: &[&str]) -> Result<AgentProc> {
+    pub(crate) fn start(bin: &Path, state: &Path, extra: &[&str]) -> Result<AgentProc> {
         let port = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
             .local_addr()?
             .port();
@@ -363,7 +364,7 @@ impl AgentProc {
         })
     }
 
-    async fn wait_ready(&mut self) -> Result<()> {
+    pub(crate) async fn wait_ready(&mut self) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             if let Some(s) = self.child.try_wait()? {
@@ -382,7 +383,7 @@ impl AgentProc {
         bail!("the agent was not ready within 30 s")
     }
 
-    fn apply(&self, yaml: &str) -> Result<()> {
+    pub(crate) fn apply(&self, yaml: &str) -> Result<()> {
         let mut c = Command::new(&self.bin)
             .args(["apply", "-f", "-", "--state-dir"])
             .arg(&self.state)
@@ -397,7 +398,12 @@ impl AgentProc {
         Ok(())
     }
 
-    fn rss_kib(&self) -> Result<u64> {
+    /// The agent's process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub(crate) fn rss_kib(&self) -> Result<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
         status
             .lines()

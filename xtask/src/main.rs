@@ -4,6 +4,7 @@
 //! `mod` line, an enum variant and a match arm.
 
 mod bench;
+mod bench_dns;
 mod build_ebpf;
 mod run;
 mod setup;
@@ -33,8 +34,9 @@ enum Command {
     Test,
     /// Setup, then run the agent (`rune-agent run --dev ARGS` unless `--production`).
     Run(run::Args),
-    /// Setup, then measure the dev-mode proxy against direct connections and the
-    /// agent's memory (side by side in one run; prints a table).
+    /// Setup, then measure the dev-mode proxy against direct connections, the
+    /// embedded DNS server against dnsmasq, and the agent's memory (side by side in
+    /// one run; prints a table).
     Bench,
 }
 

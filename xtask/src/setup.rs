@@ -13,8 +13,9 @@ use anyhow::{Context as _, anyhow};
 
 use crate::util;
 
-/// Debian packages the agent and its tests run: `nft` and `ip`.
-const APT_PACKAGES: &[&str] = &["nftables", "iproute2"];
+/// Debian packages the agent, its tests and the benchmarks run: `nft`, `ip`, and
+/// `dnsmasq` (the DNS benchmark's reference server).
+const APT_PACKAGES: &[&str] = &["nftables", "iproute2", "dnsmasq-base"];
 /// The toolchain the eBPF programs are built with (aya-build's default).
 const NIGHTLY: &str = "nightly";
 /// bpf-linker's semver range; `bpf-linker --version` must start with this.

@@ -1,0 +1,506 @@
+//! The DNS part of `cargo xtask bench`: the agent's embedded DNS server against
+//! dnsmasq, both answering the same names from memory, side by side in one run.
+//!
+//! The agent runs in dev mode with [`SERVICES`] headless services (names only: no
+//! dev proxies, no Maglev tables); dnsmasq serves the same names as `--host-record`s
+//! on another loopback address, with no upstream servers, so neither ever forwards.
+//! A UDP load generator keeps [`WINDOW`] queries in flight on each of [`SOCKETS`]
+//! sockets (prebuilt packets, responses matched by id), for interleaved rounds
+//! (agent, dnsmasq, agent, …); medians of queries/s and p99 latency are compared as
+//! ratios, as is each server's CPU time per answer (from /proc/PID/stat), which
+//! stays meaningful when the shared cores, not a server, limit the rate. Then the
+//! agent's memory with [`MEMORY_SERVICES`] services.
+//!
+//! Every load loop is bounded in time; all traffic stays on 127.0.0.0/8.
+
+use crate::bench::{AgentProc, free_port, median, tempdir};
+use anyhow::{Context, Result, bail, ensure};
+use hickory_proto::{
+    op::{Message, MessageType, OpCode, Query, ResponseCode},
+    rr::{Name, RData, RecordType},
+};
+use std::{
+    fmt::Write as _,
+    net::{Ipv4Addr, SocketAddr},
+    path::Path,
+    process::{Child, Command, Stdio},
+    str::FromStr,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+use tokio::net::UdpSocket;
+
+/// Services (and so names) in the zone under load.
+const SERVICES: usize = 1000;
+/// Services applied for the memory figure.
+const MEMORY_SERVICES: usize = 10_000;
+/// Rounds (each: one agent run and one dnsmasq run).
+const ROUNDS: usize = 7;
+/// Length of one run.
+const RUN: Duration = Duration::from_secs(2);
+/// Client sockets, each with its own task.
+const SOCKETS: usize = 4;
+/// Queries in flight per socket.
+const WINDOW: usize = 16;
+/// A query unanswered this long counts as lost and its window slot is refilled.
+const LOST_AFTER: Duration = Duration::from_millis(200);
+/// Where dnsmasq listens (the agent listens on 127.0.0.1).
+const DNSMASQ_ADDR: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 53);
+/// Targets from the issue.
+const QPS_TARGET: f64 = 1.5;
+const MEMORY_TARGET_MIB: f64 = 30.0;
+
+/// The figures of one load run.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    qps: f64,
+    p50_us: f64,
+    p99_us: f64,
+    /// CPU time the server process spent per answered query (user + system).
+    cpu_us: f64,
+    lost: u64,
+}
+
+/// Runs the DNS benchmarks and returns their section of the report (markdown).
+pub async fn run(bin: &Path) -> Result<String> {
+    let names: Vec<String> = (0..SERVICES)
+        .map(|i| format!("s{i}.default.rune."))
+        .collect();
+    let packets = Arc::new(
+        names
+            .iter()
+            .map(|n| query_packet(n))
+            .collect::<Result<Vec<_>>>()?,
+    );
+
+    let state = tempdir("rune-bench-dns")?;
+    let agent_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().await?));
+    let mut agent = AgentProc::start(bin, &state, &["--dns-addr", &agent_addr.to_string()])?;
+    agent.wait_ready().await?;
+    agent.apply(&headless_services(SERVICES))?;
+    wait_resolves(agent_addr, &names[SERVICES - 1]).await?;
+
+    let dnsmasq = match Dnsmasq::start(&names, &state).await {
+        Ok(d) => Some(d),
+        Err(e) => {
+            println!("bench: dnsmasq comparison skipped: {e:#}");
+            None
+        }
+    };
+    let skipped = if dnsmasq.is_none() {
+        "dnsmasq could not be started (see above); agent figures only"
+    } else {
+        ""
+    };
+
+    // Warm-up, not counted.
+    load(agent_addr, agent.pid(), &packets).await?;
+    if let Some(d) = &dnsmasq {
+        load(d.addr, d.child.id(), &packets).await?;
+    }
+    let (mut agent_runs, mut dnsmasq_runs) = (Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        agent_runs.push(load(agent_addr, agent.pid(), &packets).await?);
+        if let Some(d) = &dnsmasq {
+            dnsmasq_runs.push(load(d.addr, d.child.id(), &packets).await?);
+        }
+    }
+    let rss_under_load = agent.rss_kib()?;
+    drop(dnsmasq);
+    drop(agent);
+
+    // Memory with 10,000 services: headless, no ports, so the figure is the agent
+    // with its zone, not 10,000 dev proxies.
+    let state2 = tempdir("rune-bench-dns-mem")?;
+    let addr2 = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().await?));
+    let mut agent = AgentProc::start(bin, &state2, &["--dns-addr", &addr2.to_string()])?;
+    agent.wait_ready().await?;
+    let rss_empty = agent.rss_kib()?;
+    agent.apply(&headless_services(MEMORY_SERVICES))?;
+    wait_resolves(addr2, &format!("s{}.default.rune.", MEMORY_SERVICES - 1)).await?;
+    // Let the zone rebuilds triggered by the apply settle before reading.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss_10k = agent.rss_kib()?;
+    drop(agent);
+
+    let a = summarize(&mut agent_runs);
+    let mut t = String::new();
+    writeln!(t)?;
+    writeln!(
+        t,
+        "## DNS: rune-agent's embedded server vs dnsmasq (zone answers, loopback)"
+    )?;
+    writeln!(t)?;
+    writeln!(
+        t,
+        "{ROUNDS} interleaved rounds of {} s each, UDP A queries over {SERVICES} names, \
+         {SOCKETS} sockets x {WINDOW} in flight, medians.",
+        RUN.as_secs()
+    )?;
+    if !skipped.is_empty() {
+        writeln!(t)?;
+        writeln!(t, "{skipped}.")?;
+    }
+    writeln!(t)?;
+    writeln!(t, "| scenario | dnsmasq | rune-agent | ratio | target |")?;
+    writeln!(t, "|---|---:|---:|---:|---:|")?;
+    if dnsmasq_runs.is_empty() {
+        writeln!(
+            t,
+            "| DNS zone answers/s (UDP) | - | {:.0}/s | - | >= {QPS_TARGET:.1}x |",
+            a.qps
+        )?;
+        writeln!(
+            t,
+            "| DNS p99 latency | - | {:.0} us | - | <= 1.0x |",
+            a.p99_us
+        )?;
+        writeln!(
+            t,
+            "| DNS server CPU per answer | - | {:.1} us | - | |",
+            a.cpu_us
+        )?;
+    } else {
+        let d = summarize(&mut dnsmasq_runs);
+        writeln!(
+            t,
+            "| DNS zone answers/s (UDP) | {:.0}/s | {:.0}/s | {:.2}x | >= {QPS_TARGET:.1}x |",
+            d.qps,
+            a.qps,
+            a.qps / d.qps
+        )?;
+        writeln!(
+            t,
+            "| DNS p50 latency | {:.0} us | {:.0} us | {:.2}x | |",
+            d.p50_us,
+            a.p50_us,
+            a.p50_us / d.p50_us
+        )?;
+        writeln!(
+            t,
+            "| DNS p99 latency | {:.0} us | {:.0} us | {:.2}x | <= 1.0x |",
+            d.p99_us,
+            a.p99_us,
+            a.p99_us / d.p99_us
+        )?;
+        writeln!(
+            t,
+            "| DNS server CPU per answer | {:.1} us | {:.1} us | {:.2}x | |",
+            d.cpu_us,
+            a.cpu_us,
+            a.cpu_us / d.cpu_us
+        )?;
+        if d.lost > 0 {
+            writeln!(t, "| DNS queries lost (all rounds) | {} | | | |", d.lost)?;
+        }
+    }
+    if a.lost > 0 {
+        writeln!(t, "| DNS queries lost (all rounds) | | {} | | |", a.lost)?;
+    }
+    writeln!(
+        t,
+        "| agent memory (RSS), {SERVICES} headless services, after the DNS load | | {:.1} MiB | | |",
+        rss_under_load as f64 / 1024.0
+    )?;
+    writeln!(
+        t,
+        "| agent memory (RSS), no services (DNS on) | | {:.1} MiB | | |",
+        rss_empty as f64 / 1024.0
+    )?;
+    writeln!(
+        t,
+        "| agent memory (RSS), {MEMORY_SERVICES} headless services (names only) | | {:.1} MiB | | < {MEMORY_TARGET_MIB:.0} MiB |",
+        rss_10k as f64 / 1024.0
+    )?;
+    Ok(t)
+}
+
+/// Medians over the runs; losses summed.
+fn summarize(runs: &mut [Run]) -> Run {
+    let lost = runs.iter().map(|r| r.lost).sum();
+    let mut qps: Vec<f64> = runs.iter().map(|r| r.qps).collect();
+    let mut p50: Vec<f64> = runs.iter().map(|r| r.p50_us).collect();
+    let mut p99: Vec<f64> = runs.iter().map(|r| r.p99_us).collect();
+    let mut cpu: Vec<f64> = runs.iter().map(|r| r.cpu_us).collect();
+    Run {
+        qps: median(&mut qps),
+        p50_us: median(&mut p50),
+        p99_us: median(&mut p99),
+        cpu_us: median(&mut cpu),
+        lost,
+    }
+}
+
+/// `n` headless services without ports, `s0` … `s{n-1}` in `default`.
+fn headless_services(n: usize) -> String {
+    let mut yaml = String::new();
+    for i in 0..n {
+        writeln!(
+            yaml,
+            "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: s{i}}}\n\
+             spec: {{discovery: {{headless: true}}}}\n---"
+        )
+        .ok();
+    }
+    yaml
+}
+
+/// A query for `name` A, id 0 (the load generator writes the id in place).
+fn query_packet(name: &str) -> Result<Vec<u8>> {
+    let mut m = Message::new(0, MessageType::Query, OpCode::Query);
+    m.metadata.recursion_desired = true;
+    m.add_query(Query::query(
+        Name::from_str(name).with_context(|| format!("query name {name}"))?,
+        RecordType::A,
+    ));
+    m.to_vec().context("encode a query")
+}
+
+/// Asks `server` for `name` A once (bounded); the answer, if any.
+async fn ask(server: SocketAddr, name: &str) -> Result<Message> {
+    ensure!(
+        server.ip().is_loopback(),
+        "DNS benchmarks query loopback only"
+    );
+    let sock = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+    let mut q = query_packet(name)?;
+    q[..2].copy_from_slice(&0x5a5au16.to_be_bytes());
+    sock.send_to(&q, server).await?;
+    let mut buf = [0u8; 1500];
+    let (n, _) = tokio::time::timeout(Duration::from_millis(500), sock.recv_from(&mut buf))
+        .await
+        .with_context(|| format!("no answer from {server} for {name}"))??;
+    let m = Message::from_vec(&buf[..n]).context("decode an answer")?;
+    ensure!(m.metadata.id == 0x5a5a, "answer with a foreign id");
+    Ok(m)
+}
+
+/// Waits (bounded) until `server` answers `name` with A 127.0.0.1.
+async fn wait_resolves(server: SocketAddr, name: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = String::from("nothing asked yet");
+    while Instant::now() < deadline {
+        match ask(server, name).await {
+            Ok(m) if m.metadata.response_code == ResponseCode::NoError => {
+                let loopback = m
+                    .answers
+                    .iter()
+                    .any(|r| matches!(&r.data, RData::A(a) if a.0 == Ipv4Addr::LOCALHOST));
+                if loopback {
+                    return Ok(());
+                }
+                last = format!("answers {:?}", m.answers);
+            }
+            Ok(m) => last = format!("rcode {:?}", m.metadata.response_code),
+            Err(e) => last = format!("{e:#}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("{server} did not resolve {name} within 60 s: {last}")
+}
+
+/// One run of [`RUN`] against `server` (process `pid`), cycling through `packets`.
+async fn load(server: SocketAddr, pid: u32, packets: &Arc<Vec<Vec<u8>>>) -> Result<Run> {
+    let cpu_before = cpu_ticks(pid)?;
+    ensure!(
+        server.ip().is_loopback(),
+        "DNS benchmarks query loopback only"
+    );
+    let start = Instant::now();
+    let deadline = start + RUN;
+    let mut workers = Vec::new();
+    for s in 0..SOCKETS {
+        let packets = packets.clone();
+        workers.push(tokio::spawn(async move {
+            worker(server, &packets, s, deadline).await
+        }));
+    }
+    let mut latencies = Vec::new();
+    let mut lost = 0;
+    for w in workers {
+        let (l, n) = tokio::time::timeout(RUN + Duration::from_secs(10), w)
+            .await
+            .context("a DNS load worker did not stop")???;
+        latencies.extend(l);
+        lost += n;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let cpu = cpu_ticks(pid)?.saturating_sub(cpu_before);
+    ensure!(!latencies.is_empty(), "{server} answered no query");
+    latencies.sort_unstable();
+    let pct = |p: f64| latencies[((latencies.len() - 1) as f64 * p) as usize] as f64;
+    Ok(Run {
+        qps: latencies.len() as f64 / elapsed,
+        p50_us: pct(0.50),
+        p99_us: pct(0.99),
+        cpu_us: cpu as f64 * 1e6 / ticks_per_second()? / latencies.len() as f64,
+        lost,
+    })
+}
+
+/// User plus system CPU time of process `pid`, in clock ticks.
+fn cpu_ticks(pid: u32) -> Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("read /proc/{pid}/stat"))?;
+    // Fields after the command name (which may hold spaces) start at field 3.
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .context("malformed /proc/PID/stat")?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15, i.e. 11 and 12 after the name.
+    let field = |i: usize| -> Result<u64> {
+        fields
+            .get(i)
+            .and_then(|v| v.parse().ok())
+            .context("malformed /proc/PID/stat")
+    };
+    Ok(field(11)? + field(12)?)
+}
+
+/// Clock ticks per second (`getconf CLK_TCK`).
+fn ticks_per_second() -> Result<f64> {
+    // SAFETY: sysconf only reads a system constant.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    ensure!(t > 0, "sysconf(_SC_CLK_TCK) failed");
+    Ok(t as f64)
+}
+
+/// One socket keeping [`WINDOW`] queries in flight until `deadline`; returns the
+/// latency of every answered query (µs) and the number lost. A wrong answer (not
+/// NOERROR with at least one record) fails the benchmark.
+async fn worker(
+    server: SocketAddr,
+    packets: &[Vec<u8>],
+    index: usize,
+    deadline: Instant,
+) -> Result<(Vec<u32>, u64)> {
+    let sock = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+    sock.connect(server).await?;
+    let mut packets: Vec<Vec<u8>> = packets.to_vec();
+    let count = packets.len();
+    let mut sent_at: Vec<Option<Instant>> = vec![None; 1 << 16];
+    let mut id = (index as u16).wrapping_mul(16_381);
+    let mut next = index * count / SOCKETS;
+    let mut latencies = Vec::with_capacity(1 << 16);
+    let mut lost = 0u64;
+    let mut in_flight = 0usize;
+    let mut buf = [0u8; 1500];
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        while in_flight < WINDOW {
+            let p = &mut packets[next % count];
+            next += 1;
+            id = id.wrapping_add(1);
+            p[..2].copy_from_slice(&id.to_be_bytes());
+            sent_at[id as usize] = Some(Instant::now());
+            sock.send(p).await?;
+            in_flight += 1;
+        }
+        let wait = LOST_AFTER.min(deadline.saturating_duration_since(now));
+        match tokio::time::timeout(wait, sock.recv(&mut buf)).await {
+            Ok(n) => {
+                let n = n?;
+                ensure!(n >= 12, "a {n}-byte answer from {server}");
+                let rid = u16::from_be_bytes([buf[0], buf[1]]);
+                let Some(sent) = sent_at[rid as usize].take() else {
+                    // A late answer to a query already counted as lost.
+                    continue;
+                };
+                let elapsed = sent.elapsed();
+                in_flight -= 1;
+                let rcode = buf[3] & 0x0f;
+                let answers = u16::from_be_bytes([buf[6], buf[7]]);
+                ensure!(
+                    rcode == 0 && answers > 0,
+                    "{server}: rcode {rcode}, {answers} answers"
+                );
+                if Instant::now() < deadline {
+                    latencies.push(u32::try_from(elapsed.as_micros()).unwrap_or(u32::MAX));
+                }
+            }
+            Err(_) if Instant::now() >= deadline => break,
+            Err(_) => {
+                // Nothing for LOST_AFTER: whatever is in flight is lost.
+                lost += in_flight as u64;
+                in_flight = 0;
+                sent_at.iter_mut().for_each(|s| *s = None);
+            }
+        }
+    }
+    Ok((latencies, lost))
+}
+
+/// dnsmasq serving the same names, from memory only; killed on drop.
+struct Dnsmasq {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Dnsmasq {
+    async fn start(names: &[String], dir: &Path) -> Result<Dnsmasq> {
+        let port = {
+            let s = std::net::UdpSocket::bind((DNSMASQ_ADDR, 0))
+                .with_context(|| format!("bind {DNSMASQ_ADDR}:0"))?;
+            s.local_addr()?.port()
+        };
+        let addr = SocketAddr::from((DNSMASQ_ADDR, port));
+        let log = std::fs::File::create(dir.join("dnsmasq.log"))?;
+        let mut cmd = Command::new("dnsmasq");
+        cmd.args([
+            "--keep-in-foreground",
+            "--no-resolv",
+            "--no-hosts",
+            "--no-poll",
+            "--conf-file=/dev/null",
+            "--bind-interfaces",
+            "--local=/rune/",
+            "--local-ttl=5",
+            "--log-facility=-",
+        ])
+        .arg(format!("--port={port}"))
+        .arg(format!("--listen-address={DNSMASQ_ADDR}"))
+        .arg(format!("--pid-file={}", dir.join("dnsmasq.pid").display()));
+        for n in names {
+            cmd.arg(format!(
+                "--host-record={},127.0.0.1",
+                n.trim_end_matches('.')
+            ));
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("run dnsmasq (Debian: dnsmasq-base; `cargo xtask setup` installs it)")?;
+        let mut d = Dnsmasq { child, addr };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = d.child.try_wait()? {
+                let log = std::fs::read_to_string(dir.join("dnsmasq.log")).unwrap_or_default();
+                bail!("dnsmasq exited: {status}: {}", log.trim());
+            }
+            if let Ok(m) = ask(addr, &names[0]).await
+                && m.metadata.response_code == ResponseCode::NoError
+                && !m.answers.is_empty()
+            {
+                return Ok(d);
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "dnsmasq did not answer on {addr} within 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl Drop for Dnsmasq {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
