@@ -14,7 +14,7 @@ use hickory_proto::{
 };
 use rune_agent::{
     agent::{Mode, StartContext, Subsystem},
-    dns::{DnsConfig, DnsServer, DnsState, ZoneConfig},
+    dns::{DnsConfig, DnsServer, DnsState, ForwardConfig, ZoneConfig},
     endpoints::EndpointCache,
     metrics::Metrics,
     model::parse_documents,
@@ -307,6 +307,8 @@ fn large_answers_truncate_over_udp_and_come_whole_over_tcp() {
                 mode: Mode::Production,
                 dev_port_offset: 0,
             },
+            // No upstreams: nothing is ever forwarded from this test.
+            forward: ForwardConfig::default(),
         },
         cache,
         Arc::new(Metrics::new()),
@@ -322,7 +324,7 @@ fn large_answers_truncate_over_udp_and_come_whole_over_tcp() {
             .await
             .unwrap();
     });
-    let DnsState::Serving { addrs } = server.state() else {
+    let DnsState::Serving { addrs, .. } = server.state() else {
         panic!("{:?}", server.state())
     };
     let dns = addrs[0];
