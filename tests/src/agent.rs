@@ -63,6 +63,9 @@ impl Agent {
             .arg("--state-dir")
             .arg(state_dir)
             .args(args)
+            // Network rule: a test agent never forwards DNS to the machine's
+            // resolvers. No upstreams unless a test passes its own loopback one.
+            .env("RUNE_DNS_RESOLV_CONF", "/dev/null")
             .envs(env.iter().copied())
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -145,6 +148,8 @@ pub fn cli(state_dir: &Path, args: &[&str], stdin: Option<&str>) -> Output {
         .args(args)
         .arg("--state-dir")
         .arg(state_dir)
+        // As in `Agent::start_with`: never the machine's resolvers.
+        .env("RUNE_DNS_RESOLV_CONF", "/dev/null")
         .stdin(if stdin.is_some() {
             Stdio::piped()
         } else {

@@ -353,6 +353,8 @@ impl AgentProc {
             .arg(state)
             .args(extra)
             .env("RUST_LOG", "warn")
+            // Loopback only: the benchmarked agent never forwards DNS anywhere.
+            .env("RUNE_DNS_RESOLV_CONF", "/dev/null")
             .stdin(Stdio::null())
             .spawn()
             .context("starting the agent")?;
