@@ -156,6 +156,18 @@ fn dev_mode_dns_answers_services_and_follows_changes() {
     // Outside the zone with no upstream: refused.
     let out = ask_udp(dns, "example.com.", RecordType::A);
     assert_eq!(out.metadata.response_code, ResponseCode::Refused);
+    // The zone holds IN data only: a CHAOS-class question for a service is refused,
+    // not answered with its IN address.
+    let mut chaos = query_message("web.default.rune.", RecordType::A);
+    chaos.queries[0].set_query_class(hickory_proto::rr::DNSClass::CH);
+    let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+    sock.set_read_timeout(Some(QUERY_TIMEOUT)).unwrap();
+    sock.send_to(&chaos.to_vec().unwrap(), dns).unwrap();
+    let mut buf = [0u8; 4096];
+    let (n, _) = sock.recv_from(&mut buf).expect("an answer to a CH query");
+    let r = Message::from_vec(&buf[..n]).unwrap();
+    assert_eq!(r.metadata.response_code, ResponseCode::Refused);
+    assert!(r.answers.is_empty(), "{r:?}");
 
     // A new service resolves soon after `apply` returns. The 100 ms figure
     // is a performance target for `cargo xtask bench`; a timed assertion here would

@@ -102,16 +102,23 @@ pub fn parse_resolv_conf(text: &str, own: &[SocketAddr]) -> Vec<SocketAddr> {
     out
 }
 
-/// Whether `addr` is one of the agent's listeners (a wildcard listener covers the
-/// loopback addresses of its family).
+/// Whether `addr` is one of the agent's listeners, so forwarding there would loop.
+/// A wildcard listener covers every local address of its family (`[::]` is
+/// dual-stack on Linux and covers IPv4 too).
 pub(crate) fn is_own(addr: SocketAddr, own: &[SocketAddr]) -> bool {
     own.iter().any(|o| {
         o.port() == addr.port()
             && (o.ip() == addr.ip()
                 || (o.ip().is_unspecified()
-                    && o.is_ipv4() == addr.is_ipv4()
-                    && addr.ip().is_loopback()))
+                    && (o.is_ipv6() || addr.is_ipv4())
+                    && is_local(addr.ip())))
     })
+}
+
+/// Whether `ip` is an address of this host: loopback, or one a socket can bind to
+/// (binding sends nothing).
+fn is_local(ip: IpAddr) -> bool {
+    ip.is_loopback() || std::net::UdpSocket::bind((ip, 0)).is_ok()
 }
 
 /// [`parse_resolv_conf`] of the file at `path`; a missing file means no upstreams.
@@ -283,12 +290,39 @@ impl Forwarder {
     }
 }
 
+/// Removes a flight from the in-flight map when dropped.
+struct Landing {
+    inner: Arc<Inner>,
+    key: CacheKey,
+}
+
+impl Drop for Landing {
+    fn drop(&mut self) {
+        lock(&self.inner.inflight).remove(&self.key);
+    }
+}
+
+/// Most records an answer may hold to be cached: the cache is bounded in entries,
+/// so entries must be bounded in size too (a client could otherwise fill it with
+/// 64 KiB answers from a domain it controls).
+const MAX_CACHED_RECORDS: usize = 64;
+
+fn cacheable(answer: &Cached) -> bool {
+    answer.answers.len() + answer.authorities.len() + answer.additionals.len() <= MAX_CACHED_RECORDS
+}
+
 impl Inner {
     /// Starts asking upstream in a task of its own, so that the answer is cached
     /// and the flight ends even when every client that asked has gone.
     fn fly(inner: Arc<Inner>, key: CacheKey, query: Query) -> Flight {
         let permit = inner.permits.clone().try_acquire_owned();
         let task = tokio::spawn(async move {
+            // Ends the flight even if this task panics: a later query for the same
+            // name then asks again instead of waiting on a flight that never lands.
+            let landing = Landing {
+                inner: inner.clone(),
+                key: key.clone(),
+            };
             let result = match permit {
                 Ok(_permit) => inner.ask_upstreams(&query).await,
                 Err(_) => {
@@ -299,12 +333,14 @@ impl Inner {
                     Err(error)
                 }
             };
-            if let Ok(answer) = &result {
+            if let Ok(answer) = &result
+                && cacheable(answer)
+            {
                 inner
                     .cache
                     .insert(key.clone(), Arc::new(answer.clone()), Instant::now());
             }
-            lock(&inner.inflight).remove(&key);
+            drop(landing);
             result.map_err(Arc::new)
         });
         async move {
@@ -435,7 +471,9 @@ async fn exchange_udp(
         .await
         .map_err(io(upstream, "udp connect"))?;
     socket.send(bytes).await.map_err(io(upstream, "udp send"))?;
-    let mut buf = vec![0u8; 65_535];
+    // We advertise a 1232-byte EDNS payload: a larger answer comes back truncated
+    // and is fetched over TCP, so a small buffer per query suffices.
+    let mut buf = vec![0u8; 4096];
     loop {
         let n = socket
             .recv(&mut buf)
@@ -652,6 +690,13 @@ mod tests {
         let wildcard: Vec<SocketAddr> = vec!["0.0.0.0:53".parse().unwrap()];
         let found = upstreams_from_resolv_conf(&path, &wildcard).unwrap();
         assert!(!found.iter().any(|a| a.ip().is_loopback()), "{found:?}");
+        // `[::]` is dual-stack: it covers IPv4 loopback too; an address that is not
+        // this host's is never "own".
+        let dual: Vec<SocketAddr> = vec!["[::]:53".parse().unwrap()];
+        assert!(is_own("127.0.0.1:53".parse().unwrap(), &dual));
+        assert!(is_own("[::1]:53".parse().unwrap(), &dual));
+        assert!(!is_own("192.0.2.53:53".parse().unwrap(), &dual));
+        assert!(!is_own("127.0.0.1:5353".parse().unwrap(), &dual));
         assert!(found.contains(&"192.0.2.53:53".parse().unwrap()));
         // No file: no upstreams, not an error.
         assert_eq!(

@@ -31,7 +31,7 @@ use crate::{
 use arc_swap::ArcSwap;
 use hickory_proto::{
     op::{Edns, Header, HeaderCounts, MessageType, Metadata, OpCode, ResponseCode},
-    rr::RecordType,
+    rr::{DNSClass, RecordType},
 };
 use hickory_server::{
     Server,
@@ -440,7 +440,8 @@ impl RequestHandler for Handler {
         });
         let builder = MessageResponseBuilder::new(&request.queries, response_edns.as_ref());
         let mut metadata = Metadata::response_from_request(&request.metadata);
-        metadata.recursion_available = false;
+        // Every answer says whether this server recurses for other names.
+        metadata.recursion_available = self.forwarder.is_some();
 
         let query = match request.request_info() {
             Ok(info) if request.metadata.op_code == OpCode::Query => Some(info.query),
@@ -452,8 +453,19 @@ impl RequestHandler for Handler {
         let sent = match query {
             Some(q) => {
                 let qtype = q.query_type();
-                let answer = zone.lookup(q.name(), qtype);
+                let mut answer = zone.lookup(q.name(), qtype);
                 zone_kind = answer.authority_kind;
+                // The zone holds IN records only: other classes (CH, HS) in it are
+                // refused rather than answered with IN data.
+                if answer.authority_kind != Authority::Other && q.query_class() != DNSClass::IN {
+                    answer = Answer {
+                        rcode: ResponseCode::Refused,
+                        authoritative: false,
+                        answers: &[],
+                        authority: &[],
+                        authority_kind: Authority::Zone,
+                    };
+                }
                 if answer.authority_kind == Authority::Other
                     && let Some(forwarder) = &self.forwarder
                 {
