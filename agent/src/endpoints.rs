@@ -14,7 +14,7 @@ use crate::{
     orderedlog::{Event, OrderedLog, Revision, Snapshot},
     sync::lock,
 };
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use std::{
     collections::{BTreeMap, BTreeSet},
     sync::{Arc, Mutex, Weak},
@@ -138,34 +138,45 @@ impl EndpointCache {
     /// Applies one event from the ordered log. Events at or below the cache's
     /// revision are ignored (already applied), so replays are harmless.
     pub fn apply_event(&self, event: &Event) {
+        self.apply_events(std::slice::from_ref(event));
+    }
+
+    /// Applies events in order as one step: subscribers see either none or all of
+    /// them, so a Service and its Endpoints written by one `apply` never reach a data
+    /// plane as "service without endpoints" in between.
+    pub fn apply_events(&self, events: &[Event]) {
         let mut st = lock(&self.state);
-        if event.revision() <= st.revision {
-            return;
-        }
-        st.revision = event.revision();
-        let key = match event {
-            Event::Put { object, .. } => {
-                let key = object.key().service();
-                match object {
-                    Object::Service(s) => {
-                        st.services.insert(key.clone(), Arc::new(s.clone()));
+        let mut changed = BTreeSet::new();
+        for event in events {
+            if event.revision() <= st.revision {
+                continue;
+            }
+            st.revision = event.revision();
+            let key = match event {
+                Event::Put { object, .. } => {
+                    let key = object.key().service();
+                    match object {
+                        Object::Service(s) => {
+                            st.services.insert(key.clone(), Arc::new(s.clone()));
+                        }
+                        Object::Endpoints(e) => {
+                            st.endpoints.insert(key.clone(), Arc::new(e.clone()));
+                        }
                     }
-                    Object::Endpoints(e) => {
-                        st.endpoints.insert(key.clone(), Arc::new(e.clone()));
-                    }
+                    key
                 }
-                key
-            }
-            Event::Delete { key, .. } => {
-                let skey = key.service();
-                match key.kind {
-                    Kind::Service => st.services.remove(&skey).map(drop),
-                    Kind::Endpoints => st.endpoints.remove(&skey).map(drop),
-                };
-                skey
-            }
-        };
-        Self::mark(&mut st, BTreeSet::from([key]));
+                Event::Delete { key, .. } => {
+                    let skey = key.service();
+                    match key.kind {
+                        Kind::Service => st.services.remove(&skey).map(drop),
+                        Kind::Endpoints => st.endpoints.remove(&skey).map(drop),
+                    };
+                    skey
+                }
+            };
+            changed.insert(key);
+        }
+        Self::mark(&mut st, changed);
     }
 
     fn mark(st: &mut State, keys: BTreeSet<ServiceKey>) {
@@ -378,6 +389,8 @@ impl Subsystem for CacheFeed {
 const INITIAL_BACKOFF: Duration = Duration::from_millis(100);
 /// Longest pause between retries.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// Most events applied to the cache as one step.
+const MAX_BATCH: usize = 4096;
 
 fn publish(cache: &EndpointCache, metrics: &Metrics) {
     for (kind, n) in cache.counts() {
@@ -451,10 +464,35 @@ async fn follow(
             };
             match item {
                 Some(Ok(event)) => {
-                    cache.apply_event(&event);
+                    // Take every event already waiting (one `apply` writes several)
+                    // and apply them as one step.
+                    let mut batch = vec![event];
+                    let mut ended = None;
+                    while batch.len() < MAX_BATCH {
+                        match stream.next().now_or_never() {
+                            Some(Some(Ok(e))) => batch.push(e),
+                            Some(other) => {
+                                ended = Some(other);
+                                break;
+                            }
+                            None => break,
+                        }
+                    }
+                    cache.apply_events(&batch);
                     publish(&cache, &metrics);
                     // Only a stream that delivers counts as healthy.
                     backoff = INITIAL_BACKOFF;
+                    match ended {
+                        Some(Some(Err(e))) => {
+                            tracing::warn!(error = %e, resync = e.needs_resync(), "watch ended; taking a new snapshot");
+                            break;
+                        }
+                        Some(None) => {
+                            tracing::warn!("watch stream closed; taking a new snapshot");
+                            break;
+                        }
+                        _ => {}
+                    }
                 }
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, resync = e.needs_resync(), "watch ended; taking a new snapshot");

@@ -244,3 +244,21 @@ async fn the_feed_resyncs_after_a_compaction() {
         .unwrap()
         .unwrap();
 }
+
+#[test]
+fn events_applied_together_reach_subscribers_together() {
+    let cache = Arc::new(EndpointCache::new());
+    let mut sub = cache.subscribe();
+    sub.try_next().unwrap();
+    // One `apply` of a service and its endpoints: never a delta in between that
+    // shows the service without its endpoints.
+    cache.apply_events(&[
+        put(1, service("a", 80)),
+        put(2, endpoints("a", &["198.18.1.2"])),
+    ]);
+    let d = sub.try_next().unwrap();
+    assert_eq!(d.revision, 2);
+    assert_eq!(d.upserted.len(), 1);
+    assert!(d.upserted[0].endpoints.is_some(), "{d:?}");
+    assert!(sub.try_next().is_none());
+}
