@@ -1,4 +1,5 @@
 //! Shared helpers for the end-to-end tests.
 
 pub mod agent;
+pub mod dns;
 pub mod netns;

@@ -7,10 +7,12 @@ use hickory_proto::{
     op::{Message, MessageType, OpCode, Query, ResponseCode},
     rr::{Name, RData, RecordType},
 };
-use rune_agent_tests::agent::{Agent, eventually, free_port, metric};
+use rune_agent_tests::{
+    agent::{Agent, eventually, free_port, metric},
+    dns::exchange_tcp,
+};
 use std::{
-    io::{Read, Write},
-    net::{IpAddr, SocketAddr, TcpStream, UdpSocket},
+    net::{IpAddr, SocketAddr, UdpSocket},
     str::FromStr,
     time::{Duration, Instant},
 };
@@ -48,17 +50,8 @@ fn ask_udp(server: SocketAddr, name: &str, rtype: RecordType) -> Message {
 
 /// Asks `server` over TCP (two-byte length prefix).
 fn ask_tcp(server: SocketAddr, name: &str, rtype: RecordType) -> Message {
-    assert!(server.ip().is_loopback(), "tests query loopback only");
     let q = query_message(name, rtype).to_vec().unwrap();
-    let mut s = TcpStream::connect_timeout(&server, QUERY_TIMEOUT).unwrap();
-    s.set_read_timeout(Some(QUERY_TIMEOUT)).unwrap();
-    s.write_all(&(q.len() as u16).to_be_bytes()).unwrap();
-    s.write_all(&q).unwrap();
-    let mut len = [0u8; 2];
-    s.read_exact(&mut len).unwrap();
-    let mut buf = vec![0u8; u16::from_be_bytes(len) as usize];
-    s.read_exact(&mut buf).unwrap();
-    Message::from_vec(&buf).unwrap()
+    Message::from_vec(&exchange_tcp(server, &q, QUERY_TIMEOUT)).unwrap()
 }
 
 fn addresses(m: &Message) -> Vec<IpAddr> {

@@ -20,10 +20,12 @@ use rune_agent::{
     model::parse_documents,
     orderedlog::Snapshot,
 };
-use rune_agent_tests::agent::{Agent, eventually, free_port};
+use rune_agent_tests::{
+    agent::{Agent, eventually, free_port},
+    dns::exchange_tcp,
+};
 use std::{
-    io::{Read, Write},
-    net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
+    net::{Ipv4Addr, SocketAddr, UdpSocket},
     str::FromStr,
     sync::Arc,
     time::Duration,
@@ -83,17 +85,8 @@ fn ask_udp(server: SocketAddr, name: &str, rtype: RecordType, edns: Option<u16>)
 
 /// Asks over TCP (two-byte length prefix).
 fn ask_tcp(server: SocketAddr, name: &str, rtype: RecordType) -> Message {
-    assert!(server.ip().is_loopback(), "tests query loopback only");
     let q = query(0x4343, name, rtype, None);
-    let mut s = TcpStream::connect_timeout(&server, QUERY_TIMEOUT).unwrap();
-    s.set_read_timeout(Some(QUERY_TIMEOUT)).unwrap();
-    s.write_all(&(q.len() as u16).to_be_bytes()).unwrap();
-    s.write_all(&q).unwrap();
-    let mut len = [0u8; 2];
-    s.read_exact(&mut len).unwrap();
-    let mut buf = vec![0u8; u16::from_be_bytes(len) as usize];
-    s.read_exact(&mut buf).unwrap();
-    let m = Message::from_vec(&buf).unwrap();
+    let m = Message::from_vec(&exchange_tcp(server, &q, QUERY_TIMEOUT)).unwrap();
     assert_eq!(m.metadata.id, 0x4343);
     m
 }
