@@ -2,6 +2,7 @@
 //! agent. `#![no_std]`, `#[repr(C)]` and padding-free, so both sides agree on layout.
 #![no_std]
 pub mod hash;
+pub mod lb;
 
 /// Packet and byte counters kept by an XDP program, one slot per CPU.
 ///

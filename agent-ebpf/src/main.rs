@@ -6,6 +6,9 @@
 #![no_std]
 #![no_main]
 
+mod maps;
+mod select;
+
 use agent_common::PacketStats;
 use aya_ebpf::{
     bindings::xdp_action,

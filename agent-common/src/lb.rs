@@ -1,0 +1,412 @@
+//! The load balancer's maps: service frontends, backends, Maglev tables, conntrack,
+//! session affinity, the socket-LB reverse map and the counters.
+//!
+//! Byte order: addresses and ports are stored exactly as they appear on the wire and
+//! in `struct bpf_sock_addr` (network order), so the programs compare and copy them
+//! without swapping. An address is always four 32-bit words (`Addr`); an IPv4
+//! address uses word 0 and leaves the rest zero. On the agent side, build one with
+//! [`addr_from_octets`]; `u32::from_ne_bytes(ipv4.octets())` is the IPv4 word.
+//!
+//! Every type is `#[repr(C)]` with explicit padding fields (always zero), so that the
+//! kernel, which hashes and compares keys byte by byte, sees the same bytes the agent
+//! wrote. Sizes are checked at compile time below.
+
+/// An address as four network-order 32-bit words (IPv4 in word 0, rest zero).
+pub type Addr = [u32; 4];
+
+/// IP protocol number of TCP.
+pub const PROTO_TCP: u8 = 6;
+/// IP protocol number of UDP.
+pub const PROTO_UDP: u8 = 17;
+
+/// `Backend::family` / `SockRevValue::family` of an IPv4 address.
+pub const FAMILY_V4: u8 = 4;
+/// `Backend::family` / `SockRevValue::family` of an IPv6 address.
+pub const FAMILY_V6: u8 = 6;
+
+/// Builds an [`Addr`] from an address's octets (4 or 16 of them): the words hold the
+/// octets in wire order. Any other length gives the zero address.
+#[must_use]
+pub fn addr_from_octets(octets: &[u8]) -> Addr {
+    let mut words = [0u32; 4];
+    if octets.len() == 4 || octets.len() == 16 {
+        for (i, chunk) in octets.chunks_exact(4).enumerate() {
+            words[i] = u32::from_ne_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+        }
+    }
+    words
+}
+
+/// The octets of an [`Addr`] in wire order (16 of them; an IPv4 address is the
+/// first 4).
+#[must_use]
+pub fn addr_octets(addr: &Addr) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    for (i, word) in addr.iter().enumerate() {
+        out[i * 4..i * 4 + 4].copy_from_slice(&word.to_ne_bytes());
+    }
+    out
+}
+
+/// A service frontend, IPv4: VIP, port and protocol. Key of [`SERVICES_V4`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKeyV4 {
+    /// The VIP (network order).
+    pub addr: u32,
+    /// The service port (network order).
+    pub port: u16,
+    /// [`PROTO_TCP`] or [`PROTO_UDP`].
+    pub proto: u8,
+    /// Always zero.
+    pub pad: u8,
+}
+
+/// A service frontend, IPv6: VIP, port and protocol. Key of [`SERVICES_V6`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKeyV6 {
+    /// The VIP (network order).
+    pub addr: Addr,
+    /// The service port (network order).
+    pub port: u16,
+    /// [`PROTO_TCP`] or [`PROTO_UDP`].
+    pub proto: u8,
+    /// Always zero.
+    pub pad: u8,
+}
+
+/// What a frontend leads to. Value of [`SERVICES_V4`] and [`SERVICES_V6`].
+///
+/// `maglev_size == 0` means the service is known but has no backend for new flows:
+/// the programs refuse (TCP RST / ICMP unreachable / `EHOSTUNREACH`) and count
+/// [`DropReason::NoBackend`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ServiceValue {
+    /// This frontend's id: index into [`SERVICE_STATS`], part of affinity keys.
+    pub id: u32,
+    /// First slot of this frontend's table in [`MAGLEV`].
+    pub maglev_base: u32,
+    /// Slots in the table (a prime), or 0: no backend takes new flows.
+    pub maglev_size: u32,
+    /// ClientIP session affinity timeout in seconds; 0 when affinity is off.
+    pub affinity_timeout: u32,
+}
+
+/// A backend: where a flow is sent. Value of [`BACKENDS`], indexed by backend id
+/// (id 0 is never used, so a zero id means "none").
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Backend {
+    /// The backend's address (network order).
+    pub addr: Addr,
+    /// The backend's port (network order).
+    pub port: u16,
+    /// [`FAMILY_V4`] or [`FAMILY_V6`]; 0 for an unused slot.
+    pub family: u8,
+    /// [`BACKEND_ACTIVE`] or [`BACKEND_DRAINING`].
+    pub state: u8,
+}
+
+/// [`Backend::state`] of a backend that may take new flows (it is in Maglev tables).
+pub const BACKEND_ACTIVE: u8 = 1;
+/// [`Backend::state`] of a terminating or not-ready backend: it keeps the flows it
+/// has (through conntrack) but session affinity no longer leads to it.
+pub const BACKEND_DRAINING: u8 = 2;
+
+/// A conntrack entry's key, IPv4: the packet's addresses and ports as seen at the
+/// hook, plus the direction. Key of [`CONNTRACK_V4`].
+///
+/// A forward entry (`dir == CT_FORWARD`) is keyed client → VIP as the client sent it;
+/// a reverse entry (`dir == CT_REVERSE`) is keyed backend → client as the reply
+/// leaves the backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtKeyV4 {
+    /// Source address (network order).
+    pub saddr: u32,
+    /// Destination address (network order).
+    pub daddr: u32,
+    /// Source port (network order).
+    pub sport: u16,
+    /// Destination port (network order).
+    pub dport: u16,
+    /// [`PROTO_TCP`] or [`PROTO_UDP`].
+    pub proto: u8,
+    /// [`CT_FORWARD`] or [`CT_REVERSE`].
+    pub dir: u8,
+    /// Always zero.
+    pub pad: [u8; 2],
+}
+
+/// A conntrack entry's key, IPv6; see [`CtKeyV4`]. Key of [`CONNTRACK_V6`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtKeyV6 {
+    /// Source address (network order).
+    pub saddr: Addr,
+    /// Destination address (network order).
+    pub daddr: Addr,
+    /// Source port (network order).
+    pub sport: u16,
+    /// Destination port (network order).
+    pub dport: u16,
+    /// [`PROTO_TCP`] or [`PROTO_UDP`].
+    pub proto: u8,
+    /// [`CT_FORWARD`] or [`CT_REVERSE`].
+    pub dir: u8,
+    /// Always zero.
+    pub pad: [u8; 2],
+}
+
+/// [`CtKeyV4::dir`] of an entry keyed as the client sent the packet.
+pub const CT_FORWARD: u8 = 0;
+/// [`CtKeyV4::dir`] of an entry keyed as the backend's reply leaves it.
+pub const CT_REVERSE: u8 = 1;
+
+/// A conntrack entry's value (both families and directions).
+///
+/// Forward: `backend_id` is where the flow goes. Reverse: `nat_addr`/`nat_port` are
+/// the VIP and service port the reply must appear to come from.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtValue {
+    /// The backend of the flow.
+    pub backend_id: u32,
+    /// The frontend's id ([`ServiceValue::id`]).
+    pub service_id: u32,
+    /// Reverse entries: the VIP (network order). Zero in forward entries.
+    pub nat_addr: Addr,
+    /// Reverse entries: the service port (network order). Zero in forward entries.
+    pub nat_port: u16,
+    /// Always zero.
+    pub pad: [u8; 6],
+}
+
+/// Session affinity key: frontend and client address. Key of [`AFFINITY`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityKey {
+    /// The client's address (network order).
+    pub client: Addr,
+    /// The frontend's id ([`ServiceValue::id`]).
+    pub service_id: u32,
+}
+
+/// Session affinity value: the backend chosen and when the client was last seen.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityValue {
+    /// `bpf_ktime_get_ns()` at the client's last new flow.
+    pub last_used_ns: u64,
+    /// The backend chosen.
+    pub backend_id: u32,
+    /// Always zero.
+    pub pad: u32,
+}
+
+/// Socket-LB reverse map key: the socket (by cookie) and the backend it was sent
+/// to, so that `recvmsg` can show the VIP as the peer. Key of [`SOCK_REVERSE`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevKey {
+    /// `bpf_get_socket_cookie()` of the client socket.
+    pub cookie: u64,
+    /// The backend's address (network order).
+    pub addr: Addr,
+    /// The backend's port (network order).
+    pub port: u16,
+    /// [`FAMILY_V4`] or [`FAMILY_V6`].
+    pub family: u8,
+    /// Always zero.
+    pub pad: [u8; 5],
+}
+
+/// Socket-LB reverse map value: the VIP and service port the client addressed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevValue {
+    /// The VIP (network order).
+    pub addr: Addr,
+    /// The service port (network order).
+    pub port: u16,
+    /// [`FAMILY_V4`] or [`FAMILY_V6`].
+    pub family: u8,
+    /// Always zero.
+    pub pad: u8,
+}
+
+/// Traffic counters of one frontend or backend, one slot per CPU. Values of
+/// [`SERVICE_STATS`] and [`BACKEND_STATS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TrafficStats {
+    /// New flows balanced (connections, UDP flows, socket-LB connects/datagrams).
+    pub flows: u64,
+    /// Packets translated by the tc/XDP programs.
+    pub packets: u64,
+    /// Bytes of those packets, from the start of the IP header.
+    pub bytes: u64,
+}
+
+impl TrafficStats {
+    /// Returns the field-wise sum, wrapping on overflow as the kernel counters do.
+    #[must_use]
+    pub const fn add(self, other: Self) -> Self {
+        Self {
+            flows: self.flows.wrapping_add(other.flows),
+            packets: self.packets.wrapping_add(other.packets),
+            bytes: self.bytes.wrapping_add(other.bytes),
+        }
+    }
+}
+
+/// Why a program refused or dropped a packet or connection; index into [`DROPS`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum DropReason {
+    /// The service has no backend for new flows (refused).
+    NoBackend = 0,
+    /// The Maglev slot or the backend entry it names is missing (maps being
+    /// rewritten, or a bug); the flow is refused.
+    BackendMissing = 1,
+    /// A packet to a VIP was too short or malformed to translate.
+    Malformed = 2,
+    /// A conntrack or reverse entry could not be stored (map full).
+    MapFull = 3,
+    /// A VIP packet for a port or protocol the service does not have.
+    NoFrontend = 4,
+}
+
+impl DropReason {
+    /// Every reason, in index order.
+    pub const ALL: [Self; 5] = [
+        Self::NoBackend,
+        Self::BackendMissing,
+        Self::Malformed,
+        Self::MapFull,
+        Self::NoFrontend,
+    ];
+
+    /// The reason's label in metrics and `status`.
+    #[must_use]
+    pub const fn label(self) -> &'static str {
+        match self {
+            Self::NoBackend => "no_backend",
+            Self::BackendMissing => "backend_missing",
+            Self::Malformed => "malformed",
+            Self::MapFull => "map_full",
+            Self::NoFrontend => "no_frontend",
+        }
+    }
+}
+
+/// Number of slots in [`DROPS`].
+pub const DROP_REASONS: u32 = DropReason::ALL.len() as u32;
+
+// Map names: the contract between the `#[map]` statics in `agent-ebpf` and the loader.
+
+/// `HashMap<ServiceKeyV4, ServiceValue>`: IPv4 frontends.
+pub const SERVICES_V4: &str = "RUNE_SVC_V4";
+/// `HashMap<ServiceKeyV6, ServiceValue>`: IPv6 frontends.
+pub const SERVICES_V6: &str = "RUNE_SVC_V6";
+/// `Array<Backend>` indexed by backend id.
+pub const BACKENDS: &str = "RUNE_BACKENDS";
+/// `Array<u32>` (mmapable) of backend ids: every frontend's Maglev table, at
+/// `ServiceValue::maglev_base`, `maglev_size` slots long.
+pub const MAGLEV: &str = "RUNE_MAGLEV";
+/// `LruHashMap<CtKeyV4, CtValue>`: IPv4 conntrack of the tc/XDP path.
+pub const CONNTRACK_V4: &str = "RUNE_CT_V4";
+/// `LruHashMap<CtKeyV6, CtValue>`: IPv6 conntrack of the tc/XDP path.
+pub const CONNTRACK_V6: &str = "RUNE_CT_V6";
+/// `LruHashMap<AffinityKey, AffinityValue>`: ClientIP session affinity.
+pub const AFFINITY: &str = "RUNE_AFFINITY";
+/// `LruHashMap<SockRevKey, SockRevValue>`: unconnected-UDP reverse translation.
+pub const SOCK_REVERSE: &str = "RUNE_SOCK_REV";
+/// `PerCpuArray<TrafficStats>` indexed by frontend id.
+pub const SERVICE_STATS: &str = "RUNE_SVC_STATS";
+/// `PerCpuArray<TrafficStats>` indexed by backend id.
+pub const BACKEND_STATS: &str = "RUNE_BACKEND_STATS";
+/// `PerCpuArray<u64>` indexed by [`DropReason`].
+pub const DROPS: &str = "RUNE_DROPS";
+
+// Program names: the contract between `agent-ebpf` and the loader.
+
+/// cgroup `connect4`: picks a backend for a TCP / connected-UDP IPv4 VIP connect.
+pub const PROG_CONNECT4: &str = "rune_connect4";
+/// cgroup `connect6`.
+pub const PROG_CONNECT6: &str = "rune_connect6";
+/// cgroup `sendmsg4`: per datagram for unconnected UDP.
+pub const PROG_SENDMSG4: &str = "rune_sendmsg4";
+/// cgroup `sendmsg6`.
+pub const PROG_SENDMSG6: &str = "rune_sendmsg6";
+/// cgroup `recvmsg4`: shows the VIP as the sender of a backend's reply.
+pub const PROG_RECVMSG4: &str = "rune_recvmsg4";
+/// cgroup `recvmsg6`.
+pub const PROG_RECVMSG6: &str = "rune_recvmsg6";
+/// cgroup `getpeername4`: returns the VIP as the connected peer.
+pub const PROG_GETPEERNAME4: &str = "rune_getpeername4";
+/// cgroup `getpeername6`.
+pub const PROG_GETPEERNAME6: &str = "rune_getpeername6";
+/// tc ingress: DNAT VIP → backend with conntrack.
+pub const PROG_TC_INGRESS: &str = "rune_tc_ingress";
+/// tc egress: reverse NAT backend → VIP for replies.
+pub const PROG_TC_EGRESS: &str = "rune_tc_egress";
+/// XDP on the uplink: DNAT VIP → backend, as `rune_tc_ingress`.
+pub const PROG_XDP_LB: &str = "rune_xdp_lb";
+
+const _: () = assert!(size_of::<ServiceKeyV4>() == 8);
+const _: () = assert!(size_of::<ServiceKeyV6>() == 20);
+const _: () = assert!(size_of::<ServiceValue>() == 16);
+const _: () = assert!(size_of::<Backend>() == 20);
+const _: () = assert!(size_of::<CtKeyV4>() == 16);
+const _: () = assert!(size_of::<CtKeyV6>() == 40);
+const _: () = assert!(size_of::<CtValue>() == 32);
+const _: () = assert!(size_of::<AffinityKey>() == 20);
+const _: () = assert!(size_of::<AffinityValue>() == 16);
+const _: () = assert!(size_of::<SockRevKey>() == 32);
+const _: () = assert!(size_of::<SockRevValue>() == 20);
+const _: () = assert!(size_of::<TrafficStats>() == 24);
+
+// SAFETY (all below): each type is `#[repr(C)]`, built only of integers and integer
+// arrays, has no implicit padding (sizes checked above) and every bit pattern is a
+// valid value.
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    unsafe impl aya::Pod for ServiceKeyV4 {}
+    unsafe impl aya::Pod for ServiceKeyV6 {}
+    unsafe impl aya::Pod for ServiceValue {}
+    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for CtKeyV4 {}
+    unsafe impl aya::Pod for CtKeyV6 {}
+    unsafe impl aya::Pod for CtValue {}
+    unsafe impl aya::Pod for AffinityKey {}
+    unsafe impl aya::Pod for AffinityValue {}
+    unsafe impl aya::Pod for SockRevKey {}
+    unsafe impl aya::Pod for SockRevValue {}
+    unsafe impl aya::Pod for TrafficStats {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_keep_wire_order() {
+        let v4 = addr_from_octets(&[198, 18, 0, 1]);
+        assert_eq!(v4[0].to_ne_bytes(), [198, 18, 0, 1]);
+        assert_eq!(&v4[1..], &[0, 0, 0]);
+        let octets: [u8; 16] = core::array::from_fn(|i| i as u8);
+        assert_eq!(addr_octets(&addr_from_octets(&octets)), octets);
+        assert_eq!(addr_from_octets(&[1, 2, 3]), [0; 4]);
+    }
+
+    #[test]
+    fn drop_reasons_index_in_order() {
+        for (i, reason) in DropReason::ALL.iter().enumerate() {
+            assert_eq!(*reason as usize, i);
+        }
+    }
+}

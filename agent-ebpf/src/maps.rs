@@ -1,0 +1,61 @@
+//! Every map the load-balancing programs share, declared once.
+//!
+//! Names and layouts are the contract with the agent (`agent_common::lb`). All maps
+//! are pinned by name, so the agent can reopen them after a restart and established
+//! flows keep their conntrack entries. The sizes here are placeholders: the agent
+//! sets every map's capacity at load time from its configuration.
+
+use agent_common::lb::{
+    AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, ServiceKeyV4, ServiceKeyV6,
+    ServiceValue, SockRevKey, SockRevValue, TrafficStats,
+};
+use aya_ebpf::{
+    bindings::BPF_F_MMAPABLE,
+    macros::map,
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+};
+
+/// IPv4 frontends (`agent_common::lb::SERVICES_V4`).
+#[map]
+pub static RUNE_SVC_V4: HashMap<ServiceKeyV4, ServiceValue> = HashMap::pinned(65536, 0);
+
+/// IPv6 frontends (`agent_common::lb::SERVICES_V6`).
+#[map]
+pub static RUNE_SVC_V6: HashMap<ServiceKeyV6, ServiceValue> = HashMap::pinned(65536, 0);
+
+/// Backends by id (`agent_common::lb::BACKENDS`).
+#[map]
+pub static RUNE_BACKENDS: Array<Backend> = Array::pinned(65536, 0);
+
+/// Every frontend's Maglev table of backend ids (`agent_common::lb::MAGLEV`);
+/// mmapable so the agent writes whole tables without a syscall per slot.
+#[map]
+pub static RUNE_MAGLEV: Array<u32> = Array::pinned(1, BPF_F_MMAPABLE);
+
+/// IPv4 conntrack of the tc/XDP path (`agent_common::lb::CONNTRACK_V4`).
+#[map]
+pub static RUNE_CT_V4: LruHashMap<CtKeyV4, CtValue> = LruHashMap::pinned(262_144, 0);
+
+/// IPv6 conntrack of the tc/XDP path (`agent_common::lb::CONNTRACK_V6`).
+#[map]
+pub static RUNE_CT_V6: LruHashMap<CtKeyV6, CtValue> = LruHashMap::pinned(262_144, 0);
+
+/// ClientIP session affinity (`agent_common::lb::AFFINITY`).
+#[map]
+pub static RUNE_AFFINITY: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned(65536, 0);
+
+/// Unconnected-UDP reverse translation for `recvmsg` (`agent_common::lb::SOCK_REVERSE`).
+#[map]
+pub static RUNE_SOCK_REV: LruHashMap<SockRevKey, SockRevValue> = LruHashMap::pinned(65536, 0);
+
+/// Per-frontend counters (`agent_common::lb::SERVICE_STATS`).
+#[map]
+pub static RUNE_SVC_STATS: PerCpuArray<TrafficStats> = PerCpuArray::pinned(65536, 0);
+
+/// Per-backend counters (`agent_common::lb::BACKEND_STATS`).
+#[map]
+pub static RUNE_BACKEND_STATS: PerCpuArray<TrafficStats> = PerCpuArray::pinned(65536, 0);
+
+/// Drop counters by reason (`agent_common::lb::DROPS`).
+#[map]
+pub static RUNE_DROPS: PerCpuArray<u64> = PerCpuArray::pinned(agent_common::lb::DROP_REASONS, 0);
