@@ -29,6 +29,11 @@ pub trait DataPlane: Send + Sync {
     /// Every service port handled, ordered by service and port.
     fn status(&self) -> Vec<ServicePortStatus>;
 
+    /// The kernel programs the data plane runs, one line each (`status` shows them).
+    fn programs(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Stops everything the data plane runs and waits until it has stopped.
     async fn shutdown(&self);
 }
@@ -52,6 +57,20 @@ pub struct ServicePortStatus {
     pub endpoints_known: bool,
     /// The service's endpoints for this port.
     pub backends: Vec<BackendStatus>,
+    /// Traffic through the port, where the data plane counts it per port.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub counters: Option<TrafficCounters>,
+}
+
+/// Traffic counters of a service port or backend.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct TrafficCounters {
+    /// New flows (connections, UDP flows).
+    pub flows: u64,
+    /// Packets translated in the kernel (0 where sockets are rewritten instead).
+    pub packets: u64,
+    /// Bytes of those packets.
+    pub bytes: u64,
 }
 
 /// Whether a service port is carried out.
@@ -78,6 +97,9 @@ pub struct BackendStatus {
     pub node: String,
     /// Whether it gets new connections.
     pub state: BackendState,
+    /// Traffic to the backend, where the data plane counts it per backend.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub counters: Option<TrafficCounters>,
 }
 
 /// Whether an endpoint gets new connections.
@@ -92,6 +114,20 @@ pub enum BackendState {
     NotReady,
 }
 
+impl BackendState {
+    /// The state of `endpoint` as the data planes treat it.
+    #[must_use]
+    pub fn of(endpoint: &crate::model::Endpoint) -> Self {
+        if endpoint.accepts_new() {
+            Self::Active
+        } else if endpoint.terminating {
+            Self::Terminating
+        } else {
+            Self::NotReady
+        }
+    }
+}
+
 /// Why a data plane could not be built or could not take a delta in.
 #[derive(Debug, thiserror::Error)]
 pub enum DataPlaneError {
@@ -101,6 +137,17 @@ pub enum DataPlaneError {
         /// The configuration field.
         field: &'static str,
         /// What is wrong with its value.
+        reason: String,
+    },
+    /// The kernel programs could not be loaded or attached.
+    #[error(transparent)]
+    Ebpf(#[from] ebpf::EbpfError),
+    /// A change could not be carried out (retried with a full resync).
+    #[error("the {mode} data plane could not apply the change: {reason}")]
+    Apply {
+        /// The data plane's mode.
+        mode: &'static str,
+        /// Why.
         reason: String,
     },
     /// The data plane was shut down and takes no more changes.

@@ -105,13 +105,8 @@ impl Backends {
                 address: e.address,
                 port: target(e).port(),
                 node: e.node.clone(),
-                state: if e.accepts_new() {
-                    BackendState::Active
-                } else if e.terminating {
-                    BackendState::Terminating
-                } else {
-                    BackendState::NotReady
-                },
+                state: BackendState::of(e),
+                counters: None,
             })
             .collect();
         let affinity = match spec.session_affinity {

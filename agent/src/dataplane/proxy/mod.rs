@@ -411,6 +411,7 @@ impl DataPlane for UserspaceProxy {
                     },
                     endpoints_known: b.known,
                     backends: b.status.clone(),
+                    counters: None,
                 });
             }
         }

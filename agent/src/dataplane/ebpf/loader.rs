@@ -1,4 +1,4 @@
-//! The eBPF data plane's programs, embedded in the agent binary, and their loader.
+//! The agent's eBPF object, embedded in the binary, and how it is loaded.
 //!
 //! `build.rs` compiles the `agent-ebpf` crate for the bpf target and this module
 //! embeds the object ([`EMBEDDED_OBJECT`]), so one binary carries everything it loads.
@@ -11,12 +11,14 @@
 //! [`EbpfError::ProgramLoad`], whose source carries the full verifier log (also
 //! reachable through [`EbpfError::verifier_log`]).
 
+use agent_common::lb;
 use agent_common::{PacketStats, XDP_PASS_PROGRAM, XDP_STATS_MAP};
 use aya::{
-    Ebpf,
+    Ebpf, EbpfLoader,
     maps::{MapError, PerCpuArray},
     programs::{ProgramError, Xdp, xdp::XdpLinkId},
 };
+use std::path::Path;
 
 pub use aya::programs::XdpMode;
 
@@ -88,6 +90,31 @@ pub enum EbpfError {
         source: Box<ProgramError>,
     },
 
+    /// Attaching a program to a hook (cgroup, tc, XDP) failed.
+    #[error("attaching eBPF program {name} to {target} failed")]
+    Hook {
+        /// The program's name.
+        name: &'static str,
+        /// The cgroup path or interface name.
+        target: String,
+        /// aya's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+
+    /// Pinning or unpinning under bpffs failed.
+    #[error("eBPF pin {path}: {reason}")]
+    Pin {
+        /// The pin's path.
+        path: std::path::PathBuf,
+        /// The OS's reason.
+        reason: String,
+    },
+
+    /// A load-balancer map could not be opened, read or written.
+    #[error(transparent)]
+    Maps(super::maps::MapsError),
+
     /// The object has no map of this name.
     #[error("eBPF map {name} not found in the embedded object")]
     MapNotFound {
@@ -138,6 +165,104 @@ pub fn load_embedded() -> Result<Ebpf, EbpfError> {
         size: EMBEDDED_OBJECT.len(),
         source: Box::new(source),
     })
+}
+
+/// Capacities of the load balancer's maps (runtime settings, fixed when a map is
+/// first created and pinned).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSizes {
+    /// Frontends (VIP × port × protocol), each with its own Maglev table.
+    pub frontends: u32,
+    /// Backends (address × port), shared by the services that list them.
+    pub backends: u32,
+    /// Slots per Maglev table (a prime).
+    pub table_size: u32,
+    /// Conntrack entries per family, and socket-LB reverse entries.
+    pub flows: u32,
+    /// ClientIP affinity entries.
+    pub affinity: u32,
+}
+
+/// bpffs's `f_type`.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Makes sure `pin_dir` can hold pins: mounts bpffs on `/sys/fs/bpf` when nothing is
+/// mounted there, then creates the directory.
+pub fn ensure_pin_dir(pin_dir: &Path) -> Result<(), EbpfError> {
+    let pin_error = |reason: String| EbpfError::Pin {
+        path: pin_dir.to_owned(),
+        reason,
+    };
+    let bpffs = Path::new("/sys/fs/bpf");
+    if pin_dir.starts_with(bpffs) && fs_type(bpffs) != Some(BPF_FS_MAGIC) {
+        let mounted = std::ffi::CString::new("bpf").ok().and_then(|source| {
+            let target = std::ffi::CString::new("/sys/fs/bpf").ok()?;
+            // SAFETY: valid NUL-terminated strings; mount does not keep the pointers.
+            let rc = unsafe {
+                libc::mount(
+                    source.as_ptr(),
+                    target.as_ptr(),
+                    source.as_ptr(),
+                    0,
+                    std::ptr::null(),
+                )
+            };
+            (rc == 0).then_some(())
+        });
+        if mounted.is_none() {
+            return Err(pin_error(format!(
+                "mounting bpffs on /sys/fs/bpf failed: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        tracing::info!("mounted bpffs on /sys/fs/bpf");
+    }
+    std::fs::create_dir_all(pin_dir).map_err(|e| pin_error(e.to_string()))?;
+    if fs_type(pin_dir) != Some(BPF_FS_MAGIC) {
+        return Err(pin_error("not on a bpf filesystem (bpffs)".into()));
+    }
+    Ok(())
+}
+
+fn fs_type(path: &Path) -> Option<i64> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statfs fills the zeroed struct; the path is NUL-terminated.
+    let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::statfs(c.as_ptr(), &raw mut buf) };
+    (rc == 0).then_some(buf.f_type)
+}
+
+/// Parses the embedded object and creates (or re-opens, when pinned by an earlier
+/// agent) the load balancer's maps under `pin_dir`, sized by `sizes`.
+///
+/// Maps that are already pinned keep the size they were created with; the agent
+/// reads the real capacities back (see `KernelMaps::new`).
+pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
+    if !programs_embedded() {
+        return Err(EbpfError::NotEmbedded);
+    }
+    ensure_pin_dir(pin_dir)?;
+    let slots = sizes.frontends.saturating_mul(sizes.table_size);
+    let mut loader = EbpfLoader::new();
+    loader
+        .default_map_pin_directory(pin_dir)
+        .map_max_entries(lb::SERVICES_V4, sizes.frontends)
+        .map_max_entries(lb::SERVICES_V6, sizes.frontends)
+        .map_max_entries(lb::SERVICE_STATS, sizes.frontends)
+        .map_max_entries(lb::MAGLEV, slots)
+        .map_max_entries(lb::BACKENDS, sizes.backends)
+        .map_max_entries(lb::BACKEND_STATS, sizes.backends)
+        .map_max_entries(lb::CONNTRACK_V4, sizes.flows)
+        .map_max_entries(lb::CONNTRACK_V6, sizes.flows)
+        .map_max_entries(lb::SOCK_REVERSE, sizes.flows)
+        .map_max_entries(lb::AFFINITY, sizes.affinity);
+    loader
+        .load(EMBEDDED_OBJECT)
+        .map_err(|source| EbpfError::Object {
+            size: EMBEDDED_OBJECT.len(),
+            source: Box::new(source),
+        })
 }
 
 /// Loads `rune_xdp_pass` (once) and attaches it to `interface` in `mode`.

@@ -1,0 +1,318 @@
+//! Loads the load balancer's programs and attaches them through pinned links.
+//!
+//! Every attachment is a BPF link pinned at `<pin dir>/links/<program>@<target>`,
+//! so the programs keep running when the agent exits or is killed: a restarted or
+//! upgraded agent finds the pins and swaps its freshly loaded programs in. XDP and
+//! tc links are updated in place (`BPF_LINK_UPDATE`, atomic: no packet misses a
+//! program); cgroup hooks get the new link first and the old one is unpinned after,
+//! so for a moment both run, which is harmless because they share the maps. Pins of
+//! targets no longer configured are removed, which detaches them.
+
+use super::loader::EbpfError;
+use agent_common::lb;
+use aya::{
+    Ebpf,
+    programs::{
+        CgroupAttachMode, CgroupSockAddr, ProgramError, SchedClassifier, TcAttachType, Xdp,
+        XdpMode,
+        links::{FdLink, LinkError, PinnedLink},
+        tc::SchedClassifierLink,
+        xdp::XdpLink,
+    },
+};
+use std::{
+    collections::BTreeSet,
+    fs,
+    path::{Path, PathBuf},
+};
+
+/// Where the programs go.
+#[derive(Clone, Debug, Default)]
+pub struct Hooks {
+    /// cgroup v2 directory for the socket-LB programs (`None`: socket LB off).
+    pub cgroup: Option<PathBuf>,
+    /// Interfaces that get tc ingress (DNAT) and egress (reverse NAT).
+    pub tc: Vec<String>,
+    /// Interfaces that get the XDP load balancer.
+    pub xdp: Vec<String>,
+    /// How XDP is attached.
+    pub xdp_mode: XdpMode,
+}
+
+/// One program attached somewhere, for `status`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Attachment {
+    /// The program's name.
+    pub program: &'static str,
+    /// The hook: `cgroup`, `tc-ingress`, `tc-egress` or `xdp`.
+    pub hook: &'static str,
+    /// The cgroup path or interface name.
+    pub target: String,
+}
+
+/// The socket-LB programs, in the order they are attached.
+const CGROUP_PROGRAMS: [&str; 8] = [
+    lb::PROG_CONNECT4,
+    lb::PROG_CONNECT6,
+    lb::PROG_SENDMSG4,
+    lb::PROG_SENDMSG6,
+    lb::PROG_RECVMSG4,
+    lb::PROG_RECVMSG6,
+    lb::PROG_GETPEERNAME4,
+    lb::PROG_GETPEERNAME6,
+];
+
+/// The directory holding the link pins.
+fn links_dir(pin_dir: &Path) -> PathBuf {
+    pin_dir.join("links")
+}
+
+/// A pin file name for `program` on `target` (slashes of cgroup paths escaped).
+fn pin_path(pin_dir: &Path, program: &str, target: &str) -> PathBuf {
+    let target: String = target
+        .chars()
+        .map(|c| if c == '/' { '%' } else { c })
+        .collect();
+    links_dir(pin_dir).join(format!("{program}@{target}"))
+}
+
+fn hook_error(
+    name: &'static str,
+    target: &str,
+    source: impl std::error::Error + Send + Sync + 'static,
+) -> EbpfError {
+    EbpfError::Hook {
+        name,
+        target: target.to_owned(),
+        source: Box::new(source),
+    }
+}
+
+fn pin_error(path: &Path, reason: impl ToString) -> EbpfError {
+    EbpfError::Pin {
+        path: path.to_owned(),
+        reason: reason.to_string(),
+    }
+}
+
+/// Loads program `name` of type `P` (once).
+fn load<'a, P>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P, EbpfError>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
+    P: Loadable + 'a,
+{
+    let program: &mut P = ebpf
+        .program_mut(name)
+        .ok_or(EbpfError::ProgramNotFound { name })?
+        .try_into()
+        .map_err(|source| EbpfError::ProgramType {
+            name,
+            source: Box::new(source),
+        })?;
+    match program.load_program() {
+        Ok(()) | Err(ProgramError::AlreadyLoaded) => Ok(program),
+        Err(source) => Err(EbpfError::ProgramLoad {
+            name,
+            source: Box::new(source),
+        }),
+    }
+}
+
+/// The program types loaded here.
+trait Loadable {
+    fn load_program(&mut self) -> Result<(), ProgramError>;
+}
+impl Loadable for CgroupSockAddr {
+    fn load_program(&mut self) -> Result<(), ProgramError> {
+        self.load()
+    }
+}
+impl Loadable for SchedClassifier {
+    fn load_program(&mut self) -> Result<(), ProgramError> {
+        self.load()
+    }
+}
+impl Loadable for Xdp {
+    fn load_program(&mut self) -> Result<(), ProgramError> {
+        self.load()
+    }
+}
+
+/// Replaces whatever is pinned at `path` by `link`.
+fn repin(link: FdLink, path: &Path) -> Result<(), EbpfError> {
+    if path.exists() {
+        fs::remove_file(path).map_err(|e| pin_error(path, e))?;
+    }
+    link.pin(path).map_err(|e| pin_error(path, e))?;
+    Ok(())
+}
+
+/// Loads the programs `hooks` needs and attaches them, reusing pinned links.
+/// Returns what is attached. Pins of attachments not in `hooks` are removed.
+pub fn attach_all(
+    ebpf: &mut Ebpf,
+    pin_dir: &Path,
+    hooks: &Hooks,
+) -> Result<Vec<Attachment>, EbpfError> {
+    let dir = links_dir(pin_dir);
+    fs::create_dir_all(&dir).map_err(|e| pin_error(&dir, e))?;
+    let mut attached = Vec::new();
+
+    if let Some(cgroup) = &hooks.cgroup {
+        let target = cgroup.display().to_string();
+        let file = fs::File::open(cgroup).map_err(|e| {
+            hook_error(
+                lb::PROG_CONNECT4,
+                &target,
+                ProgramError::IOError(std::io::Error::new(
+                    e.kind(),
+                    format!("opening cgroup {target}: {e}"),
+                )),
+            )
+        })?;
+        for name in CGROUP_PROGRAMS {
+            let program: &mut CgroupSockAddr = load(ebpf, name)?;
+            let id = program
+                .attach(&file, CgroupAttachMode::AllowMultiple)
+                .map_err(|e| hook_error(name, &target, e))?;
+            let link = program
+                .take_link(id)
+                .map_err(|e| hook_error(name, &target, e))?;
+            let link: FdLink = link
+                .try_into()
+                .map_err(|e: LinkError| hook_error(name, &target, e))?;
+            // The new link runs before the old one is unpinned (and so detached).
+            repin(link, &pin_path(pin_dir, name, &target))?;
+            attached.push(Attachment {
+                program: name,
+                hook: "cgroup",
+                target: target.clone(),
+            });
+        }
+    }
+
+    for interface in &hooks.tc {
+        for (name, attach_type, hook) in [
+            (lb::PROG_TC_INGRESS, TcAttachType::Ingress, "tc-ingress"),
+            (lb::PROG_TC_EGRESS, TcAttachType::Egress, "tc-egress"),
+        ] {
+            let path = pin_path(pin_dir, name, interface);
+            let program: &mut SchedClassifier = load(ebpf, name)?;
+            let replaced = match PinnedLink::from_pin(&path) {
+                Ok(pinned) => {
+                    let link: FdLink = pinned.into();
+                    match SchedClassifierLink::try_from(link) {
+                        Ok(link) => program.attach_to_link(link).ok(),
+                        Err(_) => None,
+                    }
+                }
+                Err(_) => None,
+            };
+            let was_replaced = replaced.is_some();
+            let id = match replaced {
+                Some(id) => id,
+                None => program
+                    .attach(interface, attach_type)
+                    .map_err(|e| hook_error(name, interface, e))?,
+            };
+            let link = program
+                .take_link(id)
+                .map_err(|e| hook_error(name, interface, e))?;
+            let link: FdLink = link
+                .try_into()
+                .map_err(|e: LinkError| hook_error(name, interface, e))?;
+            if !was_replaced {
+                repin(link, &path)?;
+            }
+            attached.push(Attachment {
+                program: name,
+                hook,
+                target: interface.clone(),
+            });
+        }
+    }
+
+    for interface in &hooks.xdp {
+        let name = lb::PROG_XDP_LB;
+        let path = pin_path(pin_dir, name, interface);
+        let program: &mut Xdp = load(ebpf, name)?;
+        let replaced = match PinnedLink::from_pin(&path) {
+            Ok(pinned) => {
+                let link: FdLink = pinned.into();
+                match XdpLink::try_from(link) {
+                    Ok(link) => program.attach_to_link(link).ok(),
+                    Err(_) => None,
+                }
+            }
+            Err(_) => None,
+        };
+        let was_replaced = replaced.is_some();
+        let id = match replaced {
+            Some(id) => id,
+            None => {
+                // A stale pin (its interface was recreated) holds nothing: drop it.
+                let _ = fs::remove_file(&path);
+                program
+                    .attach(interface, hooks.xdp_mode)
+                    .map_err(|e| hook_error(name, interface, e))?
+            }
+        };
+        let link = program
+            .take_link(id)
+            .map_err(|e| hook_error(name, interface, e))?;
+        let link: FdLink = link
+            .try_into()
+            .map_err(|e: LinkError| hook_error(name, interface, e))?;
+        if !was_replaced {
+            repin(link, &path)?;
+        }
+        attached.push(Attachment {
+            program: name,
+            hook: "xdp",
+            target: interface.clone(),
+        });
+    }
+
+    // Whatever else is pinned belongs to hooks no longer configured.
+    let keep: BTreeSet<PathBuf> = attached
+        .iter()
+        .map(|a| pin_path(pin_dir, a.program, &a.target))
+        .collect();
+    if let Ok(entries) = fs::read_dir(&dir) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if !keep.contains(&path) {
+                tracing::info!(pin = %path.display(), "detaching a program no longer configured");
+                fs::remove_file(&path).map_err(|e| pin_error(&path, e))?;
+            }
+        }
+    }
+    Ok(attached)
+}
+
+/// Removes every pin under `pin_dir` (links first, which detaches the programs, then
+/// maps) and the directory itself. Returns how many pins were removed; a missing
+/// directory is not an error.
+pub fn remove_pins(pin_dir: &Path) -> Result<usize, EbpfError> {
+    if !pin_dir.exists() {
+        return Ok(0);
+    }
+    let mut removed = 0;
+    let links = links_dir(pin_dir);
+    if let Ok(entries) = fs::read_dir(&links) {
+        for entry in entries.flatten() {
+            fs::remove_file(entry.path()).map_err(|e| pin_error(&entry.path(), e))?;
+            removed += 1;
+        }
+        fs::remove_dir(&links).map_err(|e| pin_error(&links, e))?;
+    }
+    for entry in fs::read_dir(pin_dir)
+        .map_err(|e| pin_error(pin_dir, e))?
+        .flatten()
+    {
+        fs::remove_file(entry.path()).map_err(|e| pin_error(&entry.path(), e))?;
+        removed += 1;
+    }
+    fs::remove_dir(pin_dir).map_err(|e| pin_error(pin_dir, e))?;
+    Ok(removed)
+}

@@ -1,0 +1,555 @@
+//! The load balancer's maps behind one trait: the kernel's ([`KernelMaps`]), an
+//! in-memory fake for unprivileged tests ([`FakeMaps`]) and a faulty wrapper that
+//! injects errors ([`FaultyMaps`]).
+//!
+//! The sync engine ([`super::sync`]) only talks to [`LbMaps`], so everything it
+//! decides (ids, tables, which entries change) is tested without privileges, and a
+//! map write that fails is tested without a broken kernel.
+
+use agent_common::lb::{
+    self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, ServiceKeyV4,
+    ServiceKeyV6, ServiceValue, TrafficStats,
+};
+use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, MapError, PerCpuArray};
+use std::{
+    collections::{BTreeMap, HashSet},
+    os::fd::AsFd as _,
+    os::fd::AsRawFd as _,
+};
+
+/// A frontend's key in either family's services map.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FrontendKey {
+    /// A key of `RUNE_SVC_V4`.
+    V4(ServiceKeyV4),
+    /// A key of `RUNE_SVC_V6`.
+    V6(ServiceKeyV6),
+}
+
+/// How many entries the maps hold, as created (a pinned map keeps the size it was
+/// created with, whatever the configuration now says).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacity {
+    /// Frontends (ids `0..frontends`; each owns one Maglev table).
+    pub frontends: u32,
+    /// Backend ids (`1..backends`; id 0 means "none").
+    pub backends: u32,
+    /// Slots per Maglev table.
+    pub table_size: u32,
+    /// Conntrack entries per family.
+    pub flows: u32,
+}
+
+/// A map operation that failed.
+#[derive(Debug, thiserror::Error)]
+#[error("eBPF map {map}: {op} failed: {reason}")]
+pub struct MapsError {
+    /// The map's name.
+    pub map: &'static str,
+    /// What was being done.
+    pub op: &'static str,
+    /// The OS's or aya's reason.
+    pub reason: String,
+}
+
+impl MapsError {
+    fn new(map: &'static str, op: &'static str, reason: impl ToString) -> Self {
+        Self {
+            map,
+            op,
+            reason: reason.to_string(),
+        }
+    }
+}
+
+/// What the sync engine needs from the load balancer's maps.
+pub trait LbMaps: Send {
+    /// The maps' sizes.
+    fn capacity(&self) -> Capacity;
+    /// Every frontend in the maps (read back at start to adopt a previous agent's state).
+    fn frontends(&self) -> Result<Vec<(FrontendKey, ServiceValue)>, MapsError>;
+    /// Every used backend slot (family ≠ 0), by id.
+    fn backends(&self) -> Result<Vec<(u32, Backend)>, MapsError>;
+    /// Inserts or replaces a frontend.
+    fn put_frontend(&mut self, key: &FrontendKey, value: &ServiceValue) -> Result<(), MapsError>;
+    /// Removes a frontend (absent is fine).
+    fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), MapsError>;
+    /// Writes backend slot `id` (a zeroed backend frees it).
+    fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<(), MapsError>;
+    /// Frontend `id`'s Maglev table, read and written in place.
+    fn table(&mut self, id: u32) -> Result<&mut [u32], MapsError>;
+    /// Removes conntrack and affinity entries that lead to any of `backend_ids`;
+    /// returns how many were removed.
+    fn purge_flows(&mut self, backend_ids: &HashSet<u32>) -> Result<usize, MapsError>;
+    /// Frontend `id`'s counters, summed over CPUs.
+    fn frontend_stats(&self, id: u32) -> Result<TrafficStats, MapsError>;
+    /// Backend `id`'s counters, summed over CPUs.
+    fn backend_stats(&self, id: u32) -> Result<TrafficStats, MapsError>;
+    /// Drop counters by reason, summed over CPUs.
+    fn drops(&self) -> Result<Vec<(DropReason, u64)>, MapsError>;
+    /// Conntrack entries in use (both families), for map-pressure metrics.
+    fn flows(&self) -> Result<usize, MapsError>;
+}
+
+/// The kernel's maps, taken from a loaded (or re-opened pinned) object.
+pub struct KernelMaps {
+    svc_v4: HashMap<MapData, ServiceKeyV4, ServiceValue>,
+    svc_v6: HashMap<MapData, ServiceKeyV6, ServiceValue>,
+    backends: Array<MapData, Backend>,
+    ct_v4: HashMap<MapData, CtKeyV4, CtValue>,
+    ct_v6: HashMap<MapData, CtKeyV6, CtValue>,
+    affinity: HashMap<MapData, AffinityKey, AffinityValue>,
+    svc_stats: PerCpuArray<MapData, TrafficStats>,
+    backend_stats: PerCpuArray<MapData, TrafficStats>,
+    drops: PerCpuArray<MapData, u64>,
+    maglev: MmapTable,
+    capacity: Capacity,
+}
+
+/// The Maglev array, mapped into the agent's memory (`BPF_F_MMAPABLE`), so a table is
+/// written with plain stores instead of one syscall per slot.
+struct MmapTable {
+    ptr: *mut u32,
+    len: usize,
+    /// Keeps the map (and so the mapping's object) alive.
+    _map: MapData,
+}
+
+// SAFETY: the mapping is owned by this value and only reached through `&mut self`.
+unsafe impl Send for MmapTable {}
+
+impl Drop for MmapTable {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are exactly what mmap returned in `MmapTable::new`.
+        unsafe { libc::munmap(self.ptr.cast(), self.len * 4) };
+    }
+}
+
+impl MmapTable {
+    fn new(map: MapData) -> Result<Self, MapsError> {
+        let info = map
+            .info()
+            .map_err(|e| MapsError::new(lb::MAGLEV, "info", e))?;
+        if info.value_size() != 4 || info.map_flags() & 1024 == 0 {
+            return Err(MapsError::new(
+                lb::MAGLEV,
+                "mmap",
+                "not an mmapable array of u32 (a pinned map from an incompatible build?)",
+            ));
+        }
+        let len = info.max_entries() as usize;
+        // SAFETY: mapping a BPF array fd shared and read/write is how BPF_F_MMAPABLE
+        // arrays are meant to be used; the result is checked before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len * 4,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                map.fd().as_fd().as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(MapsError::new(
+                lb::MAGLEV,
+                "mmap",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(Self {
+            ptr: ptr.cast(),
+            len,
+            _map: map,
+        })
+    }
+
+    fn slice(&mut self) -> &mut [u32] {
+        // SAFETY: the mapping is `len` u32s long, lives as long as `self`, and `&mut
+        // self` makes this the only reference. The kernel reads it concurrently, which
+        // is the point: every slot is a plain u32 written whole.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+fn take(maps: &mut BTreeMap<String, Map>, name: &'static str) -> Result<Map, MapsError> {
+    maps.remove(name)
+        .ok_or_else(|| MapsError::new(name, "open", "missing from the eBPF object"))
+}
+
+fn map_data(map: Map, name: &'static str) -> Result<MapData, MapsError> {
+    match map {
+        Map::Array(data) => Ok(data),
+        _ => Err(MapsError::new(name, "open", "not an array")),
+    }
+}
+
+impl KernelMaps {
+    /// Takes the load balancer's maps out of `maps` (by name, as `Ebpf::take_map`
+    /// gives them) and maps the Maglev array into memory.
+    pub fn new(maps: &mut BTreeMap<String, Map>) -> Result<Self, MapsError> {
+        fn typed<T: TryFrom<Map, Error = MapError>>(
+            maps: &mut BTreeMap<String, Map>,
+            name: &'static str,
+        ) -> Result<T, MapsError> {
+            T::try_from(take(maps, name)?).map_err(|e| MapsError::new(name, "open", e))
+        }
+        let backends: Array<MapData, Backend> = typed(maps, lb::BACKENDS)?;
+        let svc_stats: PerCpuArray<MapData, TrafficStats> = typed(maps, lb::SERVICE_STATS)?;
+        let maglev = MmapTable::new(map_data(take(maps, lb::MAGLEV)?, lb::MAGLEV)?)?;
+        let frontends = svc_stats.len();
+        let table_size = u32::try_from(maglev.len)
+            .unwrap_or(u32::MAX)
+            .checked_div(frontends)
+            .unwrap_or(0);
+        let ct_v4: HashMap<MapData, CtKeyV4, CtValue> = typed(maps, lb::CONNTRACK_V4)?;
+        let flows = ct_v4
+            .map()
+            .info()
+            .map_err(|e| MapsError::new(lb::CONNTRACK_V4, "info", e))?
+            .max_entries();
+        let capacity = Capacity {
+            frontends,
+            backends: backends.len(),
+            table_size,
+            flows,
+        };
+        Ok(Self {
+            svc_v4: typed(maps, lb::SERVICES_V4)?,
+            svc_v6: typed(maps, lb::SERVICES_V6)?,
+            backends,
+            ct_v4,
+            ct_v6: typed(maps, lb::CONNTRACK_V6)?,
+            affinity: typed(maps, lb::AFFINITY)?,
+            svc_stats,
+            backend_stats: typed(maps, lb::BACKEND_STATS)?,
+            drops: typed(maps, lb::DROPS)?,
+            maglev,
+            capacity,
+        })
+    }
+}
+
+fn sum_stats(values: impl IntoIterator<Item = TrafficStats>) -> TrafficStats {
+    values
+        .into_iter()
+        .fold(TrafficStats::default(), TrafficStats::add)
+}
+
+impl LbMaps for KernelMaps {
+    fn capacity(&self) -> Capacity {
+        self.capacity
+    }
+
+    fn frontends(&self) -> Result<Vec<(FrontendKey, ServiceValue)>, MapsError> {
+        let mut out = Vec::new();
+        for entry in self.svc_v4.iter() {
+            let (k, v) = entry.map_err(|e| MapsError::new(lb::SERVICES_V4, "read", e))?;
+            out.push((FrontendKey::V4(k), v));
+        }
+        for entry in self.svc_v6.iter() {
+            let (k, v) = entry.map_err(|e| MapsError::new(lb::SERVICES_V6, "read", e))?;
+            out.push((FrontendKey::V6(k), v));
+        }
+        Ok(out)
+    }
+
+    fn backends(&self) -> Result<Vec<(u32, Backend)>, MapsError> {
+        let mut out = Vec::new();
+        for (id, entry) in self.backends.iter().enumerate() {
+            let backend = entry.map_err(|e| MapsError::new(lb::BACKENDS, "read", e))?;
+            if backend.family != 0 {
+                out.push((id as u32, backend));
+            }
+        }
+        Ok(out)
+    }
+
+    fn put_frontend(&mut self, key: &FrontendKey, value: &ServiceValue) -> Result<(), MapsError> {
+        match key {
+            FrontendKey::V4(k) => self
+                .svc_v4
+                .insert(k, value, 0)
+                .map_err(|e| MapsError::new(lb::SERVICES_V4, "insert", e)),
+            FrontendKey::V6(k) => self
+                .svc_v6
+                .insert(k, value, 0)
+                .map_err(|e| MapsError::new(lb::SERVICES_V6, "insert", e)),
+        }
+    }
+
+    fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), MapsError> {
+        let (result, name) = match key {
+            FrontendKey::V4(k) => (self.svc_v4.remove(k), lb::SERVICES_V4),
+            FrontendKey::V6(k) => (self.svc_v6.remove(k), lb::SERVICES_V6),
+        };
+        match result {
+            Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+                Ok(())
+            }
+            Err(e) => Err(MapsError::new(name, "delete", e)),
+        }
+    }
+
+    fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<(), MapsError> {
+        self.backends
+            .set(id, backend, 0)
+            .map_err(|e| MapsError::new(lb::BACKENDS, "write", e))
+    }
+
+    fn table(&mut self, id: u32) -> Result<&mut [u32], MapsError> {
+        let size = self.capacity.table_size as usize;
+        let start = id as usize * size;
+        self.maglev
+            .slice()
+            .get_mut(start..start + size)
+            .ok_or_else(|| MapsError::new(lb::MAGLEV, "write", format!("no table {id}")))
+    }
+
+    fn purge_flows(&mut self, backend_ids: &HashSet<u32>) -> Result<usize, MapsError> {
+        if backend_ids.is_empty() {
+            return Ok(0);
+        }
+        let mut removed = 0;
+        let stale_v4: Vec<CtKeyV4> = self
+            .ct_v4
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, v)| backend_ids.contains(&v.backend_id))
+            .map(|(k, _)| k)
+            .collect();
+        for key in &stale_v4 {
+            removed += usize::from(self.ct_v4.remove(key).is_ok());
+        }
+        let stale_v6: Vec<CtKeyV6> = self
+            .ct_v6
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, v)| backend_ids.contains(&v.backend_id))
+            .map(|(k, _)| k)
+            .collect();
+        for key in &stale_v6 {
+            removed += usize::from(self.ct_v6.remove(key).is_ok());
+        }
+        let stale_affinity: Vec<AffinityKey> = self
+            .affinity
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, v)| backend_ids.contains(&v.backend_id))
+            .map(|(k, _)| k)
+            .collect();
+        for key in &stale_affinity {
+            removed += usize::from(self.affinity.remove(key).is_ok());
+        }
+        Ok(removed)
+    }
+
+    fn frontend_stats(&self, id: u32) -> Result<TrafficStats, MapsError> {
+        let values = self
+            .svc_stats
+            .get(&id, 0)
+            .map_err(|e| MapsError::new(lb::SERVICE_STATS, "read", e))?;
+        Ok(sum_stats(values.iter().copied()))
+    }
+
+    fn backend_stats(&self, id: u32) -> Result<TrafficStats, MapsError> {
+        let values = self
+            .backend_stats
+            .get(&id, 0)
+            .map_err(|e| MapsError::new(lb::BACKEND_STATS, "read", e))?;
+        Ok(sum_stats(values.iter().copied()))
+    }
+
+    fn drops(&self) -> Result<Vec<(DropReason, u64)>, MapsError> {
+        DropReason::ALL
+            .iter()
+            .map(|reason| {
+                let values = self
+                    .drops
+                    .get(&(*reason as u32), 0)
+                    .map_err(|e| MapsError::new(lb::DROPS, "read", e))?;
+                Ok((*reason, values.iter().fold(0u64, |a, b| a.wrapping_add(*b))))
+            })
+            .collect()
+    }
+
+    fn flows(&self) -> Result<usize, MapsError> {
+        Ok(self.ct_v4.keys().count() + self.ct_v6.keys().count())
+    }
+}
+
+/// In-memory maps with the kernel's semantics, for unprivileged tests.
+#[derive(Clone, Debug)]
+pub struct FakeMaps {
+    /// Frontends.
+    pub frontends: BTreeMap<FrontendKey, ServiceValue>,
+    /// Backend slots (index = id).
+    pub backends: Vec<Backend>,
+    /// All tables, `capacity.frontends × capacity.table_size` slots.
+    pub maglev: Vec<u32>,
+    /// Backend ids of the "conntrack" entries (one per flow).
+    pub flows: Vec<u32>,
+    /// Every write made, in order (`put_frontend …`), so tests can see what changed.
+    pub writes: Vec<String>,
+    capacity: Capacity,
+}
+
+impl FakeMaps {
+    /// Empty maps of the given capacity.
+    #[must_use]
+    pub fn new(capacity: Capacity) -> Self {
+        Self {
+            frontends: BTreeMap::new(),
+            backends: vec![Backend::default(); capacity.backends as usize],
+            maglev: vec![0; capacity.frontends as usize * capacity.table_size as usize],
+            flows: Vec::new(),
+            writes: Vec::new(),
+            capacity,
+        }
+    }
+}
+
+impl LbMaps for FakeMaps {
+    fn capacity(&self) -> Capacity {
+        self.capacity
+    }
+
+    fn frontends(&self) -> Result<Vec<(FrontendKey, ServiceValue)>, MapsError> {
+        Ok(self.frontends.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+
+    fn backends(&self) -> Result<Vec<(u32, Backend)>, MapsError> {
+        Ok(self
+            .backends
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.family != 0)
+            .map(|(i, b)| (i as u32, *b))
+            .collect())
+    }
+
+    fn put_frontend(&mut self, key: &FrontendKey, value: &ServiceValue) -> Result<(), MapsError> {
+        if !self.frontends.contains_key(key)
+            && self.frontends.len() >= self.capacity.frontends as usize
+        {
+            return Err(MapsError::new(lb::SERVICES_V4, "insert", "map full"));
+        }
+        self.writes.push(format!("put_frontend {key:?}"));
+        self.frontends.insert(*key, *value);
+        Ok(())
+    }
+
+    fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), MapsError> {
+        self.writes.push(format!("delete_frontend {key:?}"));
+        self.frontends.remove(key);
+        Ok(())
+    }
+
+    fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<(), MapsError> {
+        let slot = self
+            .backends
+            .get_mut(id as usize)
+            .ok_or_else(|| MapsError::new(lb::BACKENDS, "write", "index out of range"))?;
+        self.writes.push(format!("put_backend {id}"));
+        *slot = *backend;
+        Ok(())
+    }
+
+    fn table(&mut self, id: u32) -> Result<&mut [u32], MapsError> {
+        let size = self.capacity.table_size as usize;
+        let start = id as usize * size;
+        self.writes.push(format!("table {id}"));
+        self.maglev
+            .get_mut(start..start + size)
+            .ok_or_else(|| MapsError::new(lb::MAGLEV, "write", format!("no table {id}")))
+    }
+
+    fn purge_flows(&mut self, backend_ids: &HashSet<u32>) -> Result<usize, MapsError> {
+        let before = self.flows.len();
+        self.flows.retain(|id| !backend_ids.contains(id));
+        Ok(before - self.flows.len())
+    }
+
+    fn frontend_stats(&self, _id: u32) -> Result<TrafficStats, MapsError> {
+        Ok(TrafficStats::default())
+    }
+
+    fn backend_stats(&self, _id: u32) -> Result<TrafficStats, MapsError> {
+        Ok(TrafficStats::default())
+    }
+
+    fn drops(&self) -> Result<Vec<(DropReason, u64)>, MapsError> {
+        Ok(DropReason::ALL.iter().map(|r| (*r, 0)).collect())
+    }
+
+    fn flows(&self) -> Result<usize, MapsError> {
+        Ok(self.flows.len())
+    }
+}
+
+/// Wraps maps and fails every write once a countdown reaches zero, to test that a
+/// failed sync is reported and a later full sync repairs everything.
+pub struct FaultyMaps<M> {
+    /// The wrapped maps.
+    pub inner: M,
+    /// Writes that still succeed; `None` never fails.
+    pub writes_left: Option<usize>,
+}
+
+impl<M: LbMaps> FaultyMaps<M> {
+    fn write(&mut self, map: &'static str) -> Result<(), MapsError> {
+        match &mut self.writes_left {
+            Some(0) => Err(MapsError::new(map, "write", "injected failure")),
+            Some(n) => {
+                *n -= 1;
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+impl<M: LbMaps> LbMaps for FaultyMaps<M> {
+    fn capacity(&self) -> Capacity {
+        self.inner.capacity()
+    }
+    fn frontends(&self) -> Result<Vec<(FrontendKey, ServiceValue)>, MapsError> {
+        self.inner.frontends()
+    }
+    fn backends(&self) -> Result<Vec<(u32, Backend)>, MapsError> {
+        self.inner.backends()
+    }
+    fn put_frontend(&mut self, key: &FrontendKey, value: &ServiceValue) -> Result<(), MapsError> {
+        self.write(lb::SERVICES_V4)?;
+        self.inner.put_frontend(key, value)
+    }
+    fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), MapsError> {
+        self.write(lb::SERVICES_V4)?;
+        self.inner.delete_frontend(key)
+    }
+    fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<(), MapsError> {
+        self.write(lb::BACKENDS)?;
+        self.inner.put_backend(id, backend)
+    }
+    fn table(&mut self, id: u32) -> Result<&mut [u32], MapsError> {
+        self.write(lb::MAGLEV)?;
+        self.inner.table(id)
+    }
+    fn purge_flows(&mut self, backend_ids: &HashSet<u32>) -> Result<usize, MapsError> {
+        self.write(lb::CONNTRACK_V4)?;
+        self.inner.purge_flows(backend_ids)
+    }
+    fn frontend_stats(&self, id: u32) -> Result<TrafficStats, MapsError> {
+        self.inner.frontend_stats(id)
+    }
+    fn backend_stats(&self, id: u32) -> Result<TrafficStats, MapsError> {
+        self.inner.backend_stats(id)
+    }
+    fn drops(&self) -> Result<Vec<(DropReason, u64)>, MapsError> {
+        self.inner.drops()
+    }
+    fn flows(&self) -> Result<usize, MapsError> {
+        self.inner.flows()
+    }
+}

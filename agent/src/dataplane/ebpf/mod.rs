@@ -1,0 +1,405 @@
+//! The eBPF data plane: service VIPs balanced in the kernel.
+//!
+//! Programs from `agent-ebpf` do the per-packet work: cgroup socket hooks rewrite a
+//! local client's `connect`/`sendmsg` to a VIP into the chosen backend, tc and XDP
+//! translate traffic crossing the node (DNAT with conntrack, reverse NAT on the way
+//! back). This module loads and attaches them ([`attach`], [`loader`]) and keeps
+//! their maps equal to the endpoint cache ([`sync`] over [`maps`]). Maps and links
+//! are pinned under the pin directory, so an agent restart or upgrade changes
+//! nothing for established flows; `rune-agent cleanup` removes them.
+
+pub mod attach;
+pub mod loader;
+pub mod maps;
+pub mod sync;
+
+#[cfg(test)]
+mod tests;
+
+pub use attach::{Attachment, Hooks};
+pub use loader::{
+    EMBEDDED_OBJECT, EbpfError, MapSizes, XdpMode, attach_xdp_pass, load_embedded, load_lb,
+    programs_embedded, xdp_pass_stats,
+};
+
+use super::{DataPlane, DataPlaneError, ServicePortStatus, TrafficCounters};
+use crate::{endpoints::Delta, maglev, sync::lock};
+use agent_common::lb;
+use async_trait::async_trait;
+use maps::{KernelMaps, LbMaps};
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric as _},
+    metrics::{counter::ConstCounter, gauge::ConstGauge},
+};
+use std::{
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+use sync::{LbSync, frontend_addr};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+/// Where pins live unless configured otherwise.
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/rune";
+
+/// How often draining backends are checked for the end of their drain.
+const DRAIN_CHECK: Duration = Duration::from_secs(1);
+
+/// Settings of the eBPF data plane.
+#[derive(Clone, Debug)]
+pub struct EbpfConfig {
+    /// bpffs directory for map and link pins.
+    pub pin_dir: PathBuf,
+    /// Where the programs are attached.
+    pub hooks: Hooks,
+    /// Map capacities.
+    pub sizes: MapSizes,
+    /// This node's name, for locality preference.
+    pub node_name: String,
+}
+
+impl Default for EbpfConfig {
+    fn default() -> Self {
+        Self {
+            pin_dir: PathBuf::from(DEFAULT_PIN_DIR),
+            hooks: Hooks::default(),
+            sizes: MapSizes {
+                frontends: 512,
+                backends: 65_536,
+                table_size: maglev::DEFAULT_TABLE_SIZE,
+                flows: 262_144,
+                affinity: 65_536,
+            },
+            node_name: String::new(),
+        }
+    }
+}
+
+/// The eBPF data plane (over the kernel's maps, or a fake in tests).
+pub struct EbpfDataPlane<M: LbMaps + 'static = KernelMaps> {
+    sync: Arc<Mutex<LbSync<M>>>,
+    attachments: Vec<Attachment>,
+    cancel: CancellationToken,
+    tasks: TaskTracker,
+}
+
+impl EbpfDataPlane<KernelMaps> {
+    /// Loads the programs, creates or re-opens the pinned maps, attaches the programs
+    /// where `config.hooks` says, and starts the drain timer. Needs root (CAP_BPF,
+    /// CAP_NET_ADMIN, CAP_SYS_ADMIN for cgroups) and a tokio runtime.
+    pub fn new(config: &EbpfConfig) -> Result<Self, DataPlaneError> {
+        if !maglev::is_prime(config.sizes.table_size)
+            || config.sizes.table_size > maglev::MAX_TABLE_SIZE
+        {
+            return Err(DataPlaneError::InvalidConfig {
+                field: "maglevTableSize",
+                reason: format!(
+                    "{} is not a prime up to {}",
+                    config.sizes.table_size,
+                    maglev::MAX_TABLE_SIZE
+                ),
+            });
+        }
+        let mut ebpf = load_lb(&config.pin_dir, &config.sizes)?;
+        let attachments = attach::attach_all(&mut ebpf, &config.pin_dir, &config.hooks)?;
+        let mut taken = std::collections::BTreeMap::new();
+        for name in [
+            lb::SERVICES_V4,
+            lb::SERVICES_V6,
+            lb::BACKENDS,
+            lb::MAGLEV,
+            lb::CONNTRACK_V4,
+            lb::CONNTRACK_V6,
+            lb::AFFINITY,
+            lb::SERVICE_STATS,
+            lb::BACKEND_STATS,
+            lb::DROPS,
+        ] {
+            if let Some(map) = ebpf.take_map(name) {
+                taken.insert(name.to_owned(), map);
+            }
+        }
+        let maps = KernelMaps::new(&mut taken).map_err(EbpfError::from)?;
+        let capacity = maps.capacity();
+        if capacity.table_size != config.sizes.table_size
+            || capacity.frontends != config.sizes.frontends
+        {
+            tracing::warn!(
+                pinned_frontends = capacity.frontends,
+                pinned_table_size = capacity.table_size,
+                configured_frontends = config.sizes.frontends,
+                configured_table_size = config.sizes.table_size,
+                "pinned maps from an earlier agent have other sizes; using them (run `rune-agent cleanup` while stopped to apply the configured sizes)"
+            );
+        }
+        for a in &attachments {
+            tracing::info!(program = a.program, hook = a.hook, target = %a.target, "eBPF program attached");
+        }
+        let plane = Self::with_maps(maps, &config.node_name);
+        Ok(Self {
+            attachments,
+            ..plane
+        })
+    }
+}
+
+impl<M: LbMaps + 'static> EbpfDataPlane<M> {
+    /// A data plane over `maps` with nothing attached (for tests with fake maps; the
+    /// kernel constructor builds on it). Starts the drain timer when a tokio runtime
+    /// is running.
+    pub fn with_maps(maps: M, node_name: &str) -> Self {
+        let plane = Self {
+            sync: Arc::new(Mutex::new(LbSync::new(maps, node_name))),
+            attachments: Vec::new(),
+            cancel: CancellationToken::new(),
+            tasks: TaskTracker::new(),
+        };
+        if tokio::runtime::Handle::try_current().is_ok() {
+            let sync = plane.sync.clone();
+            let cancel = plane.cancel.clone();
+            plane.tasks.spawn(async move {
+                let mut tick = tokio::time::interval(DRAIN_CHECK);
+                loop {
+                    tokio::select! {
+                        () = cancel.cancelled() => return,
+                        _ = tick.tick() => {}
+                    }
+                    if let Err(e) = lock(&sync).expire(Instant::now()) {
+                        tracing::error!(error = %e, "ending backend drains failed; the next sync retries");
+                    }
+                }
+            });
+        }
+        plane
+    }
+
+    /// What is attached where.
+    pub fn attachments(&self) -> &[Attachment] {
+        &self.attachments
+    }
+
+    /// A Prometheus collector reading the programs' counters at scrape time.
+    pub fn collector(&self) -> LbCollector<M> {
+        LbCollector {
+            sync: self.sync.clone(),
+        }
+    }
+
+    /// Runs `f` on the sync engine (tests inspect the maps through it).
+    pub fn with_sync<T>(&self, f: impl FnOnce(&LbSync<M>) -> T) -> T {
+        f(&lock(&self.sync))
+    }
+}
+
+#[async_trait]
+impl<M: LbMaps + 'static> DataPlane for EbpfDataPlane<M> {
+    fn mode(&self) -> &'static str {
+        "ebpf"
+    }
+
+    async fn apply(&self, delta: &Delta) -> Result<(), DataPlaneError> {
+        if self.cancel.is_cancelled() {
+            return Err(DataPlaneError::ShutDown { mode: "ebpf" });
+        }
+        let started = Instant::now();
+        lock(&self.sync)
+            .apply(delta, started)
+            .map_err(|e| DataPlaneError::Apply {
+                mode: "ebpf",
+                reason: e.to_string(),
+            })?;
+        tracing::debug!(
+            elapsed_us = started.elapsed().as_micros() as u64,
+            "eBPF maps updated"
+        );
+        Ok(())
+    }
+
+    fn status(&self) -> Vec<ServicePortStatus> {
+        let sync = lock(&self.sync);
+        let mut ports = sync.status();
+        for port in &mut ports {
+            let Some(listen) = port.listen else { continue };
+            let key = sync::frontend_key(
+                listen.ip(),
+                port.port,
+                match port.protocol {
+                    crate::model::Protocol::Tcp => lb::PROTO_TCP,
+                    crate::model::Protocol::Udp => lb::PROTO_UDP,
+                },
+            );
+            port.counters = sync
+                .frontend_id(&key)
+                .and_then(|id| sync.maps().frontend_stats(id).ok())
+                .map(TrafficCounters::from);
+            for b in &mut port.backends {
+                b.counters = sync
+                    .backend_id(&std::net::SocketAddr::new(b.address, b.port))
+                    .and_then(|id| sync.maps().backend_stats(id).ok())
+                    .map(TrafficCounters::from);
+            }
+        }
+        ports
+    }
+
+    fn programs(&self) -> Vec<String> {
+        self.attachments
+            .iter()
+            .map(|a| format!("{} on {} {}", a.program, a.hook, a.target))
+            .collect()
+    }
+
+    async fn shutdown(&self) {
+        // Programs and maps stay pinned: traffic keeps flowing while the agent is
+        // away, and the next agent adopts them. `rune-agent cleanup` removes them.
+        self.cancel.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+}
+
+impl From<lb::TrafficStats> for TrafficCounters {
+    fn from(s: lb::TrafficStats) -> Self {
+        Self {
+            flows: s.flows,
+            packets: s.packets,
+            bytes: s.bytes,
+        }
+    }
+}
+
+/// Exports the programs' counters and the maps' fill (`rune_dataplane_*`), read
+/// from the maps at each scrape.
+pub struct LbCollector<M: LbMaps + 'static> {
+    sync: Arc<Mutex<LbSync<M>>>,
+}
+
+impl<M: LbMaps + 'static> std::fmt::Debug for LbCollector<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LbCollector")
+    }
+}
+
+impl<M: LbMaps + 'static> Collector for LbCollector<M> {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let sync = lock(&self.sync);
+        let maps = sync.maps();
+        let frontends = sync.frontends();
+        type Labels = Vec<(&'static str, String)>;
+        let mut per_frontend: Vec<(Labels, lb::TrafficStats)> = Vec::new();
+        for (key, id, service) in &frontends {
+            let (vip, proto) = frontend_addr(key);
+            let labels = vec![
+                ("service", service.to_string()),
+                ("vip", vip.ip().to_string()),
+                ("port", vip.port().to_string()),
+                (
+                    "protocol",
+                    if proto == lb::PROTO_TCP { "TCP" } else { "UDP" }.to_owned(),
+                ),
+            ];
+            let stats = maps.frontend_stats(*id).unwrap_or_default();
+            per_frontend.push((labels, stats));
+        }
+        let per_backend: Vec<(Labels, lb::TrafficStats)> = sync
+            .backends()
+            .into_iter()
+            .map(|(addr, id)| {
+                (
+                    vec![("backend", addr.to_string())],
+                    maps.backend_stats(id).unwrap_or_default(),
+                )
+            })
+            .collect();
+        for (name, help, pick) in [
+            (
+                "dataplane_flows",
+                "New flows balanced by the eBPF programs (connections, UDP flows, socket-LB connects and datagrams)",
+                (|s: &lb::TrafficStats| s.flows) as fn(&lb::TrafficStats) -> u64,
+            ),
+            (
+                "dataplane_packets",
+                "Packets translated by the tc/XDP programs",
+                |s: &lb::TrafficStats| s.packets,
+            ),
+            (
+                "dataplane_bytes",
+                "Bytes of the packets translated by the tc/XDP programs",
+                |s: &lb::TrafficStats| s.bytes,
+            ),
+        ] {
+            let mut family = encoder.encode_descriptor(
+                name,
+                &format!("{help}, by service frontend"),
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for (labels, stats) in &per_frontend {
+                ConstCounter::new(pick(stats)).encode(family.encode_family(labels)?)?;
+            }
+            let backend_name = format!("{name}_backend");
+            let mut family = encoder.encode_descriptor(
+                &backend_name,
+                &format!("{help}, by backend"),
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for (labels, stats) in &per_backend {
+                ConstCounter::new(pick(stats)).encode(family.encode_family(labels)?)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "dataplane_drops",
+            "Packets or connections the eBPF programs refused or dropped, by reason",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (reason, count) in maps.drops().unwrap_or_default() {
+            ConstCounter::new(count)
+                .encode(family.encode_family(&[("reason", reason.label())])?)?;
+        }
+        let (frontends_used, backends_used, capacity) = sync.usage();
+        let flows = maps.flows().unwrap_or(0);
+        let mut family = encoder.encode_descriptor(
+            "dataplane_map_entries",
+            "Entries in use in the eBPF maps",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (map, n) in [
+            ("frontends", frontends_used),
+            ("backends", backends_used),
+            ("conntrack", flows),
+        ] {
+            ConstGauge::new(n as i64).encode(family.encode_family(&[("map", map)])?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "dataplane_map_capacity",
+            "Capacity of the eBPF maps",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (map, n) in [
+            ("frontends", capacity.frontends),
+            ("backends", capacity.backends.saturating_sub(1)),
+            ("conntrack", capacity.flows.saturating_mul(2)),
+        ] {
+            ConstGauge::new(i64::from(n)).encode(family.encode_family(&[("map", map)])?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "dataplane_map_full",
+            "Syncs that failed because an eBPF map was full",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        ConstCounter::new(sync.full_errors()).encode(family.encode_family(&[("map", "any")])?)?;
+        Ok(())
+    }
+}
+
+impl From<maps::MapsError> for EbpfError {
+    fn from(e: maps::MapsError) -> Self {
+        EbpfError::Maps(e)
+    }
+}

@@ -1,0 +1,754 @@
+//! Keeps the load balancer's maps equal to the endpoint cache, by difference.
+//!
+//! [`LbSync`] turns each service into frontends (VIP × port × protocol), backends and
+//! one Maglev table per frontend, and writes only what differs from what the maps
+//! hold: a change to one service touches that service's entries and nothing else.
+//! Table slots are compared with the table in the map and only changed slots are
+//! stored (as Katran does), so an endpoint change rewrites about `1/N` of a table.
+//!
+//! Order of writes, so that a packet never meets a half-built service: backends
+//! first, then table slots, then the frontend entry, and only then the removal of
+//! backends nothing uses any more (with their conntrack and affinity entries).
+//!
+//! A full delta first adopts what the maps hold (a previous agent's pinned maps, or
+//! the state after a failed write): frontends keep their ids and tables and backends
+//! keep their ids, so established flows, whose conntrack entries name backend ids,
+//! survive a restart.
+
+use super::maps::{Capacity, FrontendKey, LbMaps, MapsError};
+use crate::{
+    dataplane::{BackendState, BackendStatus, PortState, ServicePortStatus},
+    endpoints::{Delta, ServiceView},
+    maglev::{BackendKey, Maglev},
+    model::{Endpoint, LocalityPreference, Protocol, ServiceKey, SessionAffinity},
+};
+use agent_common::lb::{
+    self, BACKEND_ACTIVE, BACKEND_DRAINING, Backend, FAMILY_V4, FAMILY_V6, ServiceKeyV4,
+    ServiceKeyV6, ServiceValue, addr_from_octets,
+};
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    net::{IpAddr, SocketAddr},
+    time::{Duration, Instant},
+};
+
+/// Why a sync could not be completed.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    /// A map write or read failed; the next full sync repairs the maps.
+    #[error(transparent)]
+    Maps(#[from] MapsError),
+    /// The maps are too small for the services (a configuration problem).
+    #[error("eBPF map full: {what} (capacity {capacity}); raise {setting}")]
+    Full {
+        /// What ran out.
+        what: &'static str,
+        /// The map's capacity.
+        capacity: u32,
+        /// The setting that sizes it.
+        setting: &'static str,
+    },
+}
+
+/// One frontend as the maps hold it.
+#[derive(Clone, Debug)]
+struct Frontend {
+    value: ServiceValue,
+    /// The service it belongs to (`None` for one adopted from the maps and not yet
+    /// claimed by a service).
+    service: Option<ServiceKey>,
+}
+
+/// One backend slot as the maps hold it.
+#[derive(Clone, Debug)]
+struct BackendSlot {
+    id: u32,
+    state: u8,
+}
+
+/// How a service uses a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Use {
+    /// In the service's tables.
+    Active,
+    /// Out of the tables; its flows go on until the deadline.
+    Draining { until: Instant },
+}
+
+/// What the sync engine remembers of a service.
+#[derive(Clone, Debug, Default)]
+struct ServiceState {
+    frontends: BTreeSet<FrontendKey>,
+    uses: HashMap<SocketAddr, Use>,
+    ports: Vec<ServicePortStatus>,
+}
+
+/// A frontend the cache asks for.
+struct DesiredFrontend {
+    key: FrontendKey,
+    eligible: Vec<SocketAddr>,
+    affinity_timeout: u32,
+}
+
+/// The sync engine: desired state from the cache, written into [`LbMaps`] by diff.
+pub struct LbSync<M> {
+    maps: M,
+    node: String,
+    capacity: Capacity,
+    frontends: BTreeMap<FrontendKey, Frontend>,
+    backends: HashMap<SocketAddr, BackendSlot>,
+    services: BTreeMap<ServiceKey, ServiceState>,
+    free_frontends: BTreeSet<u32>,
+    free_backends: BTreeSet<u32>,
+    /// Syncs that failed on a full map.
+    full_errors: u64,
+    /// The maps may differ from what this engine believes (a write failed, or
+    /// nothing was adopted yet): the next full delta re-reads them.
+    stale: bool,
+}
+
+impl<M: LbMaps> LbSync<M> {
+    /// An engine for `maps`, balancing as seen from node `node` (locality).
+    pub fn new(maps: M, node: impl Into<String>) -> Self {
+        let capacity = maps.capacity();
+        Self {
+            maps,
+            node: node.into(),
+            capacity,
+            frontends: BTreeMap::new(),
+            backends: HashMap::new(),
+            services: BTreeMap::new(),
+            free_frontends: BTreeSet::new(),
+            free_backends: BTreeSet::new(),
+            full_errors: 0,
+            stale: true,
+        }
+    }
+
+    /// The maps, for reading counters.
+    pub fn maps(&self) -> &M {
+        &self.maps
+    }
+
+    /// Brings the maps to the state `delta` describes. On error the engine marks
+    /// itself stale, so the next full delta re-reads the maps and repairs them.
+    pub fn apply(&mut self, delta: &Delta, now: Instant) -> Result<(), SyncError> {
+        let result = self.apply_inner(delta, now);
+        if let Err(e) = &result {
+            self.stale = true;
+            if matches!(e, SyncError::Full { .. }) {
+                self.full_errors += 1;
+            }
+        }
+        result
+    }
+
+    fn apply_inner(&mut self, delta: &Delta, now: Instant) -> Result<(), SyncError> {
+        if delta.full {
+            if self.stale {
+                self.adopt()?;
+            }
+            let keep: HashSet<ServiceKey> = delta.upserted.iter().map(ServiceView::key).collect();
+            let gone: Vec<ServiceKey> = self
+                .services
+                .keys()
+                .filter(|k| !keep.contains(*k))
+                .cloned()
+                .collect();
+            for key in gone {
+                self.remove_service(&key, now)?;
+            }
+        }
+        for key in &delta.removed {
+            self.remove_service(key, now)?;
+        }
+        for view in &delta.upserted {
+            self.upsert_service(view, now)?;
+        }
+        if delta.full {
+            // Frontends adopted from the maps that no service claimed.
+            let orphans: Vec<FrontendKey> = self
+                .frontends
+                .iter()
+                .filter(|(_, f)| f.service.is_none())
+                .map(|(k, _)| *k)
+                .collect();
+            for key in orphans {
+                self.delete_frontend(&key)?;
+            }
+        }
+        self.release_unused(now)?;
+        self.stale = false;
+        Ok(())
+    }
+
+    /// Ends the drain of backends whose deadline passed (their flows are removed).
+    pub fn expire(&mut self, now: Instant) -> Result<(), SyncError> {
+        let result = self.release_unused(now);
+        if result.is_err() {
+            self.stale = true;
+        }
+        result
+    }
+
+    /// Every service port programmed, for `status`.
+    pub fn status(&self) -> Vec<ServicePortStatus> {
+        self.services
+            .values()
+            .flat_map(|s| s.ports.iter().cloned())
+            .collect()
+    }
+
+    /// The frontends of `service` with their ids, for counters.
+    pub fn frontend_ids(&self, service: &ServiceKey) -> Vec<(FrontendKey, u32)> {
+        self.services
+            .get(service)
+            .map(|s| {
+                s.frontends
+                    .iter()
+                    .filter_map(|k| self.frontends.get(k).map(|f| (*k, f.value.id)))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The id of frontend `key`, if programmed.
+    pub fn frontend_id(&self, key: &FrontendKey) -> Option<u32> {
+        self.frontends.get(key).map(|f| f.value.id)
+    }
+
+    /// Every programmed frontend with its id and service.
+    pub fn frontends(&self) -> Vec<(FrontendKey, u32, ServiceKey)> {
+        self.frontends
+            .iter()
+            .filter_map(|(k, f)| f.service.clone().map(|s| (*k, f.value.id, s)))
+            .collect()
+    }
+
+    /// Every programmed backend with its id, sorted by address.
+    pub fn backends(&self) -> Vec<(SocketAddr, u32)> {
+        let mut out: Vec<_> = self.backends.iter().map(|(a, b)| (*a, b.id)).collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// How many syncs failed because a map was full.
+    pub fn full_errors(&self) -> u64 {
+        self.full_errors
+    }
+
+    /// The backend id of `addr`, if it has one.
+    pub fn backend_id(&self, addr: &SocketAddr) -> Option<u32> {
+        self.backends.get(addr).map(|b| b.id)
+    }
+
+    /// How many frontends and backends are programmed, and the capacities.
+    pub fn usage(&self) -> (usize, usize, Capacity) {
+        (self.frontends.len(), self.backends.len(), self.capacity)
+    }
+
+    /// Re-reads the maps: what they hold becomes the engine's "current" state.
+    fn adopt(&mut self) -> Result<(), SyncError> {
+        self.frontends.clear();
+        self.backends.clear();
+        for state in self.services.values_mut() {
+            state.frontends.clear();
+        }
+        for (key, value) in self.maps.frontends()? {
+            if value.id < self.capacity.frontends {
+                self.frontends.insert(
+                    key,
+                    Frontend {
+                        value,
+                        service: None,
+                    },
+                );
+            } else {
+                // From an agent with larger maps: unusable here.
+                self.maps.delete_frontend(&key)?;
+            }
+        }
+        for (id, backend) in self.maps.backends()? {
+            let addr = backend_addr(&backend);
+            match addr {
+                Some(addr) if !self.backends.contains_key(&addr) => {
+                    self.backends.insert(
+                        addr,
+                        BackendSlot {
+                            id,
+                            state: backend.state,
+                        },
+                    );
+                }
+                _ => self.maps.put_backend(id, &Backend::default())?,
+            }
+        }
+        let used_f: HashSet<u32> = self.frontends.values().map(|f| f.value.id).collect();
+        self.free_frontends = (0..self.capacity.frontends)
+            .filter(|id| !used_f.contains(id))
+            .collect();
+        let used_b: HashSet<u32> = self.backends.values().map(|b| b.id).collect();
+        self.free_backends = (1..self.capacity.backends)
+            .filter(|id| !used_b.contains(id))
+            .collect();
+        Ok(())
+    }
+
+    fn remove_service(&mut self, key: &ServiceKey, now: Instant) -> Result<(), SyncError> {
+        let Some(state) = self.services.get(key) else {
+            return Ok(());
+        };
+        for fk in state.frontends.clone() {
+            self.delete_frontend(&fk)?;
+        }
+        if let Some(state) = self.services.remove(key) {
+            drop(state);
+        }
+        self.release_unused(now)
+    }
+
+    fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), SyncError> {
+        if let Some(frontend) = self.frontends.get(key) {
+            let id = frontend.value.id;
+            self.maps.delete_frontend(key)?;
+            self.frontends.remove(key);
+            self.free_frontends.insert(id);
+        }
+        Ok(())
+    }
+
+    fn upsert_service(&mut self, view: &ServiceView, now: Instant) -> Result<(), SyncError> {
+        let key = view.key();
+        let spec = &view.service.spec;
+        let drain = Duration::from_secs(u64::from(spec.drain_seconds));
+        let desired = self.desired(view);
+        let listed: HashSet<SocketAddr> = listed_backends(view);
+
+        // Backend uses: eligible ones are active; ones that were in use (by this
+        // service before, or in the maps after a restart) and no longer are drain.
+        let previous = self
+            .services
+            .get(&key)
+            .map(|s| s.uses.clone())
+            .unwrap_or_default();
+        let mut uses: HashMap<SocketAddr, Use> = HashMap::new();
+        for f in &desired {
+            for addr in &f.eligible {
+                uses.insert(*addr, Use::Active);
+            }
+        }
+        for (addr, old) in &previous {
+            if !uses.contains_key(addr) {
+                let until = match old {
+                    Use::Active => now + drain,
+                    Use::Draining { until } => *until,
+                };
+                if until > now {
+                    uses.insert(*addr, Use::Draining { until });
+                }
+            }
+        }
+        for addr in &listed {
+            let adopted = self.backends.get(addr).is_some_and(|slot| slot.state != 0);
+            if adopted && !uses.contains_key(addr) && !previous.contains_key(addr) {
+                // In the maps from before a restart: let its flows drain.
+                uses.insert(*addr, Use::Draining { until: now + drain });
+            }
+        }
+
+        // 1. Backends, before any table names them.
+        let state = self.services.entry(key.clone()).or_default();
+        state.uses = uses.clone();
+        for addr in uses.keys() {
+            self.ensure_backend(*addr)?;
+        }
+        self.refresh_backend_states()?;
+
+        // 2. Tables and frontends.
+        let mut keep = BTreeSet::new();
+        for f in &desired {
+            self.write_frontend(&key, f)?;
+            keep.insert(f.key);
+        }
+        let old_frontends = self
+            .services
+            .get(&key)
+            .map(|s| s.frontends.clone())
+            .unwrap_or_default();
+        for fk in old_frontends.difference(&keep) {
+            self.delete_frontend(fk)?;
+        }
+        let ports = self.port_status(view, &desired);
+        if let Some(state) = self.services.get_mut(&key) {
+            state.frontends = keep;
+            state.ports = ports;
+        }
+        Ok(())
+    }
+
+    /// The frontends `view` asks for, each with its eligible backends (sorted).
+    fn desired(&self, view: &ServiceView) -> Vec<DesiredFrontend> {
+        let spec = &view.service.spec;
+        if spec.discovery.headless {
+            return Vec::new();
+        }
+        let endpoints: &[Endpoint] = view
+            .endpoints
+            .as_ref()
+            .map(|e| &e.spec.endpoints[..])
+            .unwrap_or_default();
+        let affinity_timeout = match spec.session_affinity {
+            SessionAffinity::None => 0,
+            SessionAffinity::ClientIp { timeout_seconds } => timeout_seconds.max(1),
+        };
+        let mut out = Vec::new();
+        for port in &spec.ports {
+            let proto = match port.protocol {
+                Protocol::Tcp => lb::PROTO_TCP,
+                Protocol::Udp => lb::PROTO_UDP,
+            };
+            for vip in &spec.discovery.vips {
+                let same_family = |e: &&Endpoint| e.address.is_ipv4() == vip.is_ipv4();
+                let ready: Vec<&Endpoint> = endpoints
+                    .iter()
+                    .filter(same_family)
+                    .filter(|e| e.accepts_new())
+                    .collect();
+                let local: Vec<&Endpoint> = ready
+                    .iter()
+                    .copied()
+                    .filter(|e| e.node == self.node)
+                    .collect();
+                let chosen = match spec.discovery.locality_preference {
+                    LocalityPreference::Any => ready,
+                    LocalityPreference::LocalOnly => local,
+                    LocalityPreference::PreferLocal if !local.is_empty() => local,
+                    LocalityPreference::PreferLocal => ready,
+                };
+                let mut eligible: Vec<SocketAddr> = chosen
+                    .iter()
+                    .map(|e| SocketAddr::new(e.address, endpoint_port(e, port)))
+                    .collect();
+                eligible.sort_unstable();
+                eligible.dedup();
+                out.push(DesiredFrontend {
+                    key: frontend_key(*vip, port.port, proto),
+                    eligible,
+                    affinity_timeout,
+                });
+            }
+        }
+        out
+    }
+
+    fn ensure_backend(&mut self, addr: SocketAddr) -> Result<(), SyncError> {
+        if self.backends.contains_key(&addr) {
+            return Ok(());
+        }
+        let id = self.free_backends.pop_first().ok_or(SyncError::Full {
+            what: "backends",
+            capacity: self.capacity.backends,
+            setting: "--lb-max-backends",
+        })?;
+        let backend = backend_value(addr, BACKEND_ACTIVE);
+        if let Err(e) = self.maps.put_backend(id, &backend) {
+            self.free_backends.insert(id);
+            return Err(e.into());
+        }
+        self.backends.insert(
+            addr,
+            BackendSlot {
+                id,
+                state: BACKEND_ACTIVE,
+            },
+        );
+        Ok(())
+    }
+
+    /// Writes each backend's state (active when any service has it in a table).
+    fn refresh_backend_states(&mut self) -> Result<(), SyncError> {
+        let active: HashSet<SocketAddr> = self
+            .services
+            .values()
+            .flat_map(|s| s.uses.iter())
+            .filter(|(_, u)| **u == Use::Active)
+            .map(|(a, _)| *a)
+            .collect();
+        for (addr, slot) in &mut self.backends {
+            let want = if active.contains(addr) {
+                BACKEND_ACTIVE
+            } else {
+                BACKEND_DRAINING
+            };
+            if slot.state != want {
+                self.maps
+                    .put_backend(slot.id, &backend_value(*addr, want))?;
+                slot.state = want;
+            }
+        }
+        Ok(())
+    }
+
+    fn write_frontend(
+        &mut self,
+        service: &ServiceKey,
+        f: &DesiredFrontend,
+    ) -> Result<(), SyncError> {
+        let existing = self.frontends.get(&f.key).cloned();
+        if let Some(Frontend {
+            service: Some(owner),
+            ..
+        }) = &existing
+            && owner != service
+        {
+            // Validation keeps VIPs unique; a clash means the other service was not
+            // removed yet in this delta. The newer claim wins.
+            tracing::warn!(frontend = ?f.key, %owner, %service, "frontend moves to another service");
+        }
+        let id = match &existing {
+            Some(e) => e.value.id,
+            None => self.free_frontends.pop_first().ok_or(SyncError::Full {
+                what: "frontends",
+                capacity: self.capacity.frontends,
+                setting: "--lb-max-frontends",
+            })?,
+        };
+        let ids: Vec<u32> = f
+            .eligible
+            .iter()
+            .filter_map(|a| self.backends.get(a).map(|b| b.id))
+            .collect();
+        let table_size = self.capacity.table_size;
+        let maglev_size = if ids.is_empty() {
+            0
+        } else {
+            let keys: Vec<BackendKey> = f.eligible.iter().copied().map(BackendKey).collect();
+            match Maglev::new(&keys, table_size) {
+                Ok(maglev) => {
+                    let table = match self.maps.table(id) {
+                        Ok(t) => t,
+                        Err(e) => {
+                            if existing.is_none() {
+                                self.free_frontends.insert(id);
+                            }
+                            return Err(e.into());
+                        }
+                    };
+                    for (slot, index) in table.iter_mut().zip(maglev.slots()) {
+                        let want = ids[index];
+                        if *slot != want {
+                            *slot = want;
+                        }
+                    }
+                    table_size
+                }
+                Err(e) => {
+                    tracing::error!(frontend = ?f.key, error = %e, "cannot build the maglev table: refusing new flows");
+                    0
+                }
+            }
+        };
+        let value = ServiceValue {
+            id,
+            maglev_base: id * table_size,
+            maglev_size,
+            affinity_timeout: f.affinity_timeout,
+        };
+        if existing.as_ref().map(|e| e.value) != Some(value)
+            && let Err(e) = self.maps.put_frontend(&f.key, &value)
+        {
+            if existing.is_none() {
+                self.free_frontends.insert(id);
+            }
+            return Err(e.into());
+        }
+        self.frontends.insert(
+            f.key,
+            Frontend {
+                value,
+                service: Some(service.clone()),
+            },
+        );
+        Ok(())
+    }
+
+    /// Frees backends no service uses any more (drain over, or never claimed after
+    /// a full sync), removing the flows that still lead to them.
+    fn release_unused(&mut self, now: Instant) -> Result<(), SyncError> {
+        for state in self.services.values_mut() {
+            state
+                .uses
+                .retain(|_, u| !matches!(u, Use::Draining { until } if *until <= now));
+        }
+        let used: HashSet<SocketAddr> = self
+            .services
+            .values()
+            .flat_map(|s| s.uses.keys().copied())
+            .collect();
+        let unused: Vec<SocketAddr> = self
+            .backends
+            .keys()
+            .filter(|a| !used.contains(*a))
+            .copied()
+            .collect();
+        if unused.is_empty() {
+            return self.refresh_backend_states();
+        }
+        let mut ids = HashSet::new();
+        for addr in unused {
+            if let Some(slot) = self.backends.get(&addr) {
+                let id = slot.id;
+                self.maps.put_backend(id, &Backend::default())?;
+                self.backends.remove(&addr);
+                self.free_backends.insert(id);
+                ids.insert(id);
+            }
+        }
+        let purged = self.maps.purge_flows(&ids)?;
+        tracing::debug!(backends = ids.len(), flows = purged, "backends released");
+        self.refresh_backend_states()
+    }
+
+    fn port_status(
+        &self,
+        view: &ServiceView,
+        desired: &[DesiredFrontend],
+    ) -> Vec<ServicePortStatus> {
+        let spec = &view.service.spec;
+        let endpoints: &[Endpoint] = view
+            .endpoints
+            .as_ref()
+            .map(|e| &e.spec.endpoints[..])
+            .unwrap_or_default();
+        let mut out = Vec::new();
+        for port in &spec.ports {
+            let proto = match port.protocol {
+                Protocol::Tcp => lb::PROTO_TCP,
+                Protocol::Udp => lb::PROTO_UDP,
+            };
+            let vip = spec.discovery.vips.first().copied();
+            let programmed = desired
+                .iter()
+                .any(|f| vip.is_some_and(|v| f.key == frontend_key(v, port.port, proto)));
+            let state = if spec.discovery.headless {
+                PortState::Failed {
+                    reason: "headless: no VIP to balance (DNS only)".into(),
+                }
+            } else if !programmed {
+                PortState::Failed {
+                    reason: "the service has no VIP".into(),
+                }
+            } else {
+                PortState::Listening
+            };
+            let backends = endpoints
+                .iter()
+                .map(|e| BackendStatus {
+                    address: e.address,
+                    port: endpoint_port(e, port),
+                    node: e.node.clone(),
+                    state: BackendState::of(e),
+                    counters: None,
+                })
+                .collect();
+            out.push(ServicePortStatus {
+                service: view.key().to_string(),
+                port: port.port,
+                protocol: port.protocol,
+                listen: vip.map(|v| SocketAddr::new(v, port.port)),
+                state,
+                endpoints_known: view.endpoints.is_some(),
+                backends,
+                counters: None,
+            });
+        }
+        out
+    }
+}
+
+fn endpoint_port(e: &Endpoint, port: &crate::model::ServicePort) -> u16 {
+    e.ports.get(&port.name).copied().unwrap_or(port.target())
+}
+
+/// Every endpoint address × port of `view` (any state).
+fn listed_backends(view: &ServiceView) -> HashSet<SocketAddr> {
+    let Some(endpoints) = &view.endpoints else {
+        return HashSet::new();
+    };
+    view.service
+        .spec
+        .ports
+        .iter()
+        .flat_map(|p| {
+            endpoints
+                .spec
+                .endpoints
+                .iter()
+                .map(move |e| SocketAddr::new(e.address, endpoint_port(e, p)))
+        })
+        .collect()
+}
+
+/// The map key of VIP `vip`, service port `port`, protocol `proto`.
+#[must_use]
+pub fn frontend_key(vip: IpAddr, port: u16, proto: u8) -> FrontendKey {
+    match vip {
+        IpAddr::V4(a) => FrontendKey::V4(ServiceKeyV4 {
+            addr: u32::from_ne_bytes(a.octets()),
+            port: port.to_be(),
+            proto,
+            pad: 0,
+        }),
+        IpAddr::V6(a) => FrontendKey::V6(ServiceKeyV6 {
+            addr: addr_from_octets(&a.octets()),
+            port: port.to_be(),
+            proto,
+            pad: 0,
+        }),
+    }
+}
+
+/// The map value of backend `addr` in `state`.
+#[must_use]
+pub fn backend_value(addr: SocketAddr, state: u8) -> Backend {
+    let (octets, family) = match addr.ip() {
+        IpAddr::V4(a) => (a.octets().to_vec(), FAMILY_V4),
+        IpAddr::V6(a) => (a.octets().to_vec(), FAMILY_V6),
+    };
+    Backend {
+        addr: addr_from_octets(&octets),
+        port: addr.port().to_be(),
+        family,
+        state,
+    }
+}
+
+/// The socket address a backend value describes, if it is a used slot.
+#[must_use]
+pub fn backend_addr(b: &Backend) -> Option<SocketAddr> {
+    let octets = lb::addr_octets(&b.addr);
+    let ip = match b.family {
+        FAMILY_V4 => IpAddr::from([octets[0], octets[1], octets[2], octets[3]]),
+        FAMILY_V6 => IpAddr::from(octets),
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, u16::from_be(b.port)))
+}
+
+/// The VIP, port and protocol a frontend key describes.
+#[must_use]
+pub fn frontend_addr(key: &FrontendKey) -> (SocketAddr, u8) {
+    match key {
+        FrontendKey::V4(k) => {
+            let o = k.addr.to_ne_bytes();
+            (
+                SocketAddr::new(IpAddr::from(o), u16::from_be(k.port)),
+                k.proto,
+            )
+        }
+        FrontendKey::V6(k) => (
+            SocketAddr::new(IpAddr::from(lb::addr_octets(&k.addr)), u16::from_be(k.port)),
+            k.proto,
+        ),
+    }
+}
