@@ -1,5 +1,7 @@
 //! Running the real `rune-agent` binary from tests: a process guard that kills it on
-//! drop, the CLI, and small HTTP/metrics helpers. Everything talks to loopback only.
+//! drop, the CLI, and small HTTP/metrics helpers. Everything talks to loopback only
+//! (the test process's own, or that of a network namespace the test created: see
+//! [`Agent::start_in`] and [`http_get_in`]).
 
 use std::{
     io::{Read, Write},
@@ -8,6 +10,8 @@ use std::{
     process::{Child, Command, Output, Stdio},
     time::{Duration, Instant},
 };
+
+use crate::netns::{self, NetNs};
 
 /// The agent binary built by `cargo build` (which `cargo xtask test` runs first).
 pub fn agent_bin() -> PathBuf {
@@ -36,8 +40,11 @@ pub struct Agent {
     child: Option<Child>,
     /// Its state dir.
     pub state_dir: PathBuf,
-    /// Its metrics listener.
+    /// Its metrics listener (in [`Agent::netns`] when that is set).
     pub metrics: SocketAddr,
+    /// The network namespace file it runs in (`/run/netns/NAME`), if not the test
+    /// process's own.
+    pub netns: Option<PathBuf>,
 }
 
 impl Agent {
@@ -58,7 +65,52 @@ impl Agent {
         env: &[(&str, &str)],
         metrics: SocketAddr,
     ) -> Agent {
-        let child = Command::new(agent_bin())
+        Self::spawn(
+            Command::new(agent_bin()),
+            None,
+            state_dir,
+            args,
+            env,
+            metrics,
+        )
+    }
+
+    /// [`Agent::start`] inside the network namespace `ns`: the metrics listener is on
+    /// a free port of that namespace's 127.0.0.1, and [`Agent::wait_ready`] and
+    /// [`Agent::metrics_text`] reach it there.
+    pub fn start_in(ns: &NetNs, state_dir: &Path, args: &[&str]) -> Agent {
+        let port = ns.run(free_port).expect("a free port in the namespace");
+        let metrics: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let mut all = vec!["--metrics-addr".to_owned(), metrics.to_string()];
+        all.extend(args.iter().map(|a| a.to_string()));
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        Self::start_with_in(ns, state_dir, &all, &[], metrics)
+    }
+
+    /// [`Agent::start_with`] inside the network namespace `ns`. The process enters it
+    /// with `setns` before `exec` (not `ip netns exec`, which would hide /sys/fs/bpf
+    /// and the cgroup2 mount); it is killed on drop like any other [`Agent`].
+    /// `metrics` is an address in `ns`.
+    pub fn start_with_in(
+        ns: &NetNs,
+        state_dir: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+        metrics: SocketAddr,
+    ) -> Agent {
+        let cmd = ns.command(agent_bin()).unwrap_or_else(|e| panic!("{e:#}"));
+        Self::spawn(cmd, Some(ns.path()), state_dir, args, env, metrics)
+    }
+
+    fn spawn(
+        mut cmd: Command,
+        netns: Option<PathBuf>,
+        state_dir: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+        metrics: SocketAddr,
+    ) -> Agent {
+        let child = cmd
             .arg("run")
             .arg("--state-dir")
             .arg(state_dir)
@@ -75,6 +127,16 @@ impl Agent {
             child: Some(child),
             state_dir: state_dir.to_owned(),
             metrics,
+            netns,
+        }
+    }
+
+    /// `GET path` on the metrics listener, from the agent's network namespace.
+    pub fn http_get(&self, path: &str) -> std::io::Result<(u16, String)> {
+        match &self.netns {
+            None => http_get(self.metrics, path),
+            Some(ns) => netns::run_at(ns, || http_get(self.metrics, path))
+                .unwrap_or_else(|e| Err(std::io::Error::other(format!("{e:#}")))),
         }
     }
 
@@ -85,7 +147,7 @@ impl Agent {
             if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
                 panic!("agent exited before it was ready: {status}");
             }
-            if matches!(http_get(self.metrics, "/readyz"), Ok((200, _))) {
+            if matches!(self.http_get("/readyz"), Ok((200, _))) {
                 return;
             }
             assert!(
@@ -103,7 +165,7 @@ impl Agent {
 
     /// `/metrics` as text.
     pub fn metrics_text(&self) -> String {
-        let (code, body) = http_get(self.metrics, "/metrics").expect("GET /metrics");
+        let (code, body) = self.http_get("/metrics").expect("GET /metrics");
         assert_eq!(code, 200);
         body
     }
@@ -210,6 +272,13 @@ pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> 
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
     Ok((code, body))
+}
+
+/// [`http_get`] from inside the network namespace `ns` (e.g. an agent's /metrics on
+/// that namespace's 127.0.0.1).
+pub fn http_get_in(ns: &NetNs, addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    ns.run(|| http_get(addr, path))
+        .unwrap_or_else(|e| Err(std::io::Error::other(format!("{e:#}"))))
 }
 
 /// The value of one sample in Prometheus text (`name{labels}` exactly as printed,

@@ -3,3 +3,4 @@
 pub mod agent;
 pub mod dns;
 pub mod netns;
+pub mod topology;

@@ -2,17 +2,19 @@
 //!
 //! [`NetNs`] creates a uniquely named namespace (`ip netns add`), runs `ip`
 //! commands in it, runs closures inside it on a dedicated thread (via `setns`, so
-//! the test process's own namespace never changes), and deletes it on drop, also
-//! when a test panics. [`veth_pair`] wires two namespaces together.
+//! the test process's own namespace never changes), starts processes inside it
+//! ([`NetNs::command`], via `setns` before `exec`, never `ip netns exec`), and deletes
+//! it on drop, also when a test panics. [`veth_pair`] wires two namespaces together.
 //!
 //! Rules for tests using this: give interfaces addresses from 198.18.0.0/15 (the
 //! benchmarking range) and only inside namespaces the test created; never touch the
 //! root namespace's interfaces, routes or nftables.
 
 use std::{
+    ffi::OsStr,
     fs::File,
-    os::fd::AsRawFd as _,
-    path::PathBuf,
+    os::{fd::AsRawFd as _, unix::process::CommandExt as _},
+    path::{Path, PathBuf},
     process::Command,
     sync::atomic::{AtomicU32, Ordering},
     thread,
@@ -65,28 +67,65 @@ impl NetNs {
     /// create them here and use them from any thread. Interface names resolve here.
     /// A panic in `f` is propagated.
     pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> anyhow::Result<T> {
-        let path = self.path();
-        let file = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
-        thread::scope(|scope| {
-            let thread = thread::Builder::new()
-                .name(format!("netns-{}", self.name))
-                .spawn_scoped(scope, move || -> anyhow::Result<T> {
-                    // SAFETY: `file` is an open namespace file; setns only changes this
-                    // thread's network namespace, and the thread ends after `f`.
-                    let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-                    if rc != 0 {
-                        return Err(std::io::Error::last_os_error())
-                            .with_context(|| format!("setns into {}", path.display()));
-                    }
-                    Ok(f())
-                })
-                .context("spawning the namespace thread")?;
-            match thread.join() {
-                Ok(result) => result,
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
-        })
+        run_at(&self.path(), f)
     }
+
+    /// A [`Command`] for `program` whose process starts inside this namespace.
+    ///
+    /// The child enters the namespace with `setns` just before `exec` (the same
+    /// thing `nsenter --net=/run/netns/NAME` does). Unlike `ip netns exec`, it keeps
+    /// the caller's mount namespace, so /sys/fs/bpf (pins) and the cgroup2 mount stay
+    /// visible.
+    pub fn command(&self, program: impl AsRef<OsStr>) -> anyhow::Result<Command> {
+        command_at(&self.path(), program)
+    }
+}
+
+/// [`NetNs::run`] for a namespace known by its file (`/run/netns/NAME`), e.g. one a
+/// helper remembered after the [`NetNs`] itself went elsewhere.
+pub fn run_at<T: Send>(path: &Path, f: impl FnOnce() -> T + Send) -> anyhow::Result<T> {
+    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    thread::scope(|scope| {
+        let thread = thread::Builder::new()
+            .name(format!("netns-{name}"))
+            .spawn_scoped(scope, move || -> anyhow::Result<T> {
+                // SAFETY: `file` is an open namespace file; setns only changes this
+                // thread's network namespace, and the thread ends after `f`.
+                let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+                if rc != 0 {
+                    return Err(std::io::Error::last_os_error())
+                        .with_context(|| format!("setns into {}", path.display()));
+                }
+                Ok(f())
+            })
+            .context("spawning the namespace thread")?;
+        match thread.join() {
+            Ok(result) => result,
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    })
+}
+
+/// [`NetNs::command`] for a namespace known by its file (`/run/netns/NAME`).
+pub fn command_at(path: &Path, program: impl AsRef<OsStr>) -> anyhow::Result<Command> {
+    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut cmd = Command::new(program);
+    // SAFETY: the closure runs in the forked child before exec and only makes the
+    // setns(2) system call (async-signal-safe) on a descriptor the closure owns, so it
+    // stays open until the command is dropped.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(cmd)
 }
 
 impl Drop for NetNs {

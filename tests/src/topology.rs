@@ -1,0 +1,836 @@
+//! The shared network for the data-plane end-to-end tests and benchmarks:
+//!
+//! ```text
+//! client ns ──veth── node ns ──veth── backend-1 ns
+//!                            ──veth── backend-2 ns  ... (N backends)
+//! ```
+//!
+//! [`Topology::new`] builds it in namespaces with unique names and removes all of
+//! it when the [`Topology`] drops (also on panic): backend servers stop first, then
+//! every namespace is deleted, which deletes its veths.
+//!
+//! # Address plan
+//!
+//! Everything comes from 198.18.0.0/15 and fd00::/8 and lives only inside these
+//! namespaces:
+//!
+//! | where | interface | IPv4 | IPv6 |
+//! |---|---|---|---|
+//! | client | [`CLIENT_IF`] | 198.18.1.2/24 and 198.18.1.3/24 | fd00:1::2/64 and fd00:1::3/64 |
+//! | node, client side | [`NODE_CLIENT_IF`] | 198.18.1.1/24 | fd00:1::1/64 |
+//! | backend i (1-based) | [`BACKEND_IF`] | 198.18.(10+i).2/24 | fd00:(10+i)::2/64 |
+//! | node, backend i side | `n-back<i>` | 198.18.(10+i).1/24 | fd00:(10+i)::1/64 |
+//!
+//! (`10+i` is written in decimal in both families: backend 3 is 198.18.13.2 and
+//! fd00:13::2.) The client's second address ([`Topology::client_alt_addr`]) exists for
+//! the TIME_WAIT gotcha: direct-to-backend and through-the-VIP runs should connect
+//! from different client addresses. Unbound client sockets always get the main
+//! address (the second is an IPv4 secondary and a deprecated IPv6 address); bind to
+//! the second with the `_from` helpers. VIPs come from [`VIP_V4_NET`] and [`VIP_V6_NET`];
+//! the client and the backends reach them through their default routes via the
+//! node, and the node has no address for them (the agent's data plane owns them).
+//! IPv6 addresses are added with `nodad`, so they are usable at once.
+//!
+//! The node forwards (net.ipv4.ip_forward=1, net.ipv6.conf.all.forwarding=1, written
+//! to /proc/sys from a thread inside the node namespace).
+//!
+//! # Checksum offload
+//!
+//! A veth with TX checksum offload on hands the peer packets whose checksum is only
+//! partial (CHECKSUM_PARTIAL, to be completed "by the hardware"). An XDP program on
+//! the receiving veth sees those packets raw: if it rewrites addresses and
+//! redirects or bounces them, nobody completes the checksum and the receiver drops
+//! them. So [`Topology::new`] turns TX checksum offload off on the client's veth
+//! (traffic towards the node's XDP), and [`TopologyConfig::backend_tx_checksum_off`]
+//! does the same on the backends' veths for tests whose data plane also rewrites
+//! replies with XDP. [`disable_tx_checksum`] does it on any interface.
+//!
+//! # Servers and client helpers
+//!
+//! Each backend serves, on IPv4 and IPv6, TCP on [`Topology::tcp_port`] (each
+//! received line answered with `"<backend-name> <line>\n"`, as long as the
+//! connection stays open) and UDP on [`Topology::udp_port`] (each datagram answered
+//! with `"<backend-name> <payload>"`), from threads of the test process whose
+//! sockets live in the backend's namespace. [`Topology::backend_counts`] tells what
+//! each one served. The client helpers ([`Topology::tcp_request`],
+//! [`Topology::tcp_open`], [`Topology::udp_request`] and their `_from` forms) open
+//! their sockets in the client namespace.
+
+use std::{
+    io::{self, BufRead as _, BufReader, Write as _},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    os::fd::AsRawFd as _,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+    },
+    thread::{self, JoinHandle},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+
+use crate::netns::{NetNs, veth_pair};
+
+/// The client's interface (towards the node).
+pub const CLIENT_IF: &str = "c-node";
+/// The node's interface towards the client.
+pub const NODE_CLIENT_IF: &str = "n-client";
+/// Each backend's interface (towards the node).
+pub const BACKEND_IF: &str = "b-node";
+/// The VIP range for IPv4 services: not assigned anywhere in the topology.
+pub const VIP_V4_NET: &str = "198.18.100.0/24";
+/// The VIP range for IPv6 services: not assigned anywhere in the topology.
+pub const VIP_V6_NET: &str = "fd00:100::/64";
+/// Most backends a topology can have (their subnets stay below the VIP range).
+pub const MAX_BACKENDS: usize = 80;
+/// How long the client helpers wait to connect, and then for each reply.
+pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How often server threads look at their stop flag while idle.
+const POLL_INTERVAL: Duration = Duration::from_millis(100);
+/// How long dropping the topology waits for server threads to end.
+const STOP_PATIENCE: Duration = Duration::from_secs(3);
+
+/// An IPv4 and an IPv6 address of one interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DualStack {
+    /// The IPv4 address.
+    pub v4: Ipv4Addr,
+    /// The IPv6 address.
+    pub v6: Ipv6Addr,
+}
+
+impl DualStack {
+    /// Both addresses, IPv4 first.
+    pub fn both(&self) -> [IpAddr; 2] {
+        [IpAddr::V4(self.v4), IpAddr::V6(self.v6)]
+    }
+
+    /// The address of the same family as `other`.
+    pub fn like(&self, other: IpAddr) -> IpAddr {
+        match other {
+            IpAddr::V4(_) => IpAddr::V4(self.v4),
+            IpAddr::V6(_) => IpAddr::V6(self.v6),
+        }
+    }
+}
+
+/// How to build a [`Topology`].
+#[derive(Clone, Debug)]
+pub struct TopologyConfig {
+    /// Number of backends, 1 to [`MAX_BACKENDS`].
+    pub backends: usize,
+    /// Port of the backends' TCP line servers; `None` for no TCP servers.
+    pub tcp_port: Option<u16>,
+    /// Port of the backends' UDP servers; `None` for no UDP servers.
+    pub udp_port: Option<u16>,
+    /// Turn TX checksum offload off on the client's veth (default: yes, see the
+    /// module docs).
+    pub client_tx_checksum_off: bool,
+    /// Turn TX checksum offload off on each backend's veth too (default: no).
+    pub backend_tx_checksum_off: bool,
+}
+
+impl Default for TopologyConfig {
+    fn default() -> Self {
+        Self {
+            backends: 2,
+            tcp_port: Some(8080),
+            udp_port: Some(8080),
+            client_tx_checksum_off: true,
+            backend_tx_checksum_off: false,
+        }
+    }
+}
+
+/// One backend namespace, wired to the node.
+#[derive(Debug)]
+pub struct Backend {
+    name: String,
+    ns: NetNs,
+    node_if: String,
+    addr: DualStack,
+    node_addr: DualStack,
+}
+
+impl Backend {
+    /// `backend-<i>` (1-based): the prefix of every reply its servers send.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its namespace.
+    pub fn ns(&self) -> &NetNs {
+        &self.ns
+    }
+
+    /// The node's interface towards this backend (`n-back<i>`).
+    pub fn node_if(&self) -> &str {
+        &self.node_if
+    }
+
+    /// Its addresses (on [`BACKEND_IF`]).
+    pub fn addr(&self) -> DualStack {
+        self.addr
+    }
+
+    /// The node's addresses on this backend's link (the backend's gateway).
+    pub fn node_addr(&self) -> DualStack {
+        self.node_addr
+    }
+}
+
+/// What one backend's servers have served so far.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BackendCounts {
+    /// The backend's name.
+    pub name: String,
+    /// TCP connections accepted (IPv4 and IPv6).
+    pub tcp_connections: u64,
+    /// TCP lines answered.
+    pub tcp_lines: u64,
+    /// UDP datagrams answered (IPv4 and IPv6).
+    pub udp_datagrams: u64,
+}
+
+/// The built topology; dropping it stops the servers and deletes every namespace.
+#[derive(Debug)]
+pub struct Topology {
+    // Field order is drop order: servers stop before the namespaces go.
+    servers: Servers,
+    client: NetNs,
+    node: NetNs,
+    backends: Vec<Backend>,
+    tcp_port: Option<u16>,
+    udp_port: Option<u16>,
+}
+
+impl Topology {
+    /// The default topology with `backends` backends (servers on port 8080, TCP and
+    /// UDP).
+    pub fn new(backends: usize) -> anyhow::Result<Self> {
+        Self::with_config(&TopologyConfig {
+            backends,
+            ..TopologyConfig::default()
+        })
+    }
+
+    /// Builds the topology `config` describes.
+    pub fn with_config(config: &TopologyConfig) -> anyhow::Result<Self> {
+        if !(1..=MAX_BACKENDS).contains(&config.backends) {
+            bail!(
+                "a topology has 1 to {MAX_BACKENDS} backends, not {}",
+                config.backends
+            );
+        }
+        // Each namespace deletes itself on drop, so an error half-way through
+        // leaves nothing behind.
+        let client = NetNs::new("topo-c")?;
+        let node = NetNs::new("topo-n")?;
+        enable_forwarding(&node)?;
+
+        veth_pair(&client, CLIENT_IF, &node, NODE_CLIENT_IF)?;
+        let client_addr = client_addr();
+        let client_alt = client_alt_addr();
+        let node_client = node_client_addr();
+        add_addrs(&client, CLIENT_IF, client_addr)?;
+        add_alt_addrs(&client, CLIENT_IF, client_alt)?;
+        add_addrs(&node, NODE_CLIENT_IF, node_client)?;
+        default_routes(&client, CLIENT_IF, node_client)?;
+        if config.client_tx_checksum_off {
+            disable_tx_checksum(&client, CLIENT_IF)?;
+        }
+
+        let mut backends = Vec::with_capacity(config.backends);
+        for i in 1..=config.backends {
+            let ns = NetNs::new(&format!("topo-b{i}"))?;
+            let node_if = format!("n-back{i}");
+            veth_pair(&ns, BACKEND_IF, &node, &node_if)?;
+            let net = 10 + i;
+            let addr = DualStack {
+                v4: Ipv4Addr::new(198, 18, net as u8, 2),
+                v6: format!("fd00:{net}::2").parse()?,
+            };
+            let node_addr = DualStack {
+                v4: Ipv4Addr::new(198, 18, net as u8, 1),
+                v6: format!("fd00:{net}::1").parse()?,
+            };
+            add_addrs(&ns, BACKEND_IF, addr)?;
+            add_addrs(&node, &node_if, node_addr)?;
+            default_routes(&ns, BACKEND_IF, node_addr)?;
+            if config.backend_tx_checksum_off {
+                disable_tx_checksum(&ns, BACKEND_IF)?;
+            }
+            backends.push(Backend {
+                name: format!("backend-{i}"),
+                ns,
+                node_if,
+                addr,
+                node_addr,
+            });
+        }
+
+        let mut servers = Servers::default();
+        for b in &backends {
+            servers.start(b, config.tcp_port, config.udp_port)?;
+        }
+        Ok(Self {
+            servers,
+            client,
+            node,
+            backends,
+            tcp_port: config.tcp_port,
+            udp_port: config.udp_port,
+        })
+    }
+
+    /// The client namespace.
+    pub fn client(&self) -> &NetNs {
+        &self.client
+    }
+
+    /// The node namespace (where the agent runs).
+    pub fn node(&self) -> &NetNs {
+        &self.node
+    }
+
+    /// The backends, `backend-1` first.
+    pub fn backends(&self) -> &[Backend] {
+        &self.backends
+    }
+
+    /// The node's interface towards the client ([`NODE_CLIENT_IF`]).
+    pub fn node_client_if(&self) -> &str {
+        NODE_CLIENT_IF
+    }
+
+    /// The node's interfaces towards the backends, `backend-1`'s first.
+    pub fn node_backend_ifs(&self) -> Vec<&str> {
+        self.backends.iter().map(|b| b.node_if()).collect()
+    }
+
+    /// The client's main address (198.18.1.2, fd00:1::2).
+    pub fn client_addr(&self) -> DualStack {
+        client_addr()
+    }
+
+    /// The client's second address (198.18.1.3, fd00:1::3), for runs that must not
+    /// share 4-tuples with runs from [`Topology::client_addr`].
+    pub fn client_alt_addr(&self) -> DualStack {
+        client_alt_addr()
+    }
+
+    /// The node's address on the client link (198.18.1.1, fd00:1::1).
+    pub fn node_client_addr(&self) -> DualStack {
+        node_client_addr()
+    }
+
+    /// The backends' TCP server port, if they run one.
+    pub fn tcp_port(&self) -> Option<u16> {
+        self.tcp_port
+    }
+
+    /// The backends' UDP server port, if they run one.
+    pub fn udp_port(&self) -> Option<u16> {
+        self.udp_port
+    }
+
+    /// What each backend served so far, `backend-1` first.
+    pub fn backend_counts(&self) -> Vec<BackendCounts> {
+        self.servers
+            .stats
+            .iter()
+            .map(|(name, s)| BackendCounts {
+                name: name.clone(),
+                tcp_connections: s.tcp_connections.load(Ordering::SeqCst),
+                tcp_lines: s.tcp_lines.load(Ordering::SeqCst),
+                udp_datagrams: s.udp_datagrams.load(Ordering::SeqCst),
+            })
+            .collect()
+    }
+
+    /// From the client's main address: connects to `addr` (TCP, within
+    /// [`CLIENT_TIMEOUT`]), sends `line`, and returns the reply line (without its
+    /// newline; a backend's starts with its name), the peer and the local address.
+    pub fn tcp_request(
+        &self,
+        addr: SocketAddr,
+        line: &str,
+    ) -> anyhow::Result<(String, SocketAddr, SocketAddr)> {
+        self.tcp_request_from(None, addr, line)
+    }
+
+    /// [`Topology::tcp_request`] from the client address `src` (any port), or the
+    /// kernel's choice when `None`.
+    pub fn tcp_request_from(
+        &self,
+        src: Option<IpAddr>,
+        addr: SocketAddr,
+        line: &str,
+    ) -> anyhow::Result<(String, SocketAddr, SocketAddr)> {
+        let mut conn = self.tcp_open_from(src, addr)?;
+        let reply = conn.exchange(line)?;
+        Ok((reply, conn.peer_addr, conn.local_addr))
+    }
+
+    /// Opens a TCP connection from the client to `addr` that stays open for
+    /// [`LongLived::exchange`].
+    pub fn tcp_open(&self, addr: SocketAddr) -> anyhow::Result<LongLived> {
+        self.tcp_open_from(None, addr)
+    }
+
+    /// [`Topology::tcp_open`] from the client address `src`, or the kernel's choice
+    /// when `None`.
+    pub fn tcp_open_from(
+        &self,
+        src: Option<IpAddr>,
+        addr: SocketAddr,
+    ) -> anyhow::Result<LongLived> {
+        let stream = self
+            .client
+            .run(|| connect(src, addr))?
+            .with_context(|| format!("TCP connect from {src:?} to {addr}"))?;
+        LongLived::new(stream)
+    }
+
+    /// From the client (an unconnected UDP socket): sends `payload` to `addr` and
+    /// waits up to [`CLIENT_TIMEOUT`] for one datagram; returns it and its sender.
+    pub fn udp_request(
+        &self,
+        addr: SocketAddr,
+        payload: &[u8],
+    ) -> anyhow::Result<(Vec<u8>, SocketAddr)> {
+        self.udp_request_from(None, addr, payload)
+    }
+
+    /// [`Topology::udp_request`] from the client address `src`, or the kernel's
+    /// choice when `None`.
+    pub fn udp_request_from(
+        &self,
+        src: Option<IpAddr>,
+        addr: SocketAddr,
+        payload: &[u8],
+    ) -> anyhow::Result<(Vec<u8>, SocketAddr)> {
+        let socket = self
+            .client
+            .run(|| {
+                let local = src.unwrap_or(match addr {
+                    SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
+                    SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
+                });
+                UdpSocket::bind((local, 0))
+            })?
+            .with_context(|| format!("binding a UDP socket on {src:?}"))?;
+        socket.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+        socket
+            .send_to(payload, addr)
+            .with_context(|| format!("UDP send to {addr}"))?;
+        let mut buf = vec![0u8; 65536];
+        let (n, from) = socket
+            .recv_from(&mut buf)
+            .with_context(|| format!("UDP reply from {addr} within {CLIENT_TIMEOUT:?}"))?;
+        buf.truncate(n);
+        Ok((buf, from))
+    }
+}
+
+/// A client TCP connection that stays open; closed on drop.
+#[derive(Debug)]
+pub struct LongLived {
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+    /// The address connected to.
+    pub peer_addr: SocketAddr,
+    /// The client's end.
+    pub local_addr: SocketAddr,
+}
+
+impl LongLived {
+    fn new(stream: TcpStream) -> anyhow::Result<Self> {
+        stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+        stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
+        stream.set_nodelay(true)?;
+        Ok(Self {
+            peer_addr: stream.peer_addr()?,
+            local_addr: stream.local_addr()?,
+            reader: BufReader::new(stream.try_clone()?),
+            writer: stream,
+        })
+    }
+
+    /// Sends `line` (a newline is added) and returns the reply line without its
+    /// newline, waiting up to [`CLIENT_TIMEOUT`].
+    pub fn exchange(&mut self, line: &str) -> anyhow::Result<String> {
+        self.writer
+            .write_all(format!("{line}\n").as_bytes())
+            .with_context(|| format!("TCP send to {}", self.peer_addr))?;
+        let mut reply = String::new();
+        let n = self
+            .reader
+            .read_line(&mut reply)
+            .with_context(|| format!("TCP reply from {}", self.peer_addr))?;
+        if n == 0 || !reply.ends_with('\n') {
+            bail!("{} closed the connection before replying", self.peer_addr);
+        }
+        reply.pop();
+        Ok(reply)
+    }
+}
+
+/// Turns TX checksum offload off on `ifname` in `ns` (`ethtool -K IF tx off`, run
+/// inside `ns`).
+pub fn disable_tx_checksum(ns: &NetNs, ifname: &str) -> anyhow::Result<()> {
+    let output = match ns
+        .command("ethtool")?
+        .args(["-K", ifname, "tx", "off"])
+        .output()
+    {
+        Ok(output) => output,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => bail!(
+            "ethtool is missing (it turns off TX checksum offload on veths for XDP): \
+             run `cargo xtask setup` (or `apt-get install ethtool`)"
+        ),
+        Err(e) => return Err(e).context("running ethtool"),
+    };
+    if !output.status.success() {
+        bail!(
+            "`ethtool -K {ifname} tx off` in {} failed ({}): {}",
+            ns.name(),
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+fn client_addr() -> DualStack {
+    DualStack {
+        v4: Ipv4Addr::new(198, 18, 1, 2),
+        v6: Ipv6Addr::new(0xfd00, 1, 0, 0, 0, 0, 0, 2),
+    }
+}
+
+fn client_alt_addr() -> DualStack {
+    DualStack {
+        v4: Ipv4Addr::new(198, 18, 1, 3),
+        v6: Ipv6Addr::new(0xfd00, 1, 0, 0, 0, 0, 0, 3),
+    }
+}
+
+fn node_client_addr() -> DualStack {
+    DualStack {
+        v4: Ipv4Addr::new(198, 18, 1, 1),
+        v6: Ipv6Addr::new(0xfd00, 1, 0, 0, 0, 0, 0, 1),
+    }
+}
+
+fn add_addrs(ns: &NetNs, ifname: &str, addr: DualStack) -> anyhow::Result<()> {
+    ns.ip(&["addr", "add", &format!("{}/24", addr.v4), "dev", ifname])?;
+    ns.ip(&[
+        "-6",
+        "addr",
+        "add",
+        &format!("{}/64", addr.v6),
+        "dev",
+        ifname,
+        "nodad",
+    ])?;
+    Ok(())
+}
+
+/// A second pair of addresses that the kernel never picks as a source by itself:
+/// IPv4 secondary (added after the primary of the same subnet), IPv6 deprecated
+/// (`preferred_lft 0`; without it the newest IPv6 address would win). Sockets bound
+/// to them work as usual.
+fn add_alt_addrs(ns: &NetNs, ifname: &str, addr: DualStack) -> anyhow::Result<()> {
+    ns.ip(&["addr", "add", &format!("{}/24", addr.v4), "dev", ifname])?;
+    ns.ip(&[
+        "-6",
+        "addr",
+        "add",
+        &format!("{}/64", addr.v6),
+        "dev",
+        ifname,
+        "nodad",
+        "preferred_lft",
+        "0",
+    ])?;
+    Ok(())
+}
+
+fn default_routes(ns: &NetNs, ifname: &str, via: DualStack) -> anyhow::Result<()> {
+    ns.ip(&[
+        "route",
+        "add",
+        "default",
+        "via",
+        &via.v4.to_string(),
+        "dev",
+        ifname,
+    ])?;
+    ns.ip(&[
+        "-6",
+        "route",
+        "add",
+        "default",
+        "via",
+        &via.v6.to_string(),
+        "dev",
+        ifname,
+    ])?;
+    Ok(())
+}
+
+/// Turns on IPv4 and IPv6 forwarding in `ns`. /proc/sys/net shows the network
+/// namespace of the thread that opens the file, so a `setns` thread writes `ns`'s
+/// settings.
+fn enable_forwarding(ns: &NetNs) -> anyhow::Result<()> {
+    ns.run(|| -> anyhow::Result<()> {
+        for key in ["net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"] {
+            let path = format!("/proc/sys/{key}");
+            std::fs::write(&path, "1").with_context(|| format!("writing 1 to {path}"))?;
+            let now = std::fs::read_to_string(&path)?;
+            if now.trim() != "1" {
+                bail!("{path} reads {now:?} after writing 1");
+            }
+        }
+        Ok(())
+    })?
+}
+
+/// Counters of one backend's servers.
+#[derive(Debug, Default)]
+struct Stats {
+    tcp_connections: AtomicU64,
+    tcp_lines: AtomicU64,
+    udp_datagrams: AtomicU64,
+}
+
+/// Every backend's server threads; stopped and joined (bounded) on drop.
+#[derive(Debug, Default)]
+struct Servers {
+    stop: Arc<AtomicBool>,
+    /// Connection threads still running.
+    active: Arc<AtomicUsize>,
+    threads: Vec<JoinHandle<()>>,
+    stats: Vec<(String, Arc<Stats>)>,
+}
+
+impl Servers {
+    /// Starts `backend`'s servers: TCP and UDP, IPv4 and IPv6, on the wildcard
+    /// addresses of its namespace.
+    fn start(
+        &mut self,
+        backend: &Backend,
+        tcp_port: Option<u16>,
+        udp_port: Option<u16>,
+    ) -> anyhow::Result<()> {
+        let stats = Arc::new(Stats::default());
+        self.stats.push((backend.name.clone(), stats.clone()));
+        let name: Arc<str> = backend.name.as_str().into();
+        let wildcards = [
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        ];
+        if let Some(port) = tcp_port {
+            for ip in wildcards {
+                let addr = SocketAddr::new(ip, port);
+                let listener = backend
+                    .ns
+                    .run(|| tcp_listener(addr))?
+                    .with_context(|| format!("{}: TCP listen on {addr}", backend.name))?;
+                let (name, stats) = (name.clone(), stats.clone());
+                let (stop, active) = (self.stop.clone(), self.active.clone());
+                self.threads.push(
+                    thread::Builder::new()
+                        .name(format!("{name}-tcp"))
+                        .spawn(move || serve_tcp(&listener, &name, &stats, &stop, &active))?,
+                );
+            }
+        }
+        if let Some(port) = udp_port {
+            for ip in wildcards {
+                let addr = SocketAddr::new(ip, port);
+                let socket = backend
+                    .ns
+                    .run(|| udp_socket(addr))?
+                    .with_context(|| format!("{}: UDP bind on {addr}", backend.name))?;
+                let (name, stats, stop) = (name.clone(), stats.clone(), self.stop.clone());
+                self.threads.push(
+                    thread::Builder::new()
+                        .name(format!("{name}-udp"))
+                        .spawn(move || serve_udp(&socket, &name, &stats, &stop))?,
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Servers {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Every thread looks at the flag at least every POLL_INTERVAL.
+        let deadline = Instant::now() + STOP_PATIENCE;
+        for t in self.threads.drain(..) {
+            while !t.is_finished() && Instant::now() < deadline {
+                thread::sleep(Duration::from_millis(5));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                eprintln!(
+                    "warning: a topology server thread did not stop within {STOP_PATIENCE:?}"
+                );
+            }
+        }
+        while self.active.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(5));
+        }
+        let left = self.active.load(Ordering::SeqCst);
+        if left > 0 {
+            eprintln!(
+                "warning: {left} topology connection threads did not stop within {STOP_PATIENCE:?}"
+            );
+        }
+    }
+}
+
+/// A listener on `addr` (IPv6 wildcard: IPv6 only, so IPv4 gets its own).
+fn tcp_listener(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(true)?;
+    }
+    socket.set_reuse_address(true)?;
+    socket.bind(&SockAddr::from(addr))?;
+    socket.listen(4096)?;
+    socket.set_nonblocking(true)?;
+    Ok(socket.into())
+}
+
+/// A UDP socket on `addr` (IPv6 wildcard: IPv6 only), receiving with a short timeout.
+fn udp_socket(addr: SocketAddr) -> io::Result<UdpSocket> {
+    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(true)?;
+    }
+    socket.bind(&SockAddr::from(addr))?;
+    socket.set_read_timeout(Some(POLL_INTERVAL))?;
+    Ok(socket.into())
+}
+
+/// A client connection from `src` (port chosen by the kernel) to `addr`.
+fn connect(src: Option<IpAddr>, addr: SocketAddr) -> io::Result<TcpStream> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    if let Some(ip) = src {
+        socket.bind(&SockAddr::from(SocketAddr::new(ip, 0)))?;
+    }
+    socket.connect_timeout(&SockAddr::from(addr), CLIENT_TIMEOUT)?;
+    Ok(socket.into())
+}
+
+/// Waits up to [`POLL_INTERVAL`] for `fd` to be readable.
+fn readable(fd: i32) -> bool {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, and the descriptor stays open during the call.
+    let n = unsafe { libc::poll(&mut pfd, 1, POLL_INTERVAL.as_millis() as i32) };
+    n > 0
+}
+
+fn serve_tcp(
+    listener: &TcpListener,
+    name: &Arc<str>,
+    stats: &Arc<Stats>,
+    stop: &Arc<AtomicBool>,
+    active: &Arc<AtomicUsize>,
+) {
+    while !stop.load(Ordering::SeqCst) {
+        if !readable(listener.as_raw_fd()) {
+            continue;
+        }
+        // Nonblocking: a connection gone before accept is just skipped.
+        let Ok((stream, _)) = listener.accept() else {
+            continue;
+        };
+        stats.tcp_connections.fetch_add(1, Ordering::SeqCst);
+        active.fetch_add(1, Ordering::SeqCst);
+        let (name, stats, stop, active_in) =
+            (name.clone(), stats.clone(), stop.clone(), active.clone());
+        let spawned = thread::Builder::new()
+            .name(format!("{name}-conn"))
+            .spawn(move || {
+                serve_connection(stream, &name, &stats, &stop);
+                active_in.fetch_sub(1, Ordering::SeqCst);
+            });
+        if spawned.is_err() {
+            // The stream went with the closure: the connection is closed.
+            active.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Answers each line with `"<name> <line>\n"` until the client closes or `stop`.
+fn serve_connection(stream: TcpStream, name: &str, stats: &Stats, stop: &AtomicBool) {
+    let setup = (|| -> io::Result<(BufReader<TcpStream>, TcpStream)> {
+        stream.set_nonblocking(false)?;
+        stream.set_read_timeout(Some(POLL_INTERVAL))?;
+        stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
+        stream.set_nodelay(true)?;
+        Ok((BufReader::new(stream.try_clone()?), stream))
+    })();
+    let Ok((mut reader, mut writer)) = setup else {
+        return;
+    };
+    let mut line = Vec::new();
+    while !stop.load(Ordering::SeqCst) {
+        // A timeout keeps what was read so far in `line`; the next call goes on.
+        match reader.read_until(b'\n', &mut line) {
+            Ok(0) => return,
+            Ok(_) if line.ends_with(b"\n") => {
+                line.pop();
+                let mut reply = Vec::with_capacity(name.len() + line.len() + 2);
+                reply.extend_from_slice(name.as_bytes());
+                reply.push(b' ');
+                reply.extend_from_slice(&line);
+                reply.push(b'\n');
+                if writer.write_all(&reply).is_err() {
+                    return;
+                }
+                stats.tcp_lines.fetch_add(1, Ordering::SeqCst);
+                line.clear();
+            }
+            Ok(_) => return, // EOF in the middle of a line
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+}
+
+fn serve_udp(socket: &UdpSocket, name: &str, stats: &Stats, stop: &AtomicBool) {
+    let mut buf = vec![0u8; 65536];
+    let mut reply = Vec::with_capacity(65536 + name.len() + 1);
+    while !stop.load(Ordering::SeqCst) {
+        let Ok((n, from)) = socket.recv_from(&mut buf) else {
+            continue; // timeout: look at the flag again
+        };
+        reply.clear();
+        reply.extend_from_slice(name.as_bytes());
+        reply.push(b' ');
+        reply.extend_from_slice(&buf[..n]);
+        if socket.send_to(&reply, from).is_ok() {
+            stats.udp_datagrams.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
