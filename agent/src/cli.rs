@@ -36,7 +36,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the agent (in the foreground, until SIGINT/SIGTERM).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Create or update objects from a YAML/JSON file (several documents allowed).
     Apply {
         /// The file, or `-` for standard input.
@@ -71,6 +71,13 @@ pub enum Command {
         /// Output format; text when omitted.
         #[arg(short = 'o', long, value_enum)]
         output: Option<Format>,
+    },
+    /// Remove the kernel state a stopped agent left behind: detach the eBPF programs
+    /// and unpin their maps (established flows through the VIPs end).
+    Cleanup {
+        /// bpffs directory of the pins [default: /sys/fs/bpf/rune, or the config file's].
+        #[arg(long, env = "RUNE_BPF_PIN_DIR", value_name = "DIR")]
+        bpf_pin_dir: Option<PathBuf>,
     },
     /// Print the version.
     Version,
@@ -145,6 +152,30 @@ pub struct RunArgs {
     /// Forwarded DNS answers kept in the cache, 0 for none [default: 10000].
     #[arg(long, env = "RUNE_DNS_CACHE_SIZE", value_name = "N")]
     pub dns_cache_size: Option<usize>,
+    /// Production data plane [default: auto, which is ebpf today].
+    #[arg(long, env = "RUNE_DATAPLANE", value_enum)]
+    pub dataplane: Option<crate::config::DataplaneChoice>,
+    /// bpffs directory for the eBPF pins [default: /sys/fs/bpf/rune].
+    #[arg(long, env = "RUNE_BPF_PIN_DIR", value_name = "DIR")]
+    pub bpf_pin_dir: Option<PathBuf>,
+    /// cgroup v2 directory for the socket-LB hooks, or `none` [default: the cgroup v2 root].
+    #[arg(long, env = "RUNE_CGROUP", value_name = "PATH")]
+    pub cgroup: Option<String>,
+    /// Interfaces for the tc programs, comma-separated; empty for none [default: those of the default routes].
+    #[arg(long, env = "RUNE_INTERFACES", value_name = "A,B")]
+    pub interfaces: Option<String>,
+    /// Interfaces for the XDP program, comma-separated [default: none].
+    #[arg(long, env = "RUNE_XDP_INTERFACES", value_name = "A,B")]
+    pub xdp_interfaces: Option<String>,
+    /// Frontends (VIP × port × protocol) the eBPF maps hold [default: 512].
+    #[arg(long, env = "RUNE_LB_MAX_FRONTENDS", value_name = "N")]
+    pub lb_max_frontends: Option<u32>,
+    /// Backends the eBPF maps hold [default: 65536].
+    #[arg(long, env = "RUNE_LB_MAX_BACKENDS", value_name = "N")]
+    pub lb_max_backends: Option<u32>,
+    /// Conntrack entries per family [default: 262144].
+    #[arg(long, env = "RUNE_LB_MAX_FLOWS", value_name = "N")]
+    pub lb_max_flows: Option<u32>,
 }
 
 impl Cli {
@@ -174,6 +205,14 @@ impl Cli {
             flags.dns_resolv_conf = r.dns_resolv_conf.clone();
             flags.dns_upstream_timeout_ms = r.dns_upstream_timeout_ms;
             flags.dns_cache_size = r.dns_cache_size;
+            flags.dataplane = r.dataplane;
+            flags.bpf_pin_dir = r.bpf_pin_dir.clone();
+            flags.cgroup = r.cgroup.clone();
+            flags.interfaces = r.interfaces.clone().map(|s| vec![s]);
+            flags.xdp_interfaces = r.xdp_interfaces.clone().map(|s| vec![s]);
+            flags.lb_max_frontends = r.lb_max_frontends;
+            flags.lb_max_backends = r.lb_max_backends;
+            flags.lb_max_flows = r.lb_max_flows;
         }
         file.overridden_by(flags).resolve()
     }
@@ -396,5 +435,21 @@ pub async fn status(config: &Config, output: Option<Format>) -> Result<()> {
         Some(Format::Yaml) => print!("{}", serde_yaml_ng::to_string(&status)?),
         None => print!("{}", status.render()),
     }
+    Ok(())
+}
+
+/// `rune-agent cleanup`: refuses while an agent runs on this state dir (it would
+/// re-create what is removed), then removes every pin.
+pub async fn cleanup(config: &Config, pin_dir: Option<&std::path::Path>) -> Result<()> {
+    let socket = localapi::socket_path(&config.state_dir);
+    if Client::connect(&socket).await?.is_some() {
+        bail!(
+            "an agent is running on {} (stop it first: cleanup removes what it uses)",
+            socket.display()
+        );
+    }
+    let dir = pin_dir.unwrap_or(&config.bpf_pin_dir);
+    let removed = crate::dataplane::ebpf::attach::remove_pins(dir)?;
+    println!("removed {removed} eBPF pins under {}", dir.display());
     Ok(())
 }

@@ -49,6 +49,32 @@ pub const DEFAULT_DNS_CACHE_SIZE: usize = 10_000;
 /// Largest accepted `--dns-cache-size`.
 pub const MAX_DNS_CACHE_SIZE: usize = 10_000_000;
 
+/// Default `--bpf-pin-dir`.
+pub const DEFAULT_BPF_PIN_DIR: &str = "/sys/fs/bpf/rune";
+
+/// Default `--lb-max-frontends`: frontends (VIP × port × protocol) the eBPF maps
+/// hold. Each owns a Maglev table, so kernel memory is this × the table size × 4
+/// bytes (32 MiB at the default table size).
+pub const DEFAULT_LB_MAX_FRONTENDS: u32 = 512;
+
+/// Default `--lb-max-backends`.
+pub const DEFAULT_LB_MAX_BACKENDS: u32 = 65_536;
+
+/// Default `--lb-max-flows`: conntrack entries per family (LRU).
+pub const DEFAULT_LB_MAX_FLOWS: u32 = 262_144;
+
+/// Which data plane carries services in production mode (dev mode always uses the
+/// userspace proxies on 127.0.0.1).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum DataplaneChoice {
+    /// The best the kernel can run: today the eBPF data plane.
+    #[default]
+    Auto,
+    /// The eBPF data plane; the start fails when it cannot be loaded.
+    Ebpf,
+}
+
 /// Everything `rune-agent run` needs, resolved and checked.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
@@ -85,6 +111,23 @@ pub struct Config {
     pub dns_upstream_timeout: Duration,
     /// How many forwarded answers are cached (0: none).
     pub dns_cache_size: usize,
+    /// The production data plane asked for.
+    pub dataplane: DataplaneChoice,
+    /// bpffs directory for the eBPF maps' and links' pins.
+    pub bpf_pin_dir: PathBuf,
+    /// cgroup v2 directory for the socket-LB hooks: `None` the cgroup v2 root,
+    /// `Some(None)` socket LB off (`--cgroup none`).
+    pub cgroup: Option<Option<PathBuf>>,
+    /// Interfaces for the tc programs: `None` those of the default routes.
+    pub interfaces: Option<Vec<String>>,
+    /// Interfaces for the XDP program (none by default).
+    pub xdp_interfaces: Vec<String>,
+    /// Capacity of the eBPF frontend maps (and Maglev tables).
+    pub lb_max_frontends: u32,
+    /// Capacity of the eBPF backend map.
+    pub lb_max_backends: u32,
+    /// Capacity of the eBPF conntrack maps, per family.
+    pub lb_max_flows: u32,
 }
 
 /// The config file's shape; every field optional. Unknown keys are errors.
@@ -123,6 +166,22 @@ pub struct FileConfig {
     pub dns_upstream_timeout_ms: Option<u64>,
     /// See [`Config::dns_cache_size`].
     pub dns_cache_size: Option<usize>,
+    /// See [`Config::dataplane`].
+    pub dataplane: Option<DataplaneChoice>,
+    /// See [`Config::bpf_pin_dir`].
+    pub bpf_pin_dir: Option<PathBuf>,
+    /// See [`Config::cgroup`]; `none` turns socket LB off.
+    pub cgroup: Option<String>,
+    /// See [`Config::interfaces`]; an empty list means none.
+    pub interfaces: Option<Vec<String>>,
+    /// See [`Config::xdp_interfaces`].
+    pub xdp_interfaces: Option<Vec<String>>,
+    /// See [`Config::lb_max_frontends`].
+    pub lb_max_frontends: Option<u32>,
+    /// See [`Config::lb_max_backends`].
+    pub lb_max_backends: Option<u32>,
+    /// See [`Config::lb_max_flows`].
+    pub lb_max_flows: Option<u32>,
 }
 
 /// Why the settings were refused.
@@ -194,6 +253,14 @@ impl FileConfig {
                 .dns_upstream_timeout_ms
                 .or(self.dns_upstream_timeout_ms),
             dns_cache_size: over.dns_cache_size.or(self.dns_cache_size),
+            dataplane: over.dataplane.or(self.dataplane),
+            bpf_pin_dir: over.bpf_pin_dir.or(self.bpf_pin_dir),
+            cgroup: over.cgroup.or(self.cgroup),
+            interfaces: over.interfaces.or(self.interfaces),
+            xdp_interfaces: over.xdp_interfaces.or(self.xdp_interfaces),
+            lb_max_frontends: over.lb_max_frontends.or(self.lb_max_frontends),
+            lb_max_backends: over.lb_max_backends.or(self.lb_max_backends),
+            lb_max_flows: over.lb_max_flows.or(self.lb_max_flows),
         }
     }
 
@@ -273,7 +340,52 @@ impl FileConfig {
                 message: format!("{dns_cache_size} is out of range 0-{MAX_DNS_CACHE_SIZE}"),
             });
         }
+        let lb_max_frontends = self.lb_max_frontends.unwrap_or(DEFAULT_LB_MAX_FRONTENDS);
+        let lb_max_backends = self.lb_max_backends.unwrap_or(DEFAULT_LB_MAX_BACKENDS);
+        let lb_max_flows = self.lb_max_flows.unwrap_or(DEFAULT_LB_MAX_FLOWS);
+        for (setting, value, max) in [
+            ("--lb-max-frontends", lb_max_frontends, 1 << 20),
+            ("--lb-max-backends", lb_max_backends, 1 << 24),
+            ("--lb-max-flows", lb_max_flows, 1 << 26),
+        ] {
+            if !(2..=max).contains(&value) {
+                return Err(ConfigError::Invalid {
+                    setting,
+                    message: format!("{value} is out of range 2-{max}"),
+                });
+            }
+        }
+        if u64::from(lb_max_frontends) * u64::from(maglev_table_size) > u64::from(u32::MAX / 4) {
+            return Err(ConfigError::Invalid {
+                setting: "--lb-max-frontends",
+                message: format!(
+                    "{lb_max_frontends} frontends × {maglev_table_size} Maglev slots do not fit one map"
+                ),
+            });
+        }
+        let names = |list: Vec<String>| -> Vec<String> {
+            list.iter()
+                .flat_map(|s| s.split(','))
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .collect()
+        };
+        let cgroup = self.cgroup.map(|c| match c.trim() {
+            "none" | "" => None,
+            path => Some(PathBuf::from(path)),
+        });
         Ok(Config {
+            dataplane: self.dataplane.unwrap_or_default(),
+            bpf_pin_dir: self
+                .bpf_pin_dir
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_BPF_PIN_DIR)),
+            cgroup,
+            interfaces: self.interfaces.map(names),
+            xdp_interfaces: self.xdp_interfaces.map(names).unwrap_or_default(),
+            lb_max_frontends,
+            lb_max_backends,
+            lb_max_flows,
             state_dir: self.state_dir.unwrap_or_else(default_state_dir),
             dev,
             dev_port_offset: self.dev_port_offset.unwrap_or(0),

@@ -17,7 +17,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let run_args = match &cli.command {
-        Command::Run(args) => Some(args),
+        Command::Run(args) => Some(args.as_ref()),
         _ => None,
     };
     let config = match cli.config(run_args) {
@@ -66,6 +66,7 @@ fn main() -> ExitCode {
                 namespace,
             } => cli::delete(&config, kind, name, namespace).await,
             Command::Status { output } => cli::status(&config, *output).await,
+            Command::Cleanup { bpf_pin_dir } => cli::cleanup(&config, bpf_pin_dir.as_deref()).await,
             Command::Version => Ok(()),
         }
     });

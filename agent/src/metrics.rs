@@ -16,7 +16,8 @@ use hyper::{
 };
 use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::{
-    encoding::EncodeLabelSet,
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeLabelSet},
     metrics::{
         counter::Counter,
         family::Family,
@@ -107,10 +108,30 @@ fn dns_duration_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_05, 4.0, 9))
 }
 
+/// The data plane's scrape-time counters, plugged in after [`Metrics::new`] (the
+/// data plane is built after the metrics). prometheus-client encodes a collector
+/// with an encoder it cannot lend twice, so there is one slot.
+#[derive(Debug, Default)]
+struct DataplaneCollector(std::sync::RwLock<Option<Box<dyn Collector>>>);
+
+impl Collector for DataplaneCollector {
+    fn encode(&self, encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let collector = self
+            .0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match collector.as_ref() {
+            Some(c) => c.encode(encoder),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Every metric the agent exports, registered once in [`Metrics::new`].
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
+    dataplane: Arc<DataplaneCollector>,
     /// `rune_subsystem_ready{subsystem}`: 1 when the subsystem reported ready.
     pub subsystem_ready: Family<SubsystemLabels, Gauge>,
     /// `rune_objects{kind}`: objects in the agent's cache, by kind.
@@ -224,8 +245,11 @@ impl Metrics {
             "Time from a DNS query to its response, by zone",
             dns_query_duration.clone(),
         );
+        let dataplane = Arc::new(DataplaneCollector::default());
+        registry.register_collector(Box::new(dataplane.clone()));
         Self {
             registry,
+            dataplane,
             subsystem_ready,
             objects,
             revision_applied,
@@ -240,6 +264,15 @@ impl Metrics {
             dns_cache_misses,
             dns_query_duration,
         }
+    }
+
+    /// Sets the data plane's metrics, read at each scrape (its kernel counters).
+    pub fn set_dataplane_collector(&self, collector: impl Collector) {
+        *self
+            .dataplane
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Box::new(collector));
     }
 
     /// The current values in the OpenMetrics text format (what `/metrics` serves).

@@ -9,6 +9,7 @@ use crate::{
     config::Config,
     dataplane::{
         DataPlane, PortState,
+        ebpf::{EbpfConfig, EbpfDataPlane, Hooks, MapSizes, attach},
         proxy::{ListenOn, ProxyConfig, UserspaceProxy},
         reconciler::Reconciler,
     },
@@ -20,7 +21,7 @@ use crate::{
     orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
     status::{AgentStatus, NodeStatus, SubsystemLine},
 };
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use std::{
     path::PathBuf,
     sync::{Arc, Weak},
@@ -28,13 +29,11 @@ use std::{
 
 /// Runs the agent until SIGINT or SIGTERM, then stops every subsystem.
 pub async fn run(config: Config) -> Result<()> {
-    if !config.dev {
-        bail!(
-            "production mode needs the eBPF or nftables data plane, which this build does not \
-             have yet; run with --dev (userspace proxies on 127.0.0.1)"
-        );
-    }
-    let mode = Mode::Dev;
+    let mode = if config.dev {
+        Mode::Dev
+    } else {
+        Mode::Production
+    };
     raise_fd_limit();
     // Creates the state dir when missing.
     let identity = Identity::load_or_create(&config.state_dir)?;
@@ -46,17 +45,27 @@ pub async fn run(config: Config) -> Result<()> {
     )?);
     let metrics = Arc::new(Metrics::new());
     let cache = Arc::new(EndpointCache::new());
-    let plane: Arc<dyn DataPlane> = Arc::new(UserspaceProxy::new(
-        ProxyConfig {
-            listen: ListenOn::Loopback,
-            port_offset: config.dev_port_offset,
-            node_name: identity.hostname.clone(),
-            maglev_table_size: config.maglev_table_size,
-            udp_idle_timeout: config.udp_idle_timeout,
-            ..ProxyConfig::default()
-        },
-        metrics.clone(),
-    )?);
+    let plane: Arc<dyn DataPlane> = match mode {
+        Mode::Dev => Arc::new(UserspaceProxy::new(
+            ProxyConfig {
+                listen: ListenOn::Loopback,
+                port_offset: config.dev_port_offset,
+                node_name: identity.hostname.clone(),
+                maglev_table_size: config.maglev_table_size,
+                udp_idle_timeout: config.udp_idle_timeout,
+                ..ProxyConfig::default()
+            },
+            metrics.clone(),
+        )?),
+        Mode::Production => {
+            let ebpf = EbpfDataPlane::new(&ebpf_config(&config, &identity)).context(
+                "starting the eBPF data plane (production mode needs root and a kernel with \
+                 BTF, cgroup v2 and bpffs; run with --dev for userspace proxies on 127.0.0.1)",
+            )?;
+            metrics.set_dataplane_collector(ebpf.collector());
+            Arc::new(ebpf)
+        }
+    };
     let agent = Arc::new(Agent::new(AgentConfig {
         identity: identity.clone(),
         mode,
@@ -112,7 +121,9 @@ pub async fn run(config: Config) -> Result<()> {
         state_dir = %config.state_dir.display(),
         "starting rune-agent"
     );
-    tracing::warn!("dev mode: network policy is not enforced");
+    if mode == Mode::Dev {
+        tracing::warn!("dev mode: network policy is not enforced");
+    }
     // One signal future for the whole run, installed before start: a SIGTERM that
     // arrives between start and the wait below is not lost.
     let signal = shutdown_signal()?;
@@ -147,6 +158,36 @@ pub async fn run(config: Config) -> Result<()> {
     agent.stop().await.context("stopping the agent")?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The eBPF data plane's settings: hooks from the config, else the cgroup v2 root
+/// and the interfaces of the default routes.
+fn ebpf_config(config: &Config, identity: &Identity) -> EbpfConfig {
+    let cgroup = match &config.cgroup {
+        Some(choice) => choice.clone(),
+        None => attach::default_cgroup(),
+    };
+    let tc = config
+        .interfaces
+        .clone()
+        .unwrap_or_else(attach::default_route_interfaces);
+    EbpfConfig {
+        pin_dir: config.bpf_pin_dir.clone(),
+        hooks: Hooks {
+            cgroup,
+            tc,
+            xdp: config.xdp_interfaces.clone(),
+            ..Hooks::default()
+        },
+        sizes: MapSizes {
+            frontends: config.lb_max_frontends,
+            backends: config.lb_max_backends,
+            table_size: config.maglev_table_size,
+            flows: config.lb_max_flows,
+            affinity: config.lb_max_flows,
+        },
+        node_name: identity.hostname.clone(),
+    }
 }
 
 /// Raises the soft limit on open files to the hard limit: every proxied connection
@@ -203,6 +244,7 @@ fn status_fn(
         let mut st = AgentStatus::from_cache(&state_dir, &cache);
         st.running = true;
         st.dataplane = Some(plane.mode().to_owned());
+        st.programs = plane.programs();
         st.dns = Some(dns().to_string());
         let ports = plane.status();
         for s in &mut st.services {
@@ -215,7 +257,18 @@ fn status_fn(
                         PortState::Listening => "listening".to_owned(),
                         PortState::Failed { reason } => format!("failed: {reason}"),
                     });
+                    p.counters = dp.counters.map(|c| c.to_string());
                 }
+            }
+            // A backend's counters (shared by the ports that reach it).
+            for b in &mut s.backends {
+                b.counters = ports
+                    .iter()
+                    .filter(|d| d.service == s.service)
+                    .flat_map(|d| d.backends.iter())
+                    .find(|db| db.address.to_string() == b.address)
+                    .and_then(|db| db.counters)
+                    .map(|c| c.to_string());
             }
         }
         if let Some(agent) = agent.upgrade() {

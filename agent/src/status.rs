@@ -25,6 +25,9 @@ pub struct AgentStatus {
     /// The data plane carrying services (`userspace`, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dataplane: Option<String>,
+    /// The kernel programs the data plane runs, one line each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub programs: Vec<String>,
     /// The embedded DNS server: `serving on ADDR, ...`, or `off: <reason>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dns: Option<String>,
@@ -112,6 +115,9 @@ pub struct PortStatus {
     /// `listening`, or `failed: <reason>`; absent without a running agent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state: Option<String>,
+    /// Traffic counters, where the data plane keeps them per port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counters: Option<String>,
 }
 
 /// One endpoint of a service.
@@ -124,6 +130,9 @@ pub struct BackendStatus {
     pub node: String,
     /// `accepting` (gets new connections), `terminating` or `not-ready`.
     pub state: String,
+    /// Traffic counters, where the data plane keeps them per backend.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counters: Option<String>,
 }
 
 impl ServiceStatus {
@@ -145,6 +154,7 @@ impl ServiceStatus {
                     "not-ready"
                 }
                 .to_owned(),
+                counters: None,
             })
             .collect();
         ServiceStatus {
@@ -172,6 +182,7 @@ impl ServiceStatus {
                     target_port: p.target(),
                     listen: None,
                     state: None,
+                    counters: None,
                 })
                 .collect(),
             backends,
@@ -227,6 +238,10 @@ impl AgentStatus {
         if let Some(d) = &self.dataplane {
             writeln!(o, "data plane: {d}")?;
         }
+        for (i, p) in self.programs.iter().enumerate() {
+            let label = if i == 0 { "programs:" } else { "" };
+            writeln!(o, "{label:12}{p}")?;
+        }
         if let Some(d) = &self.dns {
             writeln!(o, "dns:        {d}")?;
         }
@@ -279,12 +294,18 @@ impl AgentStatus {
                 if let Some(st) = &p.state {
                     write!(o, "  {st}")?;
                 }
+                if let Some(c) = &p.counters {
+                    write!(o, "  ({c})")?;
+                }
                 writeln!(o)?;
             }
             for b in &s.backends {
                 write!(o, "    backend {}  {}", b.address, b.state)?;
                 if !b.node.is_empty() {
                     write!(o, "  (node {})", b.node)?;
+                }
+                if let Some(c) = &b.counters {
+                    write!(o, "  ({c})")?;
                 }
                 writeln!(o)?;
             }

@@ -114,6 +114,16 @@ pub enum BackendState {
     NotReady,
 }
 
+impl std::fmt::Display for TrafficCounters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "flows {}, packets {}, bytes {}",
+            self.flows, self.packets, self.bytes
+        )
+    }
+}
+
 impl BackendState {
     /// The state of `endpoint` as the data planes treat it.
     #[must_use]

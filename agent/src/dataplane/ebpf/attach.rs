@@ -316,3 +316,42 @@ pub fn remove_pins(pin_dir: &Path) -> Result<usize, EbpfError> {
     fs::remove_dir(pin_dir).map_err(|e| pin_error(pin_dir, e))?;
     Ok(removed)
 }
+
+/// cgroup2's `f_type`.
+const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+
+/// The cgroup v2 root: `/sys/fs/cgroup/unified` on hybrid hosts, else
+/// `/sys/fs/cgroup` when that is cgroup v2.
+#[must_use]
+pub fn default_cgroup() -> Option<PathBuf> {
+    ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| super::loader::fs_type(p) == Some(CGROUP2_SUPER_MAGIC))
+}
+
+/// The interfaces of this network namespace's default routes (IPv4 and IPv6),
+/// from `/proc/net/route` and `/proc/net/ipv6_route`, sorted, without duplicates.
+#[must_use]
+pub fn default_route_interfaces() -> Vec<String> {
+    let mut out = BTreeSet::new();
+    if let Ok(text) = fs::read_to_string("/proc/net/route") {
+        // Iface Destination Gateway Flags RefCnt Use Metric Mask ...
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() > 7 && f[1] == "00000000" && f[7] == "00000000" {
+                out.insert(f[0].to_owned());
+            }
+        }
+    }
+    if let Ok(text) = fs::read_to_string("/proc/net/ipv6_route") {
+        // dest dest_len src src_len next_hop metric refcnt use flags iface
+        for line in text.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() >= 10 && f[0].bytes().all(|b| b == b'0') && f[1] == "00" && f[9] != "lo" {
+                out.insert(f[9].to_owned());
+            }
+        }
+    }
+    out.into_iter().collect()
+}

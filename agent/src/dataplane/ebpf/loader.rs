@@ -224,7 +224,7 @@ pub fn ensure_pin_dir(pin_dir: &Path) -> Result<(), EbpfError> {
     Ok(())
 }
 
-fn fs_type(path: &Path) -> Option<i64> {
+pub(crate) fn fs_type(path: &Path) -> Option<i64> {
     use std::os::unix::ffi::OsStrExt as _;
     let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
     // SAFETY: statfs fills the zeroed struct; the path is NUL-terminated.

@@ -338,7 +338,7 @@ impl<M: LbMaps + 'static> Collector for LbCollector<M> {
             for (labels, stats) in &per_frontend {
                 ConstCounter::new(pick(stats)).encode(family.encode_family(labels)?)?;
             }
-            let backend_name = format!("{name}_backend");
+            let backend_name = name.replace("dataplane_", "dataplane_backend_");
             let mut family = encoder.encode_descriptor(
                 &backend_name,
                 &format!("{help}, by backend"),
