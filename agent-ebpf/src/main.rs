@@ -7,7 +7,10 @@
 #![no_main]
 
 mod maps;
+mod nat;
 mod select;
+mod tc;
+mod xdp;
 
 use agent_common::PacketStats;
 use aya_ebpf::{

@@ -3,3 +3,5 @@
 pub mod agent;
 pub mod dns;
 pub mod netns;
+pub mod packet;
+pub mod prog_test_run;
