@@ -6,6 +6,7 @@
 #![no_std]
 #![no_main]
 
+mod bench;
 mod maps;
 mod nat;
 mod select;
