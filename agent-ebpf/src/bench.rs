@@ -10,6 +10,7 @@
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, xdp_action},
+    helpers::bpf_get_smp_processor_id,
     macros::{classifier, map, xdp},
     maps::{Array, PerCpuArray, ProgramArray},
     programs::{TcContext, XdpContext},
@@ -56,11 +57,14 @@ fn restore(data: usize, end: usize) -> bool {
     if RUNE_BENCH_VARY.get(0).is_some_and(|v| *v != 0)
         && let Some(seq) = RUNE_BENCH_SEQ.get_ptr_mut(0)
     {
+        // The CPU in the top bits: a run can migrate between CPUs (test_run
+        // reschedules), and the CPUs' sequences must not produce the same address.
         // SAFETY: a per-CPU slot from a successful lookup; the source address is at
         // 14 + 12, inside the restored headers.
         unsafe {
-            *seq = (*seq).wrapping_add(1);
-            ((data + 26) as *mut u32).write_unaligned(*seq);
+            *seq = (*seq).wrapping_add(1) & 0x0fff_ffff;
+            let cpu = bpf_get_smp_processor_id();
+            ((data + 26) as *mut u32).write_unaligned(*seq | (cpu << 28));
         }
     }
     true
