@@ -6,8 +6,12 @@
 #![no_std]
 #![no_main]
 
+mod bench;
 mod maps;
+mod nat;
 mod select;
+mod tc;
+mod xdp;
 
 use agent_common::PacketStats;
 use aya_ebpf::{

@@ -3,4 +3,6 @@
 pub mod agent;
 pub mod dns;
 pub mod netns;
+pub mod packet;
+pub mod prog_test_run;
 pub mod topology;

@@ -6,7 +6,8 @@
 //! compared as ratios, because on a 2-core machine absolute figures swing with
 //! whatever else runs. Direct and proxied runs use different client source addresses
 //! so that neither meets the other's TIME_WAIT entries (FACTS.md). Then the agent's
-//! memory with 1,000 services applied. Then the DNS figures ([`crate::bench_dns`]).
+//! memory with 1,000 services applied. Then the DNS figures ([`crate::bench_dns`]),
+//! and the eBPF load balancer per packet ([`crate::bench_ebpf`], root only).
 //!
 //! Every load loop is bounded in time and stops by itself; all traffic stays on
 //! 127.0.0.0/8.
@@ -54,7 +55,8 @@ pub fn run() -> Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let report = rt.block_on(bench_all(&bin))?;
+    let mut report = rt.block_on(bench_all(&bin))?;
+    report.push_str(&crate::bench_ebpf::section()?);
     println!("{report}");
     let out = crate::util::target_dir().join("bench.md");
     std::fs::write(&out, &report)?;

@@ -12,6 +12,13 @@ const TARGET: &str = "bpfel-unknown-none";
 
 /// Builds `agent-ebpf` with the nightly toolchain and prints the object path.
 pub fn run() -> anyhow::Result<()> {
+    let object = build()?;
+    println!("{}", object.display());
+    Ok(())
+}
+
+/// Builds `agent-ebpf` with the nightly toolchain; returns the object's path.
+pub fn build() -> anyhow::Result<std::path::PathBuf> {
     let target_dir = util::target_dir().join("ebpf");
     // The same flags aya-build passes (bpf_target_arch cfg, BTF, full debug info).
     let mut rustflags = OsString::new();
@@ -47,7 +54,5 @@ pub fn run() -> anyhow::Result<()> {
     util::run_status("build-ebpf", &mut cmd)
         .context("is the eBPF toolchain installed? run `cargo xtask setup`")?;
 
-    let object = target_dir.join(TARGET).join("release").join("agent-ebpf");
-    println!("{}", object.display());
-    Ok(())
+    Ok(target_dir.join(TARGET).join("release").join("agent-ebpf"))
 }

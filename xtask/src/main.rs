@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_dns;
+mod bench_ebpf;
 mod build_ebpf;
 mod run;
 mod setup;
@@ -35,9 +36,21 @@ enum Command {
     /// Setup, then run the agent (`rune-agent run --dev ARGS` unless `--production`).
     Run(run::Args),
     /// Setup, then measure the dev-mode proxy against direct connections, the
-    /// embedded DNS server against dnsmasq, and the agent's memory (side by side in
-    /// one run; prints a table).
-    Bench,
+    /// embedded DNS server against dnsmasq, the agent's memory (side by side in one
+    /// run) and the eBPF load balancer's per-packet cost; prints a table.
+    /// `bench ebpf` runs only the eBPF section (needs root).
+    Bench {
+        /// Only this section.
+        #[arg(value_enum)]
+        section: Option<BenchSection>,
+    },
+}
+
+/// A section of `cargo xtask bench` that can run alone.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum BenchSection {
+    /// The eBPF load balancer per packet (BPF_PROG_TEST_RUN).
+    Ebpf,
 }
 
 fn main() -> ExitCode {
@@ -46,7 +59,10 @@ fn main() -> ExitCode {
         Command::BuildEbpf => build_ebpf::run(),
         Command::Test => test::run(),
         Command::Run(args) => run::run(args),
-        Command::Bench => setup::run().and_then(|()| bench::run()),
+        Command::Bench { section: None } => setup::run().and_then(|()| bench::run()),
+        Command::Bench {
+            section: Some(BenchSection::Ebpf),
+        } => setup::run().and_then(|()| bench_ebpf::run_alone()),
     };
     // One line per cause, no backtrace: the failing step's own output is above.
     match result {

@@ -1,0 +1,479 @@
+//! North-south VIP load balancing, shared by `rune_tc_ingress`, `rune_xdp_lb` and
+//! `rune_tc_egress`: one parsing and rewrite core over the packet's raw pointers.
+//!
+//! * [`dnat`] (tc ingress, XDP): a TCP/UDP packet whose (daddr, dport, proto) is a
+//!   frontend goes to the backend its conntrack entry names, else to a new one from
+//!   `select::pick_backend` (forward and reverse conntrack entries are stored); its
+//!   daddr/dport are rewritten to the backend's and the checksums updated.
+//! * [`snat`] (tc egress): a backend's reply with a reverse conntrack entry gets the
+//!   VIP and service port back as its source.
+//!
+//! Which packets are "for a VIP": those whose frontend key can be read, i.e. the
+//! Ethernet, IP (IPv4 with any IHL ≥ 5, not a non-first fragment; IPv6 with TCP/UDP
+//! as next header) and the transport ports are inside the packet. Anything else
+//! passes untouched, for the stack to handle or drop. A packet matching a frontend
+//! that cannot be translated (transport header cut short, TCP data offset < 5, IP
+//! length shorter than the headers or longer than the packet) is dropped and counted
+//! as `DropReason::Malformed`.
+//!
+//! Checksums: the core writes the new address and port through the packet pointers,
+//! then hands a [`CsumFix`] to the hook ([`NatCtx::fix_csums`]). XDP applies it with
+//! [`fix_csums_in_place`] (RFC 1624 on the full checksums XDP sees); tc uses the
+//! kernel's `bpf_l{3,4}_csum_replace`, which also handle `CHECKSUM_PARTIAL` and
+//! `CHECKSUM_COMPLETE` skbs.
+
+pub mod csum;
+pub mod parse;
+
+use agent_common::{
+    hash::{FLOW_HASH_SEED, flow_hash_v4, flow_hash_v6},
+    lb::{
+        Backend, CT_FORWARD, CT_REVERSE, CtKeyV4, CtKeyV6, CtValue, DropReason, FAMILY_V4,
+        FAMILY_V6, PROTO_TCP, ServiceKeyV4, ServiceKeyV6, ServiceValue,
+    },
+};
+
+use crate::{
+    maps::{RUNE_BACKENDS, RUNE_CT_V4, RUNE_CT_V6, RUNE_SVC_V4, RUNE_SVC_V6},
+    select,
+};
+use parse::{ETH_LEN, ETH_P_IP, ETH_P_IPV6, L4Pos, TCP_LEN, UDP_LEN, load, store};
+
+/// What the core did with a packet that goes on (both become `XDP_PASS` /
+/// `TC_ACT_OK`); a packet to drop is an `Err(DropReason)`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Not for us: the packet is untouched.
+    Untouched,
+    /// Addresses and ports rewritten, checksums updated.
+    Translated,
+}
+
+/// The hook the core runs in: packet bounds and how checksums are fixed.
+pub trait NatCtx {
+    /// Start of the packet (the Ethernet header).
+    fn data(&self) -> usize;
+    /// End of the directly accessible part of the packet.
+    fn data_end(&self) -> usize;
+    /// Length of the whole packet from the Ethernet header (tc: also the part not
+    /// directly accessible).
+    fn len(&self) -> usize;
+    /// Updates the checksums after the core rewrote one address and one port in
+    /// place. Packet pointers may be invalid afterwards (tc helpers).
+    fn fix_csums(&self, fix: &CsumFix) -> Result<(), DropReason>;
+}
+
+/// The checksum update after one address and one port were rewritten.
+pub struct CsumFix {
+    /// Address of the IPv4 header checksum; 0 for IPv6 (no IP checksum).
+    pub ip_check: usize,
+    /// Address of the TCP/UDP checksum.
+    pub l4_check: usize,
+    /// Offset of the TCP/UDP checksum from the start of the packet.
+    pub l4_check_off: usize,
+    /// Ones'-complement diff of the address change ([`csum::diff32`]/[`csum::diff128`]).
+    pub addr_diff: u32,
+    /// The port before (as loaded from the packet).
+    pub old_port: u16,
+    /// The port after.
+    pub new_port: u16,
+    /// UDP: a zero checksum means "none" and stays zero; a result of zero is sent
+    /// as 0xffff.
+    pub udp: bool,
+    /// IPv6 packet.
+    pub v6: bool,
+}
+
+/// Offset of the IPv4 header checksum from the start of the packet.
+pub const IPV4_CHECK_OFF: usize = ETH_LEN + 10;
+
+/// Applies `fix` by hand, RFC 1624 (XDP: checksums are complete, never partial).
+///
+/// # Safety
+///
+/// The addresses in `fix` must be inside the packet, as the core checked them.
+#[inline(always)]
+pub unsafe fn fix_csums_in_place(fix: &CsumFix) {
+    // SAFETY (both blocks): the core checked these fields are inside the packet.
+    if fix.ip_check != 0 {
+        unsafe {
+            let check: u16 = load(fix.ip_check);
+            store(fix.ip_check, csum::update(check, fix.addr_diff));
+        }
+    }
+    unsafe {
+        let check: u16 = load(fix.l4_check);
+        if fix.udp && check == 0 {
+            return;
+        }
+        let diff = csum::add(fix.addr_diff, csum::diff16(fix.old_port, fix.new_port));
+        let mut new = csum::update(check, diff);
+        if fix.udp && new == 0 {
+            new = 0xffff;
+        }
+        store(fix.l4_check, new);
+    }
+}
+
+/// DNAT of a packet to a VIP (tc ingress and XDP).
+#[inline(always)]
+pub fn dnat<C: NatCtx>(ctx: &C) -> Result<Verdict, DropReason> {
+    let (data, end) = (ctx.data(), ctx.data_end());
+    match parse::ethertype(data, end) {
+        Some(ETH_P_IP) => dnat_v4(ctx, data, end),
+        Some(ETH_P_IPV6) => dnat_v6(ctx, data, end),
+        _ => Ok(Verdict::Untouched),
+    }
+}
+
+/// Reverse NAT of a backend's reply (tc egress).
+#[inline(always)]
+pub fn snat<C: NatCtx>(ctx: &C) -> Result<Verdict, DropReason> {
+    let (data, end) = (ctx.data(), ctx.data_end());
+    match parse::ethertype(data, end) {
+        Some(ETH_P_IP) => snat_v4(ctx, data, end),
+        Some(ETH_P_IPV6) => snat_v6(ctx, data, end),
+        _ => Ok(Verdict::Untouched),
+    }
+}
+
+/// Checks the transport header is complete and consistent with the IP length
+/// (`l4_len`: transport header + payload per the IP header; `None` when the IP
+/// header's length is already too short). Returns the checksum field's offset.
+#[inline(always)]
+fn full_l4<C: NatCtx>(
+    ctx: &C,
+    pos: &L4Pos,
+    end: usize,
+    l4_len: Option<usize>,
+) -> Result<usize, DropReason> {
+    let (hdr, check) = if pos.proto == PROTO_TCP {
+        if pos.l4 + TCP_LEN > end {
+            return Err(DropReason::Malformed);
+        }
+        // SAFETY: the TCP header is inside the packet (checked above).
+        let doff = (unsafe { load::<u8>(pos.l4 + 12) } >> 4) as usize * 4;
+        (doff, 16)
+    } else {
+        if pos.l4 + UDP_LEN > end {
+            return Err(DropReason::Malformed);
+        }
+        (UDP_LEN, 6)
+    };
+    let min = if pos.proto == PROTO_TCP {
+        TCP_LEN
+    } else {
+        UDP_LEN
+    };
+    let avail = ctx.len().saturating_sub(pos.l4_off);
+    match l4_len {
+        Some(len) if hdr >= min && len >= hdr && len <= avail => Ok(check),
+        _ => Err(DropReason::Malformed),
+    }
+}
+
+/// The backend of a flow: its conntrack entry's if that backend still exists, else a
+/// new pick. Returns the id, the backend, and whether the flow is new.
+#[inline(always)]
+fn ct_backend(existing: Option<u32>, family: u8) -> Option<(u32, Backend)> {
+    let id = existing?;
+    let backend = *RUNE_BACKENDS.get(id)?;
+    (backend.family == family).then_some((id, backend))
+}
+
+#[inline(always)]
+fn dnat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropReason> {
+    let Some(pos) = parse::ipv4(data, end) else {
+        return Ok(Verdict::Untouched);
+    };
+    // SAFETY: the IPv4 fixed header and the ports are inside the packet.
+    let (daddr, dport) = unsafe { (load::<u32>(pos.ip + 16), load::<u16>(pos.l4 + 2)) };
+    let svc_key = ServiceKeyV4 {
+        addr: daddr,
+        port: dport,
+        proto: pos.proto,
+        pad: 0,
+    };
+    // SAFETY: the value is copied out at once.
+    let Some(svc) = (unsafe { RUNE_SVC_V4.get(&svc_key) }).copied() else {
+        return Ok(Verdict::Untouched);
+    };
+    let ihl = pos.l4_off - ETH_LEN;
+    // SAFETY: the IPv4 fixed header is inside the packet.
+    let tot_len = u16::from_be(unsafe { load::<u16>(pos.ip + 2) }) as usize;
+    let check_off = full_l4(ctx, &pos, end, tot_len.checked_sub(ihl))?;
+    // SAFETY: as above.
+    let (saddr, sport) = unsafe { (load::<u32>(pos.ip + 12), load::<u16>(pos.l4)) };
+
+    let key = CtKeyV4 {
+        saddr,
+        daddr,
+        sport,
+        dport,
+        proto: pos.proto,
+        dir: CT_FORWARD,
+        pad: [0; 2],
+    };
+    // SAFETY: the value is read at once.
+    let existing = unsafe { RUNE_CT_V4.get(&key) }.map(|ct| ct.backend_id);
+    let (id, backend, new_flow) = match ct_backend(existing, FAMILY_V4) {
+        Some((id, backend)) => (id, backend, false),
+        None => {
+            let hash = flow_hash_v4(u32::from_be(saddr), u16::from_be(sport), FLOW_HASH_SEED);
+            let (id, backend) = pick(&svc, &[saddr, 0, 0, 0], hash, FAMILY_V4)?;
+            let forward = CtValue {
+                backend_id: id,
+                service_id: svc.id,
+                ..CtValue::default()
+            };
+            let reverse_key = CtKeyV4 {
+                saddr: backend.addr[0],
+                daddr: saddr,
+                sport: backend.port,
+                dport: sport,
+                proto: pos.proto,
+                dir: CT_REVERSE,
+                pad: [0; 2],
+            };
+            let reverse = CtValue {
+                backend_id: id,
+                service_id: svc.id,
+                nat_addr: [daddr, 0, 0, 0],
+                nat_port: dport,
+                pad: [0; 6],
+            };
+            // A full LRU map is rare (it evicts); the flow still goes to its backend,
+            // whose Maglev slot is stable, and the failure is counted.
+            if RUNE_CT_V4.insert(&key, &forward, 0).is_err()
+                || RUNE_CT_V4.insert(&reverse_key, &reverse, 0).is_err()
+            {
+                select::count_drop(DropReason::MapFull);
+            }
+            (id, backend, true)
+        }
+    };
+
+    // SAFETY: the fields were bounds-checked above.
+    unsafe {
+        store(pos.ip + 16, backend.addr[0]);
+        store(pos.l4 + 2, backend.port);
+    }
+    ctx.fix_csums(&CsumFix {
+        ip_check: pos.ip + 10,
+        l4_check: pos.l4 + check_off,
+        l4_check_off: pos.l4_off + check_off,
+        addr_diff: csum::diff32(daddr, backend.addr[0]),
+        old_port: dport,
+        new_port: backend.port,
+        udp: pos.proto != PROTO_TCP,
+        v6: false,
+    })?;
+    select::count_packet(svc.id, id, (ctx.len() - ETH_LEN) as u64, new_flow);
+    Ok(Verdict::Translated)
+}
+
+#[inline(always)]
+fn dnat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropReason> {
+    let Some(pos) = parse::ipv6(data, end) else {
+        return Ok(Verdict::Untouched);
+    };
+    // SAFETY: the IPv6 fixed header and the ports are inside the packet.
+    let (daddr, dport) = unsafe { (load::<[u32; 4]>(pos.ip + 24), load::<u16>(pos.l4 + 2)) };
+    let svc_key = ServiceKeyV6 {
+        addr: daddr,
+        port: dport,
+        proto: pos.proto,
+        pad: 0,
+    };
+    // SAFETY: the value is copied out at once.
+    let Some(svc) = (unsafe { RUNE_SVC_V6.get(&svc_key) }).copied() else {
+        return Ok(Verdict::Untouched);
+    };
+    // SAFETY: as above.
+    let payload = u16::from_be(unsafe { load::<u16>(pos.ip + 4) }) as usize;
+    let check_off = full_l4(ctx, &pos, end, Some(payload))?;
+    // SAFETY: as above.
+    let (saddr, sport) = unsafe { (load::<[u32; 4]>(pos.ip + 8), load::<u16>(pos.l4)) };
+
+    let key = CtKeyV6 {
+        saddr,
+        daddr,
+        sport,
+        dport,
+        proto: pos.proto,
+        dir: CT_FORWARD,
+        pad: [0; 2],
+    };
+    // SAFETY: the value is read at once.
+    let existing = unsafe { RUNE_CT_V6.get(&key) }.map(|ct| ct.backend_id);
+    let (id, backend, new_flow) = match ct_backend(existing, FAMILY_V6) {
+        Some((id, backend)) => (id, backend, false),
+        None => {
+            let words = [
+                u32::from_be(saddr[0]),
+                u32::from_be(saddr[1]),
+                u32::from_be(saddr[2]),
+                u32::from_be(saddr[3]),
+            ];
+            let hash = flow_hash_v6(words, u16::from_be(sport), FLOW_HASH_SEED);
+            let (id, backend) = pick(&svc, &saddr, hash, FAMILY_V6)?;
+            let forward = CtValue {
+                backend_id: id,
+                service_id: svc.id,
+                ..CtValue::default()
+            };
+            let reverse_key = CtKeyV6 {
+                saddr: backend.addr,
+                daddr: saddr,
+                sport: backend.port,
+                dport: sport,
+                proto: pos.proto,
+                dir: CT_REVERSE,
+                pad: [0; 2],
+            };
+            let reverse = CtValue {
+                backend_id: id,
+                service_id: svc.id,
+                nat_addr: daddr,
+                nat_port: dport,
+                pad: [0; 6],
+            };
+            if RUNE_CT_V6.insert(&key, &forward, 0).is_err()
+                || RUNE_CT_V6.insert(&reverse_key, &reverse, 0).is_err()
+            {
+                select::count_drop(DropReason::MapFull);
+            }
+            (id, backend, true)
+        }
+    };
+
+    // SAFETY: the fields were bounds-checked above.
+    unsafe {
+        store(pos.ip + 24, backend.addr);
+        store(pos.l4 + 2, backend.port);
+    }
+    ctx.fix_csums(&CsumFix {
+        ip_check: 0,
+        l4_check: pos.l4 + check_off,
+        l4_check_off: pos.l4_off + check_off,
+        addr_diff: csum::diff128(&daddr, &backend.addr),
+        old_port: dport,
+        new_port: backend.port,
+        udp: pos.proto != PROTO_TCP,
+        v6: true,
+    })?;
+    select::count_packet(svc.id, id, (ctx.len() - ETH_LEN) as u64, new_flow);
+    Ok(Verdict::Translated)
+}
+
+/// A new flow's backend, which must be of the frontend's family (no NAT46/64).
+#[inline(always)]
+fn pick(
+    svc: &ServiceValue,
+    client: &[u32; 4],
+    hash: u32,
+    family: u8,
+) -> Result<(u32, Backend), DropReason> {
+    let (id, backend) = select::pick_backend(svc, client, hash)?;
+    if backend.family != family {
+        return Err(DropReason::BackendMissing);
+    }
+    Ok((id, backend))
+}
+
+#[inline(always)]
+fn snat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropReason> {
+    let Some(pos) = parse::ipv4(data, end) else {
+        return Ok(Verdict::Untouched);
+    };
+    // SAFETY: the IPv4 fixed header and the ports are inside the packet.
+    let key = unsafe {
+        CtKeyV4 {
+            saddr: load(pos.ip + 12),
+            daddr: load(pos.ip + 16),
+            sport: load(pos.l4),
+            dport: load(pos.l4 + 2),
+            proto: pos.proto,
+            dir: CT_REVERSE,
+            pad: [0; 2],
+        }
+    };
+    // SAFETY: the value is copied out at once.
+    let Some(ct) = (unsafe { RUNE_CT_V4.get(&key) }).copied() else {
+        return Ok(Verdict::Untouched);
+    };
+    let ihl = pos.l4_off - ETH_LEN;
+    // SAFETY: as above.
+    let tot_len = u16::from_be(unsafe { load::<u16>(pos.ip + 2) }) as usize;
+    let check_off = full_l4(ctx, &pos, end, tot_len.checked_sub(ihl))?;
+    // SAFETY: the fields were bounds-checked above.
+    unsafe {
+        store(pos.ip + 12, ct.nat_addr[0]);
+        store(pos.l4, ct.nat_port);
+    }
+    ctx.fix_csums(&CsumFix {
+        ip_check: pos.ip + 10,
+        l4_check: pos.l4 + check_off,
+        l4_check_off: pos.l4_off + check_off,
+        addr_diff: csum::diff32(key.saddr, ct.nat_addr[0]),
+        old_port: key.sport,
+        new_port: ct.nat_port,
+        udp: pos.proto != PROTO_TCP,
+        v6: false,
+    })?;
+    select::count_packet(
+        ct.service_id,
+        ct.backend_id,
+        (ctx.len() - ETH_LEN) as u64,
+        false,
+    );
+    Ok(Verdict::Translated)
+}
+
+#[inline(always)]
+fn snat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropReason> {
+    let Some(pos) = parse::ipv6(data, end) else {
+        return Ok(Verdict::Untouched);
+    };
+    // SAFETY: the IPv6 fixed header and the ports are inside the packet.
+    let key = unsafe {
+        CtKeyV6 {
+            saddr: load(pos.ip + 8),
+            daddr: load(pos.ip + 24),
+            sport: load(pos.l4),
+            dport: load(pos.l4 + 2),
+            proto: pos.proto,
+            dir: CT_REVERSE,
+            pad: [0; 2],
+        }
+    };
+    // SAFETY: the value is copied out at once.
+    let Some(ct) = (unsafe { RUNE_CT_V6.get(&key) }).copied() else {
+        return Ok(Verdict::Untouched);
+    };
+    // SAFETY: as above.
+    let payload = u16::from_be(unsafe { load::<u16>(pos.ip + 4) }) as usize;
+    let check_off = full_l4(ctx, &pos, end, Some(payload))?;
+    // SAFETY: the fields were bounds-checked above.
+    unsafe {
+        store(pos.ip + 8, ct.nat_addr);
+        store(pos.l4, ct.nat_port);
+    }
+    ctx.fix_csums(&CsumFix {
+        ip_check: 0,
+        l4_check: pos.l4 + check_off,
+        l4_check_off: pos.l4_off + check_off,
+        addr_diff: csum::diff128(&key.saddr, &ct.nat_addr),
+        old_port: key.sport,
+        new_port: ct.nat_port,
+        udp: pos.proto != PROTO_TCP,
+        v6: true,
+    })?;
+    select::count_packet(
+        ct.service_id,
+        ct.backend_id,
+        (ctx.len() - ETH_LEN) as u64,
+        false,
+    );
+    Ok(Verdict::Translated)
+}

@@ -1,0 +1,121 @@
+//! `rune_tc_ingress` (VIP DNAT) and `rune_tc_egress` (reverse NAT of replies) on the
+//! tc hooks (see [`crate::nat`]).
+
+use agent_common::lb::DropReason;
+use aya_ebpf::{
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT},
+    macros::classifier,
+    programs::TcContext,
+};
+
+use crate::{
+    nat::{self, CsumFix, IPV4_CHECK_OFF, NatCtx},
+    select,
+};
+
+/// `BPF_F_IPV6` of `bpf_l4_csum_replace` (kernel 6.14+, not in aya's bindings yet):
+/// the pseudo-header change of an IPv6 packet leaves a `CHECKSUM_COMPLETE` sum as is.
+const BPF_F_IPV6: u64 = 1 << 7;
+
+/// Bytes the headers can span (Ethernet, IPv4 with options, TCP without options);
+/// pulled into the linear area when the skb is not linear that far.
+const PULL_LEN: usize = 14 + 60 + 20;
+
+impl NatCtx for TcContext {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        TcContext::data(self)
+    }
+
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        TcContext::data_end(self)
+    }
+
+    #[inline(always)]
+    fn len(&self) -> usize {
+        TcContext::len(self) as usize
+    }
+
+    #[inline(always)]
+    fn fix_csums(&self, fix: &CsumFix) -> Result<(), DropReason> {
+        let mangled0 = if fix.udp {
+            u64::from(BPF_F_MARK_MANGLED_0)
+        } else {
+            0
+        };
+        let v6 = if fix.v6 { BPF_F_IPV6 } else { 0 };
+        // Size 0: `to` is a ones'-complement diff (`__wsum`), as `bpf_csum_diff` makes.
+        if !fix.v6 {
+            self.l3_csum_replace(IPV4_CHECK_OFF, 0, u64::from(fix.addr_diff), 0)
+                .map_err(|_| DropReason::Malformed)?;
+        }
+        self.l4_csum_replace(
+            fix.l4_check_off,
+            0,
+            u64::from(fix.addr_diff),
+            u64::from(BPF_F_PSEUDO_HDR) | mangled0 | v6,
+        )
+        .map_err(|_| DropReason::Malformed)?;
+        self.l4_csum_replace(
+            fix.l4_check_off,
+            u64::from(fix.old_port),
+            u64::from(fix.new_port),
+            2 | mangled0,
+        )
+        .map_err(|_| DropReason::Malformed)
+    }
+}
+
+/// Makes the headers directly accessible when the skb's linear part is shorter than
+/// the packet and than [`PULL_LEN`] (rare: GRO'd or fragmented skbs).
+#[inline(always)]
+fn pull_headers(ctx: &TcContext) {
+    let linear = ctx.data_end() - ctx.data();
+    let len = ctx.len() as usize;
+    if linear < len && linear < PULL_LEN {
+        // On failure the parser sees the short linear part: a VIP packet is then
+        // dropped as malformed, anything else passes.
+        if ctx.pull_data(len.min(PULL_LEN) as u32).is_err() {
+            return;
+        }
+    }
+}
+
+/// tc ingress: DNAT VIP → backend, then on to the stack. Named as
+/// `agent_common::lb::PROG_TC_INGRESS`.
+#[classifier]
+pub fn rune_tc_ingress(ctx: TcContext) -> i32 {
+    match try_rune_tc_ingress(&ctx) {
+        Ok(action) => action,
+        Err(reason) => {
+            select::count_drop(reason);
+            TC_ACT_SHOT as i32
+        }
+    }
+}
+
+#[inline(always)]
+fn try_rune_tc_ingress(ctx: &TcContext) -> Result<i32, DropReason> {
+    pull_headers(ctx);
+    nat::dnat(ctx).map(|_| TC_ACT_OK as i32)
+}
+
+/// tc egress of the client-facing interface: a backend's reply gets the VIP and
+/// service port back as its source. Named as `agent_common::lb::PROG_TC_EGRESS`.
+#[classifier]
+pub fn rune_tc_egress(ctx: TcContext) -> i32 {
+    match try_rune_tc_egress(&ctx) {
+        Ok(action) => action,
+        Err(reason) => {
+            select::count_drop(reason);
+            TC_ACT_SHOT as i32
+        }
+    }
+}
+
+#[inline(always)]
+fn try_rune_tc_egress(ctx: &TcContext) -> Result<i32, DropReason> {
+    pull_headers(ctx);
+    nat::snat(ctx).map(|_| TC_ACT_OK as i32)
+}

@@ -1,0 +1,52 @@
+//! `rune_xdp_lb`: VIP DNAT on the uplink's XDP hook (see [`crate::nat`]).
+
+use agent_common::lb::DropReason;
+use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
+
+use crate::{
+    nat::{self, CsumFix, NatCtx},
+    select,
+};
+
+impl NatCtx for XdpContext {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        XdpContext::data(self)
+    }
+
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        XdpContext::data_end(self)
+    }
+
+    #[inline(always)]
+    fn len(&self) -> usize {
+        // Without the frags flag the whole packet is linear.
+        XdpContext::data_end(self) - XdpContext::data(self)
+    }
+
+    #[inline(always)]
+    fn fix_csums(&self, fix: &CsumFix) -> Result<(), DropReason> {
+        // SAFETY: the core bounds-checked every address in `fix`.
+        unsafe { nat::fix_csums_in_place(fix) };
+        Ok(())
+    }
+}
+
+/// XDP load balancer: DNAT VIP → backend, then `XDP_PASS` to the stack, which routes
+/// the packet to the backend. Named as `agent_common::lb::PROG_XDP_LB`.
+#[xdp]
+pub fn rune_xdp_lb(ctx: XdpContext) -> u32 {
+    match try_rune_xdp_lb(&ctx) {
+        Ok(action) => action,
+        Err(reason) => {
+            select::count_drop(reason);
+            xdp_action::XDP_DROP
+        }
+    }
+}
+
+#[inline(always)]
+fn try_rune_xdp_lb(ctx: &XdpContext) -> Result<u32, DropReason> {
+    nat::dnat(ctx).map(|_| xdp_action::XDP_PASS)
+}

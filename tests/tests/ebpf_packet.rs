@@ -1,0 +1,715 @@
+//! The tc/XDP load-balancing programs (`rune_xdp_lb`, `rune_tc_ingress`,
+//! `rune_tc_egress`) on crafted packets through `BPF_PROG_TEST_RUN`: nothing is sent
+//! on any network. Needs root (loading programs, bpffs).
+//!
+//! Each test loads its own copy of the embedded object with its maps pinned in a
+//! fresh directory under /sys/fs/bpf (removed on drop), fills the maps by hand
+//! (frontend → Maglev slots → backends), runs packets and checks the bytes that come
+//! out (checksums recomputed from scratch), the return codes, conntrack and counters.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicU32, Ordering},
+};
+
+use agent_common::{
+    hash::{FLOW_HASH_SEED, flow_hash_v4, flow_hash_v6},
+    lb::{
+        self, BACKEND_ACTIVE, Backend, CT_FORWARD, CT_REVERSE, CtKeyV4, CtKeyV6, CtValue,
+        DropReason, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, ServiceKeyV4, ServiceKeyV6,
+        ServiceValue, TrafficStats, addr_from_octets,
+    },
+};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap, MapData, PerCpuArray},
+    programs::{SchedClassifier, Xdp},
+};
+use rune_agent::dataplane::ebpf::EMBEDDED_OBJECT;
+use rune_agent_tests::{
+    netns::require_root,
+    packet::{PacketSpec, parse_and_verify},
+    prog_test_run::{TestRun, test_run},
+};
+
+const XDP_DROP: u32 = 1;
+const XDP_PASS: u32 = 2;
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+
+/// Maglev slots the tests' tables use in all.
+const MAGLEV_SLOTS: u32 = 64;
+/// Every table is this long (a prime).
+const TABLE: u32 = 7;
+
+const VIP4: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 1);
+const VIP4_EMPTY: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 2);
+const VIP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x100);
+const CLIENT4: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
+const CLIENT6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0xc, 0, 0, 0, 0, 10);
+
+/// One frontend as the tests define it: its backends take the table's slots in turn.
+struct Svc {
+    id: u32,
+    vip: IpAddr,
+    port: u16,
+    proto: u8,
+    /// Backend ids (empty: `maglev_size` 0, no backend).
+    backends: &'static [u32],
+}
+
+const SVC_TCP4: Svc = Svc {
+    id: 1,
+    vip: IpAddr::V4(VIP4),
+    port: 80,
+    proto: PROTO_TCP,
+    backends: &[1, 2, 3],
+};
+const SVC_UDP4: Svc = Svc {
+    id: 2,
+    vip: IpAddr::V4(VIP4),
+    port: 53,
+    proto: PROTO_UDP,
+    backends: &[4, 5],
+};
+const SVC_TCP6: Svc = Svc {
+    id: 3,
+    vip: IpAddr::V6(VIP6),
+    port: 443,
+    proto: PROTO_TCP,
+    backends: &[6, 7],
+};
+const SVC_UDP6: Svc = Svc {
+    id: 4,
+    vip: IpAddr::V6(VIP6),
+    port: 53,
+    proto: PROTO_UDP,
+    backends: &[6, 7],
+};
+const SVC_EMPTY: Svc = Svc {
+    id: 5,
+    vip: IpAddr::V4(VIP4_EMPTY),
+    port: 80,
+    proto: PROTO_TCP,
+    backends: &[],
+};
+const ALL_SVCS: [&Svc; 5] = [&SVC_TCP4, &SVC_UDP4, &SVC_TCP6, &SVC_UDP6, &SVC_EMPTY];
+
+/// Backend `id`'s address and port: 198.18.1.id / 2001:db8:1::id, port 8000 + id.
+fn backend_of(id: u32) -> (IpAddr, u16) {
+    let port = 8000 + id as u16;
+    if id <= 5 {
+        (IpAddr::V4(Ipv4Addr::new(198, 18, 1, id as u8)), port)
+    } else {
+        (
+            IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, id as u16)),
+            port,
+        )
+    }
+}
+
+fn octets(addr: IpAddr) -> Vec<u8> {
+    match addr {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    }
+}
+
+/// A fresh directory under /sys/fs/bpf for one test's pinned maps; removed on drop.
+struct PinDir(PathBuf);
+
+impl PinDir {
+    fn new() -> Self {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let bpffs = Path::new("/sys/fs/bpf");
+        if !is_bpffs(bpffs) {
+            let status = std::process::Command::new("mount")
+                .args(["-t", "bpf", "bpf", "/sys/fs/bpf"])
+                .status()
+                .expect("run mount");
+            assert!(status.success(), "mounting bpffs on /sys/fs/bpf failed");
+        }
+        let dir = bpffs.join(format!(
+            "rune-ebpf-packet-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).expect("create the pin directory");
+        Self(dir)
+    }
+}
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn is_bpffs(path: &Path) -> bool {
+    std::fs::read_to_string("/proc/self/mounts")
+        .map(|m| {
+            m.lines().any(|l| {
+                let mut f = l.split_whitespace();
+                (f.nth(1), f.next()) == (path.to_str(), Some("bpf"))
+            })
+        })
+        .unwrap_or(false)
+}
+
+/// The loaded object with the three programs loaded and the maps filled.
+struct Lb {
+    ebpf: Ebpf,
+    // Dropped after `ebpf`: unpins once nothing uses the maps.
+    _pins: PinDir,
+}
+
+impl Lb {
+    fn new() -> Self {
+        if let Err(e) = require_root() {
+            panic!("{e}");
+        }
+        assert!(!EMBEDDED_OBJECT.is_empty(), "agent built without eBPF");
+        let pins = PinDir::new();
+        let mut ebpf = EbpfLoader::new()
+            .map_max_entries(lb::MAGLEV, MAGLEV_SLOTS)
+            .default_map_pin_directory(&pins.0)
+            .load(EMBEDDED_OBJECT)
+            .unwrap_or_else(|e| panic!("load the object: {e:#}"));
+        {
+            let xdp: &mut Xdp = ebpf
+                .program_mut(lb::PROG_XDP_LB)
+                .expect("rune_xdp_lb")
+                .try_into()
+                .unwrap();
+            xdp.load()
+                .unwrap_or_else(|e| panic!("load rune_xdp_lb: {e:#?}"));
+        }
+        for name in [lb::PROG_TC_INGRESS, lb::PROG_TC_EGRESS] {
+            let tc: &mut SchedClassifier = ebpf.program_mut(name).expect(name).try_into().unwrap();
+            tc.load().unwrap_or_else(|e| panic!("load {name}: {e:#?}"));
+        }
+        let mut lb = Self { ebpf, _pins: pins };
+        for (i, svc) in ALL_SVCS.iter().enumerate() {
+            lb.add_service(svc, i as u32 * TABLE);
+        }
+        lb
+    }
+
+    fn add_service(&mut self, svc: &Svc, base: u32) {
+        let value = ServiceValue {
+            id: svc.id,
+            maglev_base: base,
+            maglev_size: if svc.backends.is_empty() { 0 } else { TABLE },
+            affinity_timeout: 0,
+        };
+        match svc.vip {
+            IpAddr::V4(vip) => {
+                let mut m: HashMap<_, ServiceKeyV4, ServiceValue> =
+                    HashMap::try_from(self.ebpf.map_mut(lb::SERVICES_V4).unwrap()).unwrap();
+                let key = ServiceKeyV4 {
+                    addr: u32::from_ne_bytes(vip.octets()),
+                    port: svc.port.to_be(),
+                    proto: svc.proto,
+                    pad: 0,
+                };
+                m.insert(key, value, 0).unwrap();
+            }
+            IpAddr::V6(vip) => {
+                let mut m: HashMap<_, ServiceKeyV6, ServiceValue> =
+                    HashMap::try_from(self.ebpf.map_mut(lb::SERVICES_V6).unwrap()).unwrap();
+                let key = ServiceKeyV6 {
+                    addr: addr_from_octets(&vip.octets()),
+                    port: svc.port.to_be(),
+                    proto: svc.proto,
+                    pad: 0,
+                };
+                m.insert(key, value, 0).unwrap();
+            }
+        }
+        for &id in svc.backends {
+            self.set_backend(id, true);
+        }
+        if !svc.backends.is_empty() {
+            let mut maglev: Array<_, u32> =
+                Array::try_from(self.ebpf.map_mut(lb::MAGLEV).unwrap()).unwrap();
+            for slot in 0..TABLE {
+                let id = svc.backends[slot as usize % svc.backends.len()];
+                maglev.set(base + slot, id, 0).unwrap();
+            }
+        }
+    }
+
+    /// Fills (or, with `present` false, empties) backend slot `id`.
+    fn set_backend(&mut self, id: u32, present: bool) {
+        let (addr, port) = backend_of(id);
+        let backend = if present {
+            Backend {
+                addr: addr_from_octets(&octets(addr)),
+                port: port.to_be(),
+                family: if addr.is_ipv4() { FAMILY_V4 } else { FAMILY_V6 },
+                state: BACKEND_ACTIVE,
+            }
+        } else {
+            Backend::default()
+        };
+        let mut m: Array<_, Backend> =
+            Array::try_from(self.ebpf.map_mut(lb::BACKENDS).unwrap()).unwrap();
+        m.set(id, backend, 0).unwrap();
+    }
+
+    /// The backend id a new flow from `client:sport` to `svc` must get (Maglev slot
+    /// of the flow hash, as the agent's tables are read).
+    fn expected_backend(&self, svc: &Svc, client: IpAddr, sport: u16) -> u32 {
+        let hash = match client {
+            IpAddr::V4(c) => flow_hash_v4(u32::from(c), sport, FLOW_HASH_SEED),
+            IpAddr::V6(c) => {
+                let o = c.octets();
+                let w = |i: usize| u32::from_be_bytes([o[i], o[i + 1], o[i + 2], o[i + 3]]);
+                flow_hash_v6([w(0), w(4), w(8), w(12)], sport, FLOW_HASH_SEED)
+            }
+        };
+        let base = ALL_SVCS.iter().position(|s| s.id == svc.id).unwrap() as u32 * TABLE;
+        let maglev: Array<&MapData, u32> =
+            Array::try_from(self.ebpf.map(lb::MAGLEV).unwrap()).unwrap();
+        maglev.get(&(base + hash % TABLE), 0).unwrap()
+    }
+
+    fn run(&self, prog: &str, packet: &[u8]) -> anyhow::Result<TestRun> {
+        let fd = match prog {
+            lb::PROG_XDP_LB => {
+                let p: &Xdp = self.ebpf.program(prog).unwrap().try_into().unwrap();
+                p.fd().unwrap().try_clone().unwrap()
+            }
+            _ => {
+                let p: &SchedClassifier = self.ebpf.program(prog).unwrap().try_into().unwrap();
+                p.fd().unwrap().try_clone().unwrap()
+            }
+        };
+        test_run(&fd, packet, 1)
+    }
+
+    fn service_stats(&self, id: u32) -> TrafficStats {
+        let m: PerCpuArray<&MapData, TrafficStats> =
+            PerCpuArray::try_from(self.ebpf.map(lb::SERVICE_STATS).unwrap()).unwrap();
+        m.get(&id, 0)
+            .unwrap()
+            .iter()
+            .fold(TrafficStats::default(), |a, b| a.add(*b))
+    }
+
+    fn backend_stats(&self, id: u32) -> TrafficStats {
+        let m: PerCpuArray<&MapData, TrafficStats> =
+            PerCpuArray::try_from(self.ebpf.map(lb::BACKEND_STATS).unwrap()).unwrap();
+        m.get(&id, 0)
+            .unwrap()
+            .iter()
+            .fold(TrafficStats::default(), |a, b| a.add(*b))
+    }
+
+    fn drops(&self, reason: DropReason) -> u64 {
+        let m: PerCpuArray<&MapData, u64> =
+            PerCpuArray::try_from(self.ebpf.map(lb::DROPS).unwrap()).unwrap();
+        m.get(&(reason as u32), 0).unwrap().iter().sum()
+    }
+
+    fn ct_v4(&self, key: &CtKeyV4) -> Option<CtValue> {
+        let m: HashMap<&MapData, CtKeyV4, CtValue> =
+            HashMap::try_from(self.ebpf.map(lb::CONNTRACK_V4).unwrap()).unwrap();
+        m.get(key, 0).ok()
+    }
+
+    fn ct_v6(&self, key: &CtKeyV6) -> Option<CtValue> {
+        let m: HashMap<&MapData, CtKeyV6, CtValue> =
+            HashMap::try_from(self.ebpf.map(lb::CONNTRACK_V6).unwrap()).unwrap();
+        m.get(key, 0).ok()
+    }
+}
+
+fn vip_packet(svc: &Svc, client: IpAddr, sport: u16) -> PacketSpec {
+    if svc.proto == PROTO_TCP {
+        PacketSpec::tcp(client, sport, svc.vip, svc.port)
+    } else {
+        PacketSpec::udp(client, sport, svc.vip, svc.port)
+    }
+}
+
+/// Runs a VIP packet through `prog` and checks it left translated to the backend
+/// its flow hash selects in the table, with valid checksums; returns that backend id.
+fn expect_dnat(lb: &Lb, prog: &str, spec: &PacketSpec, svc: &Svc) -> u32 {
+    let want_id = lb.expected_backend(svc, spec.src, spec.sport);
+    expect_dnat_to(lb, prog, spec, want_id)
+}
+
+/// As [`expect_dnat`], to backend `want_id` (e.g. the one conntrack remembers).
+fn expect_dnat_to(lb: &Lb, prog: &str, spec: &PacketSpec, want_id: u32) -> u32 {
+    let pass = if prog == lb::PROG_XDP_LB {
+        XDP_PASS
+    } else {
+        TC_ACT_OK
+    };
+    let frame = spec.build();
+    let out = lb.run(prog, &frame).unwrap();
+    assert_eq!(out.retval, pass, "{prog}: return code");
+    assert_eq!(out.data.len(), frame.len(), "{prog}: length changed");
+    let got = parse_and_verify(&out.data).unwrap_or_else(|e| panic!("{prog}: {e:#}"));
+    let (addr, port) = backend_of(want_id);
+    assert_eq!((got.dst, got.dport), (addr, port), "{prog}: backend");
+    assert_eq!(
+        (got.src, got.sport),
+        (spec.src, spec.sport),
+        "{prog}: source"
+    );
+    // Only the destination address, port and checksums changed.
+    let l3 = 14;
+    let mut want = frame.clone();
+    let mut back = out.data.clone();
+    let (dst_at, len) = if spec.src.is_ipv4() {
+        (l3 + 16, 4)
+    } else {
+        (l3 + 24, 16)
+    };
+    for buf in [&mut want, &mut back] {
+        buf[dst_at..dst_at + len].fill(0);
+        if spec.src.is_ipv4() {
+            buf[l3 + 10..l3 + 12].fill(0);
+        }
+    }
+    let l4 = if spec.src.is_ipv4() {
+        l3 + 20 + spec.ip_options.len()
+    } else {
+        l3 + 40
+    };
+    let check = l4 + if spec.proto == PROTO_TCP { 16 } else { 6 };
+    for buf in [&mut want, &mut back] {
+        buf[l4 + 2..l4 + 4].fill(0);
+        buf[check..check + 2].fill(0);
+    }
+    assert_eq!(
+        want, back,
+        "{prog}: bytes other than the translated ones changed"
+    );
+    want_id
+}
+
+#[test]
+fn xdp_vip_hit_translates_and_conntrack_keeps_the_backend() {
+    let lb = Lb::new();
+    let client = IpAddr::V4(CLIENT4);
+    let spec = vip_packet(&SVC_TCP4, client, 40000);
+    let id = expect_dnat(&lb, lb::PROG_XDP_LB, &spec, &SVC_TCP4);
+    // Forward and reverse conntrack entries.
+    let fwd = CtKeyV4 {
+        saddr: u32::from_ne_bytes(CLIENT4.octets()),
+        daddr: u32::from_ne_bytes(VIP4.octets()),
+        sport: 40000u16.to_be(),
+        dport: 80u16.to_be(),
+        proto: PROTO_TCP,
+        dir: CT_FORWARD,
+        pad: [0; 2],
+    };
+    let ct = lb.ct_v4(&fwd).expect("forward entry");
+    assert_eq!((ct.backend_id, ct.service_id), (id, SVC_TCP4.id));
+    let (addr, port) = backend_of(id);
+    let rev = CtKeyV4 {
+        saddr: addr_from_octets(&octets(addr))[0],
+        daddr: fwd.saddr,
+        sport: port.to_be(),
+        dport: fwd.sport,
+        proto: PROTO_TCP,
+        dir: CT_REVERSE,
+        pad: [0; 2],
+    };
+    let ct = lb.ct_v4(&rev).expect("reverse entry");
+    assert_eq!(ct.nat_addr[0], fwd.daddr);
+    assert_eq!(ct.nat_port, fwd.dport);
+
+    // The second packet of the flow: conntrack hit, same backend, no new flow.
+    assert_eq!(expect_dnat(&lb, lb::PROG_XDP_LB, &spec, &SVC_TCP4), id);
+    let stats = lb.service_stats(SVC_TCP4.id);
+    assert_eq!((stats.flows, stats.packets), (1, 2), "{stats:?}");
+    let frame_ip_bytes = (spec.build().len() - 14) as u64;
+    assert_eq!(stats.bytes, 2 * frame_ip_bytes);
+    assert_eq!(lb.backend_stats(id), stats);
+
+    // Conntrack wins over the table: point every slot at another backend, the
+    // established flow stays; a new flow follows the table.
+    let other = SVC_TCP4
+        .backends
+        .iter()
+        .copied()
+        .find(|&b| b != id)
+        .unwrap();
+    {
+        let mut lb = lb;
+        let mut maglev: Array<_, u32> =
+            Array::try_from(lb.ebpf.map_mut(lb::MAGLEV).unwrap()).unwrap();
+        for slot in 0..TABLE {
+            maglev.set(slot, other, 0).unwrap();
+        }
+        assert_eq!(expect_dnat_to(&lb, lb::PROG_XDP_LB, &spec, id), id);
+        let spec2 = vip_packet(&SVC_TCP4, client, 40001);
+        assert_eq!(expect_dnat(&lb, lb::PROG_XDP_LB, &spec2, &SVC_TCP4), other);
+        // A flow whose backend slot was emptied is balanced again (as a new flow).
+        lb.set_backend(id, false);
+        assert_eq!(expect_dnat(&lb, lb::PROG_XDP_LB, &spec, &SVC_TCP4), other);
+        let stats = lb.service_stats(SVC_TCP4.id);
+        assert_eq!((stats.flows, stats.packets), (3, 5), "{stats:?}");
+    }
+}
+
+#[test]
+fn tc_ingress_translates_and_egress_reply_comes_from_the_vip() {
+    let lb = Lb::new();
+    let client = IpAddr::V4(CLIENT4);
+    let mut spec = vip_packet(&SVC_TCP4, client, 41000);
+    // IP options: the transport header is found by IHL (here 8 words).
+    spec.ip_options = vec![
+        0x94, 0x04, 0, 0, 0x01, 0x01, 0x01, 0x00, 0x01, 0x01, 0x01, 0x00,
+    ];
+    let id = expect_dnat(&lb, lb::PROG_TC_INGRESS, &spec, &SVC_TCP4);
+    assert_eq!(expect_dnat(&lb, lb::PROG_TC_INGRESS, &spec, &SVC_TCP4), id);
+    let stats = lb.service_stats(SVC_TCP4.id);
+    assert_eq!((stats.flows, stats.packets), (1, 2), "{stats:?}");
+    // XDP and tc share conntrack: the same flow through XDP keeps its backend.
+    assert_eq!(expect_dnat(&lb, lb::PROG_XDP_LB, &spec, &SVC_TCP4), id);
+
+    // The backend's reply leaves through the client-facing interface's egress.
+    let (addr, port) = backend_of(id);
+    let reply = PacketSpec::tcp(addr, port, client, 41000).build();
+    let out = lb.run(lb::PROG_TC_EGRESS, &reply).unwrap();
+    assert_eq!(out.retval, TC_ACT_OK);
+    let got = parse_and_verify(&out.data).unwrap();
+    assert_eq!((got.src, got.sport), (IpAddr::V4(VIP4), 80));
+    assert_eq!((got.dst, got.dport), (client, 41000));
+    assert_eq!(lb.service_stats(SVC_TCP4.id).packets, 4);
+
+    // A packet from the backend to another client port is not a reply of this flow.
+    let stray = PacketSpec::tcp(addr, port, client, 41001).build();
+    let out = lb.run(lb::PROG_TC_EGRESS, &stray).unwrap();
+    assert_eq!((out.retval, &out.data), (TC_ACT_OK, &stray));
+}
+
+#[test]
+fn ipv6_vip_hit_and_reply() {
+    let lb = Lb::new();
+    let client = IpAddr::V6(CLIENT6);
+    // TCP through XDP, UDP through tc.
+    let tcp = vip_packet(&SVC_TCP6, client, 42000);
+    let id = expect_dnat(&lb, lb::PROG_XDP_LB, &tcp, &SVC_TCP6);
+    assert_eq!(expect_dnat(&lb, lb::PROG_XDP_LB, &tcp, &SVC_TCP6), id);
+    let stats = lb.service_stats(SVC_TCP6.id);
+    assert_eq!((stats.flows, stats.packets), (1, 2), "{stats:?}");
+    let fwd = CtKeyV6 {
+        saddr: addr_from_octets(&CLIENT6.octets()),
+        daddr: addr_from_octets(&VIP6.octets()),
+        sport: 42000u16.to_be(),
+        dport: 443u16.to_be(),
+        proto: PROTO_TCP,
+        dir: CT_FORWARD,
+        pad: [0; 2],
+    };
+    assert_eq!(lb.ct_v6(&fwd).expect("forward entry").backend_id, id);
+
+    let udp = vip_packet(&SVC_UDP6, client, 42001);
+    let uid = expect_dnat(&lb, lb::PROG_TC_INGRESS, &udp, &SVC_UDP6);
+    for (proto_spec, id, sport, vport) in [
+        (PacketSpec::tcp as fn(_, _, _, _) -> _, id, 42000, 443),
+        (PacketSpec::udp, uid, 42001, 53),
+    ] {
+        let (addr, port) = backend_of(id);
+        let reply = proto_spec(addr, port, client, sport).build();
+        let out = lb.run(lb::PROG_TC_EGRESS, &reply).unwrap();
+        assert_eq!(out.retval, TC_ACT_OK);
+        let got = parse_and_verify(&out.data).unwrap();
+        assert_eq!((got.src, got.sport), (IpAddr::V6(VIP6), vport));
+        assert_eq!((got.dst, got.dport), (client, sport));
+    }
+}
+
+#[test]
+fn udp_zero_checksum_stays_zero() {
+    let lb = Lb::new();
+    let client = IpAddr::V4(CLIENT4);
+    let mut spec = vip_packet(&SVC_UDP4, client, 43000);
+    spec.udp_zero_checksum = true;
+    for prog in [lb::PROG_XDP_LB, lb::PROG_TC_INGRESS] {
+        let id = expect_dnat(&lb, prog, &spec, &SVC_UDP4);
+        let out = lb.run(prog, &spec.build()).unwrap();
+        assert_eq!(
+            parse_and_verify(&out.data).unwrap().l4_checksum,
+            0,
+            "{prog}"
+        );
+        let (addr, port) = backend_of(id);
+        let mut reply = PacketSpec::udp(addr, port, client, 43000);
+        reply.udp_zero_checksum = true;
+        let out = lb.run(lb::PROG_TC_EGRESS, &reply.build()).unwrap();
+        let got = parse_and_verify(&out.data).unwrap();
+        assert_eq!(
+            (got.src, got.sport, got.l4_checksum),
+            (IpAddr::V4(VIP4), 53, 0)
+        );
+    }
+    // With a checksum, UDP is translated with a valid one (checked in expect_dnat).
+    let spec = vip_packet(&SVC_UDP4, client, 43001);
+    expect_dnat(&lb, lb::PROG_XDP_LB, &spec, &SVC_UDP4);
+}
+
+#[test]
+fn non_vip_packets_pass_byte_identical() {
+    let lb = Lb::new();
+    let c4 = IpAddr::V4(CLIENT4);
+    let c6 = IpAddr::V6(CLIENT6);
+    let other4 = IpAddr::V4(Ipv4Addr::new(198, 18, 200, 1));
+    let other6 = IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x200));
+    let packets = [
+        PacketSpec::tcp(c4, 1000, other4, 80), // another address
+        PacketSpec::tcp(c4, 1000, IpAddr::V4(VIP4), 81), // the VIP, another port
+        PacketSpec::udp(c4, 1000, IpAddr::V4(VIP4), 80), // the VIP, another protocol
+        PacketSpec::tcp(c6, 1000, other6, 443),
+        PacketSpec::udp(c6, 1000, IpAddr::V6(VIP6), 443),
+    ];
+    let mut frames: Vec<Vec<u8>> = packets.iter().map(PacketSpec::build).collect();
+    // Not IP at all (ARP-like EtherType), and a VLAN-tagged frame.
+    let mut arp = frames[0].clone();
+    arp[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
+    frames.push(arp);
+    let mut vlan = frames[0].clone();
+    vlan[12..14].copy_from_slice(&0x8100u16.to_be_bytes());
+    frames.push(vlan);
+    for frame in &frames {
+        for (prog, pass) in [
+            (lb::PROG_XDP_LB, XDP_PASS),
+            (lb::PROG_TC_INGRESS, TC_ACT_OK),
+            (lb::PROG_TC_EGRESS, TC_ACT_OK),
+        ] {
+            let out = lb.run(prog, frame).unwrap();
+            assert_eq!(out.retval, pass, "{prog}");
+            assert_eq!(&out.data, frame, "{prog}: packet changed");
+        }
+    }
+    for svc in ALL_SVCS {
+        assert_eq!(lb.service_stats(svc.id), TrafficStats::default());
+    }
+}
+
+#[test]
+fn truncated_packets_pass_or_drop_as_documented() {
+    let lb = Lb::new();
+    let mut tcp4 = vip_packet(&SVC_TCP4, IpAddr::V4(CLIENT4), 44000);
+    tcp4.ip_options = vec![1, 1, 1, 0]; // NOP NOP NOP EOL: IHL 6
+    let udp6 = vip_packet(&SVC_UDP6, IpAddr::V6(CLIENT6), 44001);
+    for (spec, l4_off, ip_end) in [(&tcp4, 14 + 24, 14 + 20), (&udp6, 14 + 40, 14 + 40)] {
+        let full = spec.build();
+        for (prog, pass, drop) in [
+            (lb::PROG_XDP_LB, XDP_PASS, XDP_DROP),
+            (lb::PROG_TC_INGRESS, TC_ACT_OK, TC_ACT_SHOT),
+        ] {
+            for len in 0..=full.len() {
+                let cut = &full[..len];
+                let before = lb.drops(DropReason::Malformed);
+                let out = match lb.run(prog, cut) {
+                    Ok(out) => out,
+                    // The kernel itself refuses test packets shorter than Ethernet,
+                    // and tc test packets cut inside the fixed IP header (XDP
+                    // covers those lengths).
+                    Err(e) if len < 14 || (prog != lb::PROG_XDP_LB && len < ip_end) => {
+                        assert!(e.to_string().contains("Invalid argument"), "{e:#}");
+                        continue;
+                    }
+                    Err(e) => panic!("{prog} at {len} bytes: {e:#}"),
+                };
+                let dropped = lb.drops(DropReason::Malformed) - before;
+                if len < l4_off + 4 {
+                    // The frontend key cannot be read: not a VIP packet, passed.
+                    assert_eq!(out.retval, pass, "{prog} at {len} bytes");
+                    assert_eq!(out.data, cut, "{prog} at {len} bytes");
+                    assert_eq!(dropped, 0);
+                } else if len < full.len() {
+                    // A VIP packet cut short: dropped and counted.
+                    assert_eq!(out.retval, drop, "{prog} at {len} bytes");
+                    assert_eq!(dropped, 1, "{prog} at {len} bytes");
+                } else {
+                    assert_eq!(out.retval, pass, "{prog} at {len} bytes");
+                    parse_and_verify(&out.data).unwrap();
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn malformed_headers_never_crash() {
+    let lb = Lb::new();
+    let spec = vip_packet(&SVC_TCP4, IpAddr::V4(CLIENT4), 45000);
+    let good = spec.build();
+    let edit = |f: &dyn Fn(&mut Vec<u8>)| {
+        let mut p = good.clone();
+        f(&mut p);
+        p
+    };
+    // Passed untouched: the frontend key cannot be read reliably.
+    let passed = [
+        ("IHL 4", edit(&|p| p[14] = 0x44)),
+        ("IHL 15, ports past the end", edit(&|p| p[14] = 0x4f)),
+        ("IHL 0", edit(&|p| p[14] = 0x40)),
+        ("version 6 in an IPv4 EtherType", edit(&|p| p[14] = 0x65)),
+        ("version 4 in an IPv6 EtherType", {
+            let mut p = vip_packet(&SVC_TCP6, IpAddr::V6(CLIENT6), 45000).build();
+            p[14] = 0x40;
+            p
+        }),
+        (
+            "non-first fragment",
+            edit(&|p| p[14 + 6..14 + 8].copy_from_slice(&[0x00, 0x10])),
+        ),
+    ];
+    // Dropped and counted: the frontend matches but the packet cannot be translated.
+    let dropped = [
+        ("TCP data offset 4", edit(&|p| p[14 + 20 + 12] = 0x40)),
+        (
+            "IP total length < headers",
+            edit(&|p| p[16..18].copy_from_slice(&30u16.to_be_bytes())),
+        ),
+        (
+            "IP total length > packet",
+            edit(&|p| p[16..18].copy_from_slice(&1500u16.to_be_bytes())),
+        ),
+    ];
+    for (prog, pass, drop) in [
+        (lb::PROG_XDP_LB, XDP_PASS, XDP_DROP),
+        (lb::PROG_TC_INGRESS, TC_ACT_OK, TC_ACT_SHOT),
+    ] {
+        for (what, frame) in &passed {
+            let out = lb.run(prog, frame).unwrap();
+            assert_eq!(out.retval, pass, "{prog}: {what}");
+            assert_eq!(&out.data, frame, "{prog}: {what}");
+        }
+        for (what, frame) in &dropped {
+            let before = lb.drops(DropReason::Malformed);
+            let out = lb.run(prog, frame).unwrap();
+            assert_eq!(out.retval, drop, "{prog}: {what}");
+            assert_eq!(
+                lb.drops(DropReason::Malformed),
+                before + 1,
+                "{prog}: {what}"
+            );
+        }
+    }
+    // Nothing was balanced.
+    assert_eq!(lb.service_stats(SVC_TCP4.id), TrafficStats::default());
+}
+
+#[test]
+fn no_backend_service_is_refused_and_counted() {
+    let lb = Lb::new();
+    let tcp = PacketSpec::tcp(IpAddr::V4(CLIENT4), 46000, SVC_EMPTY.vip, SVC_EMPTY.port).build();
+    let out = lb.run(lb::PROG_XDP_LB, &tcp).unwrap();
+    assert_eq!(out.retval, XDP_DROP);
+    assert_eq!(lb.drops(DropReason::NoBackend), 1);
+    let out = lb.run(lb::PROG_TC_INGRESS, &tcp).unwrap();
+    assert_eq!(out.retval, TC_ACT_SHOT);
+    assert_eq!(lb.drops(DropReason::NoBackend), 2);
+    assert_eq!(lb.service_stats(SVC_EMPTY.id), TrafficStats::default());
+}

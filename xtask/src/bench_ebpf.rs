@@ -1,0 +1,433 @@
+//! `cargo xtask bench ebpf` (also the last section of `cargo xtask bench`): the
+//! tc/XDP load balancer's per-packet cost through `BPF_PROG_TEST_RUN`, in ns per
+//! packet and as a ratio to an `XDP_PASS` program on the same packet.
+//!
+//! `repeat` runs every iteration on the same buffer (FACTS.md), so the rewrite paths
+//! run under a driver (`rune_bench_{xdp,tc}_driver`) that restores the packet's
+//! headers and tail-calls the program under test; the driver with a no-op target is
+//! measured the same way and subtracted. "New flow" makes the driver write a per-CPU
+//! sequence number into the source address, so every iteration misses conntrack.
+//! Return codes and the frontend's counters prove which path each figure ran.
+//!
+//! Needs root (loading programs); without it the section says so and is skipped.
+//! Nothing is attached and nothing is sent on any network.
+
+use std::{
+    fmt::Write as _,
+    os::fd::{AsFd, AsRawFd as _},
+    path::PathBuf,
+};
+
+use agent_common::lb::{
+    self, BACKEND_ACTIVE, Backend, FAMILY_V4, PROTO_TCP, ServiceKeyV4, ServiceValue, TrafficStats,
+};
+use anyhow::{Context as _, Result, bail, ensure};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap, MapData, PerCpuArray, ProgramArray},
+    programs::{ProgramFd, SchedClassifier, Xdp},
+};
+
+/// Iterations per `BPF_PROG_TEST_RUN` (`RUNE_BENCH_EBPF_REPEAT` overrides it, for
+/// quick looks).
+const REPEAT: u32 = 1_000_000;
+
+fn repeat() -> u32 {
+    std::env::var("RUNE_BENCH_EBPF_REPEAT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(REPEAT)
+}
+/// Runs per figure (the median is reported).
+const RUNS: usize = 7;
+/// Bytes the drivers restore (`agent-ebpf/src/bench.rs`, `BENCH_HEADER`).
+const BENCH_HEADER: usize = 64;
+
+const XDP_PASS: u32 = 2;
+const TC_ACT_OK: u32 = 0;
+
+const VIP: [u8; 4] = [198, 18, 100, 1];
+const NON_VIP: [u8; 4] = [198, 18, 200, 1];
+const CLIENT: [u8; 4] = [198, 19, 0, 10];
+const SERVICE_ID: u32 = 1;
+
+/// `cargo xtask bench ebpf`: builds the object, measures, prints the table.
+pub fn run_alone() -> Result<()> {
+    let report = section()?;
+    println!("{report}");
+    Ok(())
+}
+
+/// The benchmark's section of the report (a note when not root).
+pub fn section() -> Result<String> {
+    if !crate::util::is_root() {
+        return Ok("\n## eBPF load balancer per packet\n\nskipped: needs root\n".into());
+    }
+    let object = crate::build_ebpf::build()?;
+    measure(object)
+}
+
+struct Bench {
+    ebpf: Ebpf,
+    pins: PathBuf,
+}
+
+impl Drop for Bench {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.pins);
+    }
+}
+
+fn measure(object: PathBuf) -> Result<String> {
+    let pins = PathBuf::from(format!(
+        "/sys/fs/bpf/rune-bench-ebpf-{}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&pins)
+        .with_context(|| format!("creating {} (is bpffs mounted?)", pins.display()))?;
+    let ebpf = EbpfLoader::new()
+        .map_max_entries(lb::MAGLEV, 16)
+        .default_map_pin_directory(&pins)
+        .load_file(&object)
+        .with_context(|| format!("loading {}", object.display()));
+    let mut b = Bench {
+        ebpf: match ebpf {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&pins);
+                return Err(e);
+            }
+        },
+        pins,
+    };
+    for name in [
+        agent_common::XDP_PASS_PROGRAM,
+        lb::PROG_XDP_LB,
+        "rune_bench_xdp_driver",
+        "rune_bench_xdp_noop",
+    ] {
+        let p: &mut Xdp = b.ebpf.program_mut(name).context(name)?.try_into()?;
+        p.load().with_context(|| format!("loading {name}"))?;
+    }
+    for name in [
+        lb::PROG_TC_INGRESS,
+        "rune_bench_tc_driver",
+        "rune_bench_tc_noop",
+    ] {
+        let p: &mut SchedClassifier = b.ebpf.program_mut(name).context(name)?.try_into()?;
+        p.load().with_context(|| format!("loading {name}"))?;
+    }
+    b.fill_maps()?;
+
+    let vip = tcp_frame(CLIENT, 40000, VIP, 80);
+    let non_vip = tcp_frame(CLIENT, 40000, NON_VIP, 80);
+    b.set_saved(&vip)?;
+    b.set_vary(false)?;
+
+    let floor = b.median("rune_xdp_pass", &vip, XDP_PASS)?;
+    let miss = b.median(lb::PROG_XDP_LB, &non_vip, XDP_PASS)?;
+    let out = test_run(b.fd(lb::PROG_XDP_LB)?, &non_vip, 1)?;
+    ensure!(out.data == non_vip, "the non-VIP packet was changed");
+    let tc_miss = b.median(lb::PROG_TC_INGRESS, &non_vip, TC_ACT_OK)?;
+
+    // Established flow: the first iteration creates the entry, the rest hit it.
+    b.set_jump("RUNE_BENCH_XDP_JMP", "rune_bench_xdp_noop")?;
+    let xdp_driver = b.median("rune_bench_xdp_driver", &vip, XDP_PASS)?;
+    b.set_jump("RUNE_BENCH_XDP_JMP", lb::PROG_XDP_LB)?;
+    let before = b.stats()?;
+    let xdp_hit = b.median("rune_bench_xdp_driver", &vip, XDP_PASS)?;
+    let after = b.stats()?;
+    let runs = RUNS as u64 * u64::from(repeat());
+    ensure!(
+        after.packets - before.packets == runs && after.flows - before.flows <= 1,
+        "established-flow runs did not translate every packet as one flow: {before:?} → {after:?}"
+    );
+
+    // New flows: every iteration another source address.
+    b.set_vary(true)?;
+    b.set_jump("RUNE_BENCH_XDP_JMP", "rune_bench_xdp_noop")?;
+    let xdp_driver_vary = b.median("rune_bench_xdp_driver", &vip, XDP_PASS)?;
+    b.set_jump("RUNE_BENCH_XDP_JMP", lb::PROG_XDP_LB)?;
+    let before = b.stats()?;
+    let xdp_new = b.median("rune_bench_xdp_driver", &vip, XDP_PASS)?;
+    let after = b.stats()?;
+    ensure!(
+        after.flows - before.flows == runs && after.packets - before.packets == runs,
+        "new-flow runs were not all new flows: {before:?} → {after:?}"
+    );
+    b.set_vary(false)?;
+
+    // tc, established flow.
+    b.set_jump("RUNE_BENCH_TC_JMP", "rune_bench_tc_noop")?;
+    let tc_driver = b.median("rune_bench_tc_driver", &vip, TC_ACT_OK)?;
+    b.set_jump("RUNE_BENCH_TC_JMP", lb::PROG_TC_INGRESS)?;
+    let before = b.stats()?;
+    let tc_hit = b.median("rune_bench_tc_driver", &vip, TC_ACT_OK)?;
+    let after = b.stats()?;
+    ensure!(
+        after.packets - before.packets == runs && after.flows == before.flows,
+        "tc established-flow runs did not all hit conntrack: {before:?} → {after:?}"
+    );
+
+    let rows = [
+        ("XDP_PASS floor (rune_xdp_pass)", floor, "", None),
+        ("XDP non-VIP miss (rune_xdp_lb)", miss, "", Some(31.0)),
+        ("tc non-VIP miss (rune_tc_ingress)", tc_miss, "", None),
+        (
+            "XDP VIP hit, established flow (conntrack hit)",
+            xdp_hit - xdp_driver,
+            "driver subtracted",
+            None,
+        ),
+        (
+            "XDP VIP hit, new flow (conntrack miss, Maglev, 2 inserts)",
+            xdp_new - xdp_driver_vary,
+            "driver subtracted",
+            None,
+        ),
+        (
+            "tc VIP hit, established flow",
+            tc_hit - tc_driver,
+            "driver subtracted",
+            None,
+        ),
+    ];
+    let mut t = String::new();
+    writeln!(t)?;
+    writeln!(t, "## eBPF load balancer per packet (BPF_PROG_TEST_RUN)")?;
+    writeln!(t)?;
+    writeln!(
+        t,
+        "IPv4 TCP, 70-byte frame; repeat {}, median of {RUNS} runs. Drivers alone: \
+         XDP {xdp_driver:.1} ns, XDP new-flow {xdp_driver_vary:.1} ns, tc {tc_driver:.1} ns.",
+        repeat()
+    )?;
+    writeln!(t)?;
+    writeln!(t, "| path | ns/packet | vs XDP_PASS | note |")?;
+    writeln!(t, "|---|---:|---:|---|")?;
+    for (label, ns, note, target) in rows {
+        let note = match target {
+            Some(max) => format!("target <= {max:.0} ns"),
+            None => note.to_owned(),
+        };
+        writeln!(t, "| {label} | {ns:.1} | {:.2}x | {note} |", ns / floor)?;
+    }
+    Ok(t)
+}
+
+impl Bench {
+    fn fill_maps(&mut self) -> Result<()> {
+        let mut svc: HashMap<_, ServiceKeyV4, ServiceValue> =
+            HashMap::try_from(self.ebpf.map_mut(lb::SERVICES_V4).context("services")?)?;
+        svc.insert(
+            ServiceKeyV4 {
+                addr: u32::from_ne_bytes(VIP),
+                port: 80u16.to_be(),
+                proto: PROTO_TCP,
+                pad: 0,
+            },
+            ServiceValue {
+                id: SERVICE_ID,
+                maglev_base: 0,
+                maglev_size: 7,
+                affinity_timeout: 0,
+            },
+            0,
+        )?;
+        let mut backends: Array<_, Backend> =
+            Array::try_from(self.ebpf.map_mut(lb::BACKENDS).context("backends")?)?;
+        for id in 1..=3u32 {
+            backends.set(
+                id,
+                Backend {
+                    addr: [u32::from_ne_bytes([198, 18, 1, id as u8]), 0, 0, 0],
+                    port: (8000 + id as u16).to_be(),
+                    family: FAMILY_V4,
+                    state: BACKEND_ACTIVE,
+                },
+                0,
+            )?;
+        }
+        let mut maglev: Array<_, u32> =
+            Array::try_from(self.ebpf.map_mut(lb::MAGLEV).context("maglev")?)?;
+        for slot in 0..7u32 {
+            maglev.set(slot, 1 + slot % 3, 0)?;
+        }
+        Ok(())
+    }
+
+    fn set_saved(&mut self, frame: &[u8]) -> Result<()> {
+        let mut words = [0u64; BENCH_HEADER / 8];
+        for (i, w) in words.iter_mut().enumerate() {
+            *w = u64::from_ne_bytes(frame[i * 8..i * 8 + 8].try_into()?);
+        }
+        let mut m: Array<_, [u64; BENCH_HEADER / 8]> = Array::try_from(
+            self.ebpf
+                .map_mut("RUNE_BENCH_PKT")
+                .context("RUNE_BENCH_PKT")?,
+        )?;
+        m.set(0, words, 0)?;
+        Ok(())
+    }
+
+    fn set_vary(&mut self, vary: bool) -> Result<()> {
+        let mut m: Array<_, u32> = Array::try_from(
+            self.ebpf
+                .map_mut("RUNE_BENCH_VARY")
+                .context("RUNE_BENCH_VARY")?,
+        )?;
+        m.set(0, u32::from(vary), 0)?;
+        Ok(())
+    }
+
+    fn set_jump(&mut self, map: &str, target: &str) -> Result<()> {
+        let fd = self.fd(target)?;
+        let mut jmp = ProgramArray::try_from(self.ebpf.map_mut(map).context("jump map")?)?;
+        jmp.set(0, &fd, 0)?;
+        Ok(())
+    }
+
+    fn fd(&self, name: &str) -> Result<ProgramFd> {
+        let prog = self
+            .ebpf
+            .program(name)
+            .with_context(|| format!("no program {name}"))?;
+        let fd = match prog {
+            aya::programs::Program::Xdp(p) => p.fd()?,
+            aya::programs::Program::SchedClassifier(p) => p.fd()?,
+            _ => bail!("{name}: unexpected program type"),
+        };
+        Ok(fd.try_clone()?)
+    }
+
+    fn stats(&self) -> Result<TrafficStats> {
+        let m: PerCpuArray<&MapData, TrafficStats> =
+            PerCpuArray::try_from(self.ebpf.map(lb::SERVICE_STATS).context("stats")?)?;
+        Ok(m.get(&SERVICE_ID, 0)?
+            .iter()
+            .fold(TrafficStats::default(), |a, b| a.add(*b)))
+    }
+
+    /// Median ns per iteration of `RUNS` runs of `prog` on `frame`; every run must
+    /// return `want`.
+    fn median(&self, prog: &str, frame: &[u8], want: u32) -> Result<f64> {
+        let fd = self.fd(prog)?;
+        let mut ns = Vec::with_capacity(RUNS);
+        for _ in 0..RUNS {
+            let out = test_run(&fd, frame, repeat())?;
+            ensure!(
+                out.retval == want,
+                "{prog} returned {} instead of {want}",
+                out.retval
+            );
+            ns.push(out.ns_per_run);
+        }
+        Ok(crate::bench::median(&mut ns))
+    }
+}
+
+/// An Ethernet + IPv4 + TCP frame (16-byte payload, 70 bytes) with valid checksums.
+fn tcp_frame(src: [u8; 4], sport: u16, dst: [u8; 4], dport: u16) -> Vec<u8> {
+    let payload = [0x55u8; 16];
+    let mut f = vec![2, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 1, 0x08, 0x00];
+    let total = (20 + 20 + payload.len()) as u16;
+    let mut ip = vec![0x45, 0];
+    ip.extend_from_slice(&total.to_be_bytes());
+    ip.extend_from_slice(&[0, 1, 0x40, 0, 64, PROTO_TCP, 0, 0]);
+    ip.extend_from_slice(&src);
+    ip.extend_from_slice(&dst);
+    let c = checksum(&ip);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let mut tcp = Vec::new();
+    tcp.extend_from_slice(&sport.to_be_bytes());
+    tcp.extend_from_slice(&dport.to_be_bytes());
+    tcp.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, 0x10, 0xff, 0xff, 0, 0, 0, 0]);
+    tcp.extend_from_slice(&payload);
+    let mut pseudo = Vec::new();
+    pseudo.extend_from_slice(&src);
+    pseudo.extend_from_slice(&dst);
+    pseudo.extend_from_slice(&[0, PROTO_TCP]);
+    pseudo.extend_from_slice(&(tcp.len() as u16).to_be_bytes());
+    pseudo.extend_from_slice(&tcp);
+    let c = checksum(&pseudo);
+    tcp[16..18].copy_from_slice(&c.to_be_bytes());
+    f.extend_from_slice(&ip);
+    f.extend_from_slice(&tcp);
+    f
+}
+
+fn checksum(bytes: &[u8]) -> u16 {
+    let mut sum: u32 = bytes
+        .chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// The `test` member of `union bpf_attr`, zero-padded (as tests/src/prog_test_run.rs).
+#[repr(C, align(8))]
+#[derive(Default)]
+struct TestRunAttr {
+    prog_fd: u32,
+    retval: u32,
+    data_size_in: u32,
+    data_size_out: u32,
+    data_in: u64,
+    data_out: u64,
+    repeat: u32,
+    duration: u32,
+    ctx_size_in: u32,
+    ctx_size_out: u32,
+    ctx_in: u64,
+    ctx_out: u64,
+    flags: u32,
+    cpu: u32,
+    batch_size: u32,
+    pad: u32,
+}
+
+struct TestRun {
+    retval: u32,
+    data: Vec<u8>,
+    /// The kernel's mean per iteration (whole ns).
+    ns_per_run: f64,
+}
+
+/// `BPF_PROG_TEST_RUN` of `prog` on `packet`, `repeat` times.
+fn test_run(prog: impl AsFd, packet: &[u8], repeat: u32) -> Result<TestRun> {
+    let mut out = vec![0u8; packet.len() + 256];
+    let mut attr = TestRunAttr {
+        prog_fd: prog.as_fd().as_raw_fd() as u32,
+        data_size_in: packet.len() as u32,
+        data_size_out: out.len() as u32,
+        data_in: packet.as_ptr() as u64,
+        data_out: out.as_mut_ptr() as u64,
+        repeat,
+        ..TestRunAttr::default()
+    };
+    // SAFETY: `attr` is a valid `bpf_attr` prefix of the size passed; the buffers it
+    // points to outlive the call and `out` is writable for `data_size_out` bytes.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            10 as libc::c_long, // BPF_PROG_TEST_RUN
+            &mut attr as *mut TestRunAttr,
+            size_of::<TestRunAttr>(),
+        )
+    };
+    if rc < 0 {
+        bail!(
+            "BPF_PROG_TEST_RUN failed: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    out.truncate(attr.data_size_out as usize);
+    Ok(TestRun {
+        retval: attr.retval,
+        data: out,
+        ns_per_run: f64::from(attr.duration),
+    })
+}
