@@ -10,7 +10,7 @@ use agent_common::lb::{
     ServiceValue, SockRevKey, SockRevValue, TrafficStats,
 };
 use aya_ebpf::{
-    bindings::BPF_F_MMAPABLE,
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_COMMON_LRU},
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
@@ -32,13 +32,15 @@ pub static RUNE_BACKENDS: Array<Backend> = Array::pinned(65536, 0);
 #[map]
 pub static RUNE_MAGLEV: Array<u32> = Array::pinned(1, BPF_F_MMAPABLE);
 
-/// IPv4 conntrack of the tc/XDP path (`agent_common::lb::CONNTRACK_V4`).
+/// IPv4 conntrack of the tc/XDP path (`agent_common::lb::CONNTRACK_V4`). Per-CPU
+/// LRU lists (`BPF_F_NO_COMMON_LRU`): a new flow on a full table evicts from its own
+/// CPU's list instead of contending for one global list, as Katran's per-CPU LRUs.
 #[map]
-pub static RUNE_CT_V4: LruHashMap<CtKeyV4, CtValue> = LruHashMap::pinned(262_144, 0);
+pub static RUNE_CT_V4: LruHashMap<CtKeyV4, CtValue> = LruHashMap::pinned(262_144, BPF_F_NO_COMMON_LRU);
 
 /// IPv6 conntrack of the tc/XDP path (`agent_common::lb::CONNTRACK_V6`).
 #[map]
-pub static RUNE_CT_V6: LruHashMap<CtKeyV6, CtValue> = LruHashMap::pinned(262_144, 0);
+pub static RUNE_CT_V6: LruHashMap<CtKeyV6, CtValue> = LruHashMap::pinned(262_144, BPF_F_NO_COMMON_LRU);
 
 /// ClientIP session affinity (`agent_common::lb::AFFINITY`).
 #[map]

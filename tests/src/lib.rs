@@ -1,6 +1,7 @@
 //! Shared helpers for the end-to-end tests.
 
 pub mod agent;
+pub mod bpf;
 pub mod dns;
 pub mod netns;
 pub mod packet;

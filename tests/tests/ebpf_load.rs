@@ -9,7 +9,10 @@
 use std::{net::UdpSocket, time::Duration};
 
 use rune_agent::dataplane::ebpf::{self, XdpMode};
-use rune_agent_tests::netns::{NetNs, require_root, veth_pair};
+use rune_agent_tests::{
+    bpf::PinDir,
+    netns::{NetNs, require_root, veth_pair},
+};
 
 /// Datagrams sent client → server; each must be counted and delivered.
 const DATAGRAMS: u64 = 20;
@@ -31,7 +34,8 @@ fn xdp_pass_counts_packets_and_passes_them() {
         .ip(&["addr", "add", "198.18.0.2/30", "dev", "rune-s"])
         .unwrap();
 
-    let mut bpf = ebpf::load_embedded().unwrap_or_else(|e| panic!("{e}"));
+    let pins = PinDir::new("xdp-pass");
+    let mut bpf = ebpf::load_embedded(pins.path()).unwrap_or_else(|e| panic!("{e}"));
     server
         .run(|| ebpf::attach_xdp_pass(&mut bpf, "rune-s", XdpMode::Driver))
         .unwrap()

@@ -153,18 +153,23 @@ pub fn programs_embedded() -> bool {
     !EMBEDDED_OBJECT.is_empty()
 }
 
-/// Parses the embedded object and creates its maps in the kernel.
+/// Parses the embedded object and creates its maps in the kernel, pinning the
+/// load balancer's maps under `pin_dir` (re-opening them when already pinned there).
 ///
 /// Programs are not loaded yet; use [`attach_xdp_pass`] (or aya directly) for that.
 /// Needs `CAP_BPF` (root in practice).
-pub fn load_embedded() -> Result<Ebpf, EbpfError> {
+pub fn load_embedded(pin_dir: &Path) -> Result<Ebpf, EbpfError> {
     if !programs_embedded() {
         return Err(EbpfError::NotEmbedded);
     }
-    Ebpf::load(EMBEDDED_OBJECT).map_err(|source| EbpfError::Object {
-        size: EMBEDDED_OBJECT.len(),
-        source: Box::new(source),
-    })
+    ensure_pin_dir(pin_dir)?;
+    EbpfLoader::new()
+        .default_map_pin_directory(pin_dir)
+        .load(EMBEDDED_OBJECT)
+        .map_err(|source| EbpfError::Object {
+            size: EMBEDDED_OBJECT.len(),
+            source: Box::new(source),
+        })
 }
 
 /// Capacities of the load balancer's maps (runtime settings, fixed when a map is
@@ -334,7 +339,10 @@ mod tests {
         if programs_embedded() {
             assert_eq!(&EMBEDDED_OBJECT[..4], b"\x7fELF");
         } else {
-            assert!(matches!(load_embedded(), Err(EbpfError::NotEmbedded)));
+            assert!(matches!(
+                load_embedded(Path::new("/nonexistent")),
+                Err(EbpfError::NotEmbedded)
+            ));
         }
     }
 
