@@ -8,6 +8,7 @@
 
 mod maps;
 mod select;
+mod sock;
 
 use agent_common::PacketStats;
 use aya_ebpf::{
