@@ -137,7 +137,7 @@ fn try_forward4(ctx: &SockAddrContext) -> Result<(), DropReason> {
         pad: 0,
     };
     // SAFETY: the value is copied out at once; the agent replaces entries whole.
-    let Some(svc) = (unsafe { RUNE_SVC_V4.get(&key) }).copied() else {
+    let Some(svc) = (unsafe { RUNE_SVC_V4.get(key) }).copied() else {
         return Ok(());
     };
     let (id, backend) = choose(ctx, &svc, FAMILY_V4)?;
@@ -166,7 +166,7 @@ fn try_forward6(ctx: &SockAddrContext) -> Result<(), DropReason> {
             pad: 0,
         };
         // SAFETY: as in `try_forward4`.
-        let Some(svc) = (unsafe { RUNE_SVC_V4.get(&key) }).copied() else {
+        let Some(svc) = (unsafe { RUNE_SVC_V4.get(key) }).copied() else {
             return Ok(());
         };
         let (id, backend) = choose(ctx, &svc, FAMILY_V4)?;
@@ -184,7 +184,7 @@ fn try_forward6(ctx: &SockAddrContext) -> Result<(), DropReason> {
         pad: 0,
     };
     // SAFETY: as in `try_forward4`.
-    let Some(svc) = (unsafe { RUNE_SVC_V6.get(&key) }).copied() else {
+    let Some(svc) = (unsafe { RUNE_SVC_V6.get(key) }).copied() else {
         return Ok(());
     };
     let (id, backend) = choose(ctx, &svc, FAMILY_V6)?;
@@ -240,7 +240,7 @@ fn remember(ctx: &SockAddrContext, backend: &Backend, vip: Addr, port: u16, fami
         family,
         pad: 0,
     };
-    if RUNE_SOCK_REV.insert(&key, &value, 0).is_err() {
+    if RUNE_SOCK_REV.insert(key, value, 0).is_err() {
         count_drop(DropReason::MapFull);
     }
 }
@@ -261,7 +261,7 @@ fn lookup_reverse(
         pad: [0; 5],
     };
     // SAFETY: the value is copied out at once.
-    let value = (unsafe { RUNE_SOCK_REV.get(&key) }).copied()?;
+    let value = (unsafe { RUNE_SOCK_REV.get(key) }).copied()?;
     (value.family == family).then_some(value)
 }
 
