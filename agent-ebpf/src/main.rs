@@ -2,7 +2,7 @@
 //! embedded in the agent binary.
 //!
 //! Program and map names are part of the contract with the loader in
-//! `agent/src/dataplane/ebpf.rs`; they are spelled out in `agent-common`.
+//! `agent/src/dataplane/ebpf/`; they are spelled out in `agent-common`.
 #![no_std]
 #![no_main]
 
@@ -10,6 +10,7 @@ mod bench;
 mod maps;
 mod nat;
 mod select;
+mod sock;
 mod tc;
 mod xdp;
 

@@ -2,6 +2,7 @@
 
 pub mod agent;
 pub mod bpf;
+pub mod cgroup;
 pub mod dns;
 pub mod netns;
 pub mod packet;
