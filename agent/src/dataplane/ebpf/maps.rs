@@ -76,8 +76,11 @@ pub trait LbMaps: Send {
     fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), MapsError>;
     /// Writes backend slot `id` (a zeroed backend frees it).
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<(), MapsError>;
-    /// Frontend `id`'s Maglev table, read and written in place.
-    fn table(&mut self, id: u32) -> Result<&mut [u32], MapsError>;
+    /// Frontend `id`'s Maglev table, for reading.
+    fn table(&self, id: u32) -> Result<&[u32], MapsError>;
+    /// Stores `(slot, backend id)` pairs into frontend `id`'s table (only the slots
+    /// that change, so a read-only comparison is never counted as a write).
+    fn set_slots(&mut self, id: u32, changes: &[(usize, u32)]) -> Result<(), MapsError>;
     /// Removes conntrack and affinity entries that lead to any of `backend_ids`;
     /// returns how many were removed.
     fn purge_flows(&mut self, backend_ids: &HashSet<u32>) -> Result<usize, MapsError>;
@@ -162,6 +165,12 @@ impl MmapTable {
             len,
             _map: map,
         })
+    }
+
+    fn as_slice(&self) -> &[u32] {
+        // SAFETY: the mapping is `len` u32s long and lives as long as `self`; `&self`
+        // excludes the `&mut` of `slice` for as long as this borrow lives.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
     fn slice(&mut self) -> &mut [u32] {
@@ -298,13 +307,30 @@ impl LbMaps for KernelMaps {
             .map_err(|e| MapsError::new(lb::BACKENDS, "write", e))
     }
 
-    fn table(&mut self, id: u32) -> Result<&mut [u32], MapsError> {
+    fn table(&self, id: u32) -> Result<&[u32], MapsError> {
         let size = self.capacity.table_size as usize;
         let start = id as usize * size;
         self.maglev
+            .as_slice()
+            .get(start..start + size)
+            .ok_or_else(|| MapsError::new(lb::MAGLEV, "read", format!("no table {id}")))
+    }
+
+    fn set_slots(&mut self, id: u32, changes: &[(usize, u32)]) -> Result<(), MapsError> {
+        let size = self.capacity.table_size as usize;
+        let start = id as usize * size;
+        let table = self
+            .maglev
             .slice()
             .get_mut(start..start + size)
-            .ok_or_else(|| MapsError::new(lb::MAGLEV, "write", format!("no table {id}")))
+            .ok_or_else(|| MapsError::new(lb::MAGLEV, "write", format!("no table {id}")))?;
+        for &(slot, backend) in changes {
+            *table
+                .get_mut(slot)
+                .ok_or_else(|| MapsError::new(lb::MAGLEV, "write", format!("no slot {slot}")))? =
+                backend;
+        }
+        Ok(())
     }
 
     fn purge_flows(&mut self, backend_ids: &HashSet<u32>) -> Result<usize, MapsError> {
@@ -390,7 +416,8 @@ pub struct FakeMaps {
     pub maglev: Vec<u32>,
     /// Backend ids of the "conntrack" entries (one per flow).
     pub flows: Vec<u32>,
-    /// Every write made, in order (`put_frontend …`), so tests can see what changed.
+    /// Every write made, in order (`put_frontend …`, `table {id}` when slots of that
+    /// table change; reads are not writes), so tests can see what changed.
     pub writes: Vec<String>,
     capacity: Capacity,
 }
@@ -456,13 +483,28 @@ impl LbMaps for FakeMaps {
         Ok(())
     }
 
-    fn table(&mut self, id: u32) -> Result<&mut [u32], MapsError> {
+    fn table(&self, id: u32) -> Result<&[u32], MapsError> {
         let size = self.capacity.table_size as usize;
         let start = id as usize * size;
-        self.writes.push(format!("table {id}"));
         self.maglev
-            .get_mut(start..start + size)
-            .ok_or_else(|| MapsError::new(lb::MAGLEV, "write", format!("no table {id}")))
+            .get(start..start + size)
+            .ok_or_else(|| MapsError::new(lb::MAGLEV, "read", format!("no table {id}")))
+    }
+
+    fn set_slots(&mut self, id: u32, changes: &[(usize, u32)]) -> Result<(), MapsError> {
+        let size = self.capacity.table_size as usize;
+        if id >= self.capacity.frontends || changes.iter().any(|(slot, _)| *slot >= size) {
+            return Err(MapsError::new(
+                lb::MAGLEV,
+                "write",
+                format!("no table {id}"),
+            ));
+        }
+        self.writes.push(format!("table {id}"));
+        for &(slot, backend) in changes {
+            self.maglev[id as usize * size + slot] = backend;
+        }
+        Ok(())
     }
 
     fn purge_flows(&mut self, backend_ids: &HashSet<u32>) -> Result<usize, MapsError> {
@@ -532,9 +574,12 @@ impl<M: LbMaps> LbMaps for FaultyMaps<M> {
         self.write(lb::BACKENDS)?;
         self.inner.put_backend(id, backend)
     }
-    fn table(&mut self, id: u32) -> Result<&mut [u32], MapsError> {
-        self.write(lb::MAGLEV)?;
+    fn table(&self, id: u32) -> Result<&[u32], MapsError> {
         self.inner.table(id)
+    }
+    fn set_slots(&mut self, id: u32, changes: &[(usize, u32)]) -> Result<(), MapsError> {
+        self.write(lb::MAGLEV)?;
+        self.inner.set_slots(id, changes)
     }
     fn purge_flows(&mut self, backend_ids: &HashSet<u32>) -> Result<usize, MapsError> {
         self.write(lb::CONNTRACK_V4)?;

@@ -130,6 +130,12 @@ impl<M: LbMaps> LbSync<M> {
         &self.maps
     }
 
+    /// The maps, for tests that inject faults or state.
+    #[cfg(test)]
+    pub(crate) fn maps_mut(&mut self) -> &mut M {
+        &mut self.maps
+    }
+
     /// Brings the maps to the state `delta` describes. On error the engine marks
     /// itself stale, so the next full delta re-reads the maps and repairs them.
     pub fn apply(&mut self, delta: &Delta, now: Instant) -> Result<(), SyncError> {
@@ -299,12 +305,23 @@ impl<M: LbMaps> LbSync<M> {
             return Ok(());
         };
         for fk in state.frontends.clone() {
-            self.delete_frontend(&fk)?;
+            self.delete_owned_frontend(key, &fk)?;
         }
-        if let Some(state) = self.services.remove(key) {
-            drop(state);
-        }
+        self.services.remove(key);
         self.release_unused(now)
+    }
+
+    /// Deletes frontend `key` if `service` still owns it: a frontend another service
+    /// claimed since (a VIP that moved in the same delta) is not this one's to delete.
+    fn delete_owned_frontend(
+        &mut self,
+        service: &ServiceKey,
+        key: &FrontendKey,
+    ) -> Result<(), SyncError> {
+        match self.frontends.get(key).and_then(|f| f.service.as_ref()) {
+            Some(owner) if owner != service => Ok(()),
+            _ => self.delete_frontend(key),
+        }
     }
 
     fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), SyncError> {
@@ -359,8 +376,12 @@ impl<M: LbMaps> LbSync<M> {
         // 1. Backends, before any table names them.
         let state = self.services.entry(key.clone()).or_default();
         state.uses = uses.clone();
-        for addr in uses.keys() {
-            self.ensure_backend(*addr)?;
+        // In address order: ids must not depend on hash order (same maps for the
+        // same input, on every run).
+        let mut addrs: Vec<SocketAddr> = uses.keys().copied().collect();
+        addrs.sort_unstable();
+        for addr in addrs {
+            self.ensure_backend(addr)?;
         }
         self.refresh_backend_states()?;
 
@@ -376,7 +397,7 @@ impl<M: LbMaps> LbSync<M> {
             .map(|s| s.frontends.clone())
             .unwrap_or_default();
         for fk in old_frontends.difference(&keep) {
-            self.delete_frontend(fk)?;
+            self.delete_owned_frontend(&key, fk)?;
         }
         let ports = self.port_status(view, &desired);
         if let Some(state) = self.services.get_mut(&key) {
@@ -466,15 +487,22 @@ impl<M: LbMaps> LbSync<M> {
     }
 
     /// Writes each backend's state (active when any service has it in a table).
+    /// Backends no service uses are left alone: during a full sync they may be
+    /// adopted ones whose service comes later in the delta (turning them draining
+    /// would cut their affinity for nothing); unused ones are freed at the end.
     fn refresh_backend_states(&mut self) -> Result<(), SyncError> {
-        let active: HashSet<SocketAddr> = self
-            .services
-            .values()
-            .flat_map(|s| s.uses.iter())
-            .filter(|(_, u)| **u == Use::Active)
-            .map(|(a, _)| *a)
-            .collect();
+        let mut active: HashSet<SocketAddr> = HashSet::new();
+        let mut used: HashSet<SocketAddr> = HashSet::new();
+        for (addr, u) in self.services.values().flat_map(|s| s.uses.iter()) {
+            used.insert(*addr);
+            if *u == Use::Active {
+                active.insert(*addr);
+            }
+        }
         for (addr, slot) in &mut self.backends {
+            if !used.contains(addr) {
+                continue;
+            }
             let want = if active.contains(addr) {
                 BACKEND_ACTIVE
             } else {
@@ -525,20 +553,29 @@ impl<M: LbMaps> LbSync<M> {
             let keys: Vec<BackendKey> = f.eligible.iter().copied().map(BackendKey).collect();
             match Maglev::new(&keys, table_size) {
                 Ok(maglev) => {
-                    let table = match self.maps.table(id) {
-                        Ok(t) => t,
-                        Err(e) => {
-                            if existing.is_none() {
-                                self.free_frontends.insert(id);
-                            }
-                            return Err(e.into());
+                    // Only the slots that differ are stored.
+                    let changes: Result<Vec<(usize, u32)>, MapsError> =
+                        self.maps.table(id).map(|table| {
+                            table
+                                .iter()
+                                .zip(maglev.slots())
+                                .enumerate()
+                                .filter(|(_, (have, index))| **have != ids[*index])
+                                .map(|(slot, (_, index))| (slot, ids[index]))
+                                .collect()
+                        });
+                    let written = changes.and_then(|changes| {
+                        if changes.is_empty() {
+                            Ok(())
+                        } else {
+                            self.maps.set_slots(id, &changes)
                         }
-                    };
-                    for (slot, index) in table.iter_mut().zip(maglev.slots()) {
-                        let want = ids[index];
-                        if *slot != want {
-                            *slot = want;
+                    });
+                    if let Err(e) = written {
+                        if existing.is_none() {
+                            self.free_frontends.insert(id);
                         }
+                        return Err(e.into());
                     }
                     table_size
                 }
@@ -594,17 +631,21 @@ impl<M: LbMaps> LbSync<M> {
         if unused.is_empty() {
             return self.refresh_backend_states();
         }
-        let mut ids = HashSet::new();
+        // Flows first, then the slots: if a write fails in between, no flow is left
+        // naming a free id that a new backend may get (the next sync retries).
+        let ids: HashSet<u32> = unused
+            .iter()
+            .filter_map(|a| self.backends.get(a).map(|b| b.id))
+            .collect();
+        let purged = self.maps.purge_flows(&ids)?;
         for addr in unused {
             if let Some(slot) = self.backends.get(&addr) {
                 let id = slot.id;
                 self.maps.put_backend(id, &Backend::default())?;
                 self.backends.remove(&addr);
                 self.free_backends.insert(id);
-                ids.insert(id);
             }
         }
-        let purged = self.maps.purge_flows(&ids)?;
         tracing::debug!(backends = ids.len(), flows = purged, "backends released");
         self.refresh_backend_states()
     }
