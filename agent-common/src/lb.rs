@@ -313,9 +313,15 @@ pub const SERVICES_V4: &str = "RUNE_SVC_V4";
 pub const SERVICES_V6: &str = "RUNE_SVC_V6";
 /// `Array<Backend>` indexed by backend id.
 pub const BACKENDS: &str = "RUNE_BACKENDS";
-/// `Array<u32>` (mmapable) of backend ids: every frontend's Maglev table, at
-/// `ServiceValue::maglev_base`, `maglev_size` slots long.
+/// `Array<[u32; 2]>` (mmapable) of backend ids, two slots per element: every
+/// frontend's Maglev table, at slot `ServiceValue::maglev_base`, `maglev_size` slots
+/// long; slot `s` is `element[s / 2][s % 2]`. Pairs, because the kernel rounds array
+/// values up to 8 bytes: a `u32` array would waste half its memory and break the
+/// agent's contiguous mmapped view of the slots.
 pub const MAGLEV: &str = "RUNE_MAGLEV";
+
+/// Slots per element of [`MAGLEV`].
+pub const MAGLEV_SLOTS_PER_ENTRY: u32 = 2;
 /// `LruHashMap<CtKeyV4, CtValue>`: IPv4 conntrack of the tc/XDP path.
 pub const CONNTRACK_V4: &str = "RUNE_CT_V4";
 /// `LruHashMap<CtKeyV6, CtValue>`: IPv6 conntrack of the tc/XDP path.

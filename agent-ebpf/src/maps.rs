@@ -27,20 +27,23 @@ pub static RUNE_SVC_V6: HashMap<ServiceKeyV6, ServiceValue> = HashMap::pinned(65
 #[map]
 pub static RUNE_BACKENDS: Array<Backend> = Array::pinned(65536, 0);
 
-/// Every frontend's Maglev table of backend ids (`agent_common::lb::MAGLEV`);
+/// Every frontend's Maglev table of backend ids, two slots per entry
+/// (`agent_common::lb::MAGLEV`);
 /// mmapable so the agent writes whole tables without a syscall per slot.
 #[map]
-pub static RUNE_MAGLEV: Array<u32> = Array::pinned(1, BPF_F_MMAPABLE);
+pub static RUNE_MAGLEV: Array<[u32; 2]> = Array::pinned(1, BPF_F_MMAPABLE);
 
 /// IPv4 conntrack of the tc/XDP path (`agent_common::lb::CONNTRACK_V4`). Per-CPU
 /// LRU lists (`BPF_F_NO_COMMON_LRU`): a new flow on a full table evicts from its own
 /// CPU's list instead of contending for one global list, as Katran's per-CPU LRUs.
 #[map]
-pub static RUNE_CT_V4: LruHashMap<CtKeyV4, CtValue> = LruHashMap::pinned(262_144, BPF_F_NO_COMMON_LRU);
+pub static RUNE_CT_V4: LruHashMap<CtKeyV4, CtValue> =
+    LruHashMap::pinned(262_144, BPF_F_NO_COMMON_LRU);
 
 /// IPv6 conntrack of the tc/XDP path (`agent_common::lb::CONNTRACK_V6`).
 #[map]
-pub static RUNE_CT_V6: LruHashMap<CtKeyV6, CtValue> = LruHashMap::pinned(262_144, BPF_F_NO_COMMON_LRU);
+pub static RUNE_CT_V6: LruHashMap<CtKeyV6, CtValue> =
+    LruHashMap::pinned(262_144, BPF_F_NO_COMMON_LRU);
 
 /// ClientIP session affinity (`agent_common::lb::AFFINITY`).
 #[map]

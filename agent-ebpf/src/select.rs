@@ -37,7 +37,10 @@ pub fn pick_backend(
         0
     };
     let slot = svc.maglev_base.wrapping_add(hash % svc.maglev_size);
-    let id = *RUNE_MAGLEV.get(slot).ok_or(DropReason::BackendMissing)?;
+    let pair = RUNE_MAGLEV
+        .get(slot / 2)
+        .ok_or(DropReason::BackendMissing)?;
+    let id = pair[(slot & 1) as usize];
     let backend = *RUNE_BACKENDS.get(id).ok_or(DropReason::BackendMissing)?;
     if id == 0 || backend.family == 0 {
         return Err(DropReason::BackendMissing);

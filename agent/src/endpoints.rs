@@ -74,6 +74,9 @@ struct State {
     services: BTreeMap<ServiceKey, Arc<Service>>,
     endpoints: BTreeMap<ServiceKey, Arc<Endpoints>>,
     subscribers: Vec<Weak<Pending>>,
+    /// Whether a snapshot was applied: before that the cache's emptiness means
+    /// "not loaded yet", not "no services", and no delta is handed out.
+    synced: bool,
 }
 
 #[derive(Default)]
@@ -98,6 +101,15 @@ impl EndpointCache {
     /// An empty cache at revision 0.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty cache that counts as loaded (an empty snapshot applied), for tests
+    /// that feed it events directly.
+    #[cfg(test)]
+    pub(crate) fn loaded() -> Self {
+        let cache = Self::new();
+        cache.apply_snapshot(&Snapshot::default());
+        cache
     }
 
     /// Replaces the whole content with a snapshot (start and resync). Subscribers
@@ -132,7 +144,15 @@ impl EndpointCache {
         st.services = services;
         st.endpoints = endpoints;
         st.revision = snapshot.revision;
+        let first = !st.synced;
+        st.synced = true;
         Self::mark(&mut st, changed);
+        if first {
+            // Subscribers wait for the first snapshot even when it is empty.
+            for sub in st.subscribers.iter().filter_map(Weak::upgrade) {
+                sub.notify.notify_one();
+            }
+        }
     }
 
     /// Applies one event from the ordered log. Events at or below the cache's
@@ -253,7 +273,10 @@ impl EndpointCache {
         }
     }
 
-    /// Subscribes a reconciler. Its first [`Subscription::next`] returns a full delta.
+    /// Subscribes a reconciler. Its first [`Subscription::next`] returns a full
+    /// delta, once the cache holds its first snapshot: a reconciler never mistakes a
+    /// cache that is still loading for one without services (which would, for a
+    /// moment, remove every service a restarted agent's kernel state still carries).
     pub fn subscribe(self: &Arc<Self>) -> Subscription {
         let pending = Arc::new(Pending {
             dirty: Mutex::new(Dirty {
@@ -293,6 +316,9 @@ impl Subscription {
     pub fn try_next(&mut self) -> Option<Delta> {
         // Lock order: cache state, then the subscriber's dirty set (as in `mark`).
         let st = lock(&self.cache.state);
+        if !st.synced {
+            return None;
+        }
         let mut dirty = lock(&self.pending.dirty);
         if !dirty.full && dirty.keys.is_empty() {
             return None;

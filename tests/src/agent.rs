@@ -170,6 +170,14 @@ impl Agent {
         body
     }
 
+    /// Kills the agent with SIGKILL (no chance to clean up) and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
     /// Sends SIGTERM and waits (bounded) for a clean exit; returns its status code.
     pub fn terminate(&mut self, patience: Duration) -> Option<i32> {
         let mut child = self.child.take()?;

@@ -112,8 +112,15 @@ pub fn run_at<T: Send>(path: &Path, f: impl FnOnce() -> T + Send) -> anyhow::Res
 
 /// [`NetNs::command`] for a namespace known by its file (`/run/netns/NAME`).
 pub fn command_at(path: &Path, program: impl AsRef<OsStr>) -> anyhow::Result<Command> {
-    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut cmd = Command::new(program);
+    join_at(&mut cmd, path)?;
+    Ok(cmd)
+}
+
+/// Makes `cmd`'s process enter the namespace at `path` (`setns` between fork and
+/// exec), in addition to whatever else `cmd` is set up to do (e.g. join a cgroup).
+pub fn join_at(cmd: &mut Command, path: &Path) -> anyhow::Result<()> {
+    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     // SAFETY: the closure runs in the forked child before exec and only makes the
     // setns(2) system call (async-signal-safe) on a descriptor the closure owns, so it
     // stays open until the command is dropped.
@@ -125,7 +132,7 @@ pub fn command_at(path: &Path, program: impl AsRef<OsStr>) -> anyhow::Result<Com
             Ok(())
         });
     }
-    Ok(cmd)
+    Ok(())
 }
 
 impl Drop for NetNs {

@@ -231,11 +231,11 @@ impl Lb {
             self.set_backend(id, true);
         }
         if !svc.backends.is_empty() {
-            let mut maglev: Array<_, u32> =
+            let mut maglev: Array<_, [u32; 2]> =
                 Array::try_from(self.ebpf.map_mut(lb::MAGLEV).unwrap()).unwrap();
             for slot in 0..TABLE {
                 let id = svc.backends[slot as usize % svc.backends.len()];
-                maglev.set(base + slot, id, 0).unwrap();
+                rune_agent_tests::bpf::set_maglev_slot(&mut maglev, base + slot, id);
             }
         }
     }
@@ -270,9 +270,9 @@ impl Lb {
             }
         };
         let base = ALL_SVCS.iter().position(|s| s.id == svc.id).unwrap() as u32 * TABLE;
-        let maglev: Array<&MapData, u32> =
+        let maglev: Array<&MapData, [u32; 2]> =
             Array::try_from(self.ebpf.map(lb::MAGLEV).unwrap()).unwrap();
-        maglev.get(&(base + hash % TABLE), 0).unwrap()
+        rune_agent_tests::bpf::maglev_slot(&maglev, base + hash % TABLE)
     }
 
     fn run(&self, prog: &str, packet: &[u8]) -> anyhow::Result<TestRun> {
@@ -442,10 +442,10 @@ fn xdp_vip_hit_translates_and_conntrack_keeps_the_backend() {
         .unwrap();
     {
         let mut lb = lb;
-        let mut maglev: Array<_, u32> =
+        let mut maglev: Array<_, [u32; 2]> =
             Array::try_from(lb.ebpf.map_mut(lb::MAGLEV).unwrap()).unwrap();
         for slot in 0..TABLE {
-            maglev.set(slot, other, 0).unwrap();
+            rune_agent_tests::bpf::set_maglev_slot(&mut maglev, slot, other);
         }
         assert_eq!(expect_dnat_to(&lb, lb::PROG_XDP_LB, &spec, id), id);
         let spec2 = vip_packet(&SVC_TCP4, client, 40001);

@@ -206,10 +206,10 @@ impl Fixture {
 
     /// Writes a Maglev table of backend ids at `base`.
     fn set_table(&mut self, base: u32, ids: &[u32]) {
-        let mut map: Array<_, u32> =
+        let mut map: Array<_, [u32; 2]> =
             Array::try_from(self.bpf.map_mut(lb::MAGLEV).unwrap()).unwrap();
         for (i, id) in ids.iter().enumerate() {
-            map.set(base + i as u32, id, 0).unwrap();
+            rune_agent_tests::bpf::set_maglev_slot(&mut map, base + i as u32, *id);
         }
     }
 

@@ -248,10 +248,12 @@ impl Bench {
                 0,
             )?;
         }
-        let mut maglev: Array<_, u32> =
+        // Two slots per entry (agent_common::lb::MAGLEV): slots 0..8.
+        let mut maglev: Array<_, [u32; 2]> =
             Array::try_from(self.ebpf.map_mut(lb::MAGLEV).context("maglev")?)?;
-        for slot in 0..7u32 {
-            maglev.set(slot, 1 + slot % 3, 0)?;
+        for entry in 0..4u32 {
+            let slot = entry * 2;
+            maglev.set(entry, [1 + slot % 3, 1 + (slot + 1) % 3], 0)?;
         }
         Ok(())
     }

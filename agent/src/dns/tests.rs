@@ -278,7 +278,7 @@ fn another_domain_and_ttl_are_used() {
 #[tokio::test]
 async fn the_zone_follows_the_cache() {
     use crate::orderedlog::{Event, Snapshot};
-    let cache = Arc::new(EndpointCache::new());
+    let cache = Arc::new(EndpointCache::loaded());
     cache.apply_snapshot(&Snapshot {
         revision: 1,
         objects: vec![Object::Service((*web().service).clone())],
@@ -336,7 +336,7 @@ fn server(addrs: Vec<SocketAddr>) -> DnsServer {
             zone: config(Mode::Production),
             forward: ForwardConfig::default(),
         },
-        Arc::new(EndpointCache::new()),
+        Arc::new(EndpointCache::loaded()),
         Arc::new(Metrics::new()),
     )
     .unwrap()
@@ -423,7 +423,7 @@ async fn upstreams_that_are_the_agent_itself_are_left_out() {
                 ..ForwardConfig::default()
             },
         },
-        Arc::new(EndpointCache::new()),
+        Arc::new(EndpointCache::loaded()),
         Arc::new(Metrics::new()),
     )
     .unwrap();

@@ -32,7 +32,7 @@ fn names(views: &[ServiceView]) -> Vec<String> {
 
 #[test]
 fn first_delta_is_full_then_only_changes() {
-    let cache = Arc::new(EndpointCache::new());
+    let cache = Arc::new(EndpointCache::loaded());
     cache.apply_snapshot(&Snapshot {
         revision: 2,
         objects: vec![service("a", 80), service("b", 81)],
@@ -55,7 +55,7 @@ fn first_delta_is_full_then_only_changes() {
 
 #[test]
 fn changes_coalesce_per_service_and_read_the_newest_state() {
-    let cache = Arc::new(EndpointCache::new());
+    let cache = Arc::new(EndpointCache::loaded());
     let mut sub = cache.subscribe();
     sub.try_next().unwrap();
     cache.apply_event(&put(1, service("a", 80)));
@@ -69,7 +69,7 @@ fn changes_coalesce_per_service_and_read_the_newest_state() {
 
 #[test]
 fn deletes_become_removals_and_unknown_vs_empty_endpoints_differ() {
-    let cache = Arc::new(EndpointCache::new());
+    let cache = Arc::new(EndpointCache::loaded());
     cache.apply_event(&put(1, service("a", 80)));
     cache.apply_event(&put(2, endpoints("a", &[])));
     cache.apply_event(&put(3, service("b", 81)));
@@ -100,7 +100,7 @@ fn deletes_become_removals_and_unknown_vs_empty_endpoints_differ() {
 
 #[test]
 fn old_events_are_ignored() {
-    let cache = Arc::new(EndpointCache::new());
+    let cache = Arc::new(EndpointCache::loaded());
     cache.apply_event(&put(5, service("a", 80)));
     cache.apply_event(&put(4, service("stale", 80)));
     assert_eq!(cache.revision(), 5);
@@ -109,7 +109,7 @@ fn old_events_are_ignored() {
 
 #[test]
 fn a_resync_snapshot_reports_only_differences() {
-    let cache = Arc::new(EndpointCache::new());
+    let cache = Arc::new(EndpointCache::loaded());
     cache.apply_snapshot(&Snapshot {
         revision: 3,
         objects: vec![
@@ -138,7 +138,7 @@ fn a_resync_snapshot_reports_only_differences() {
 
 #[tokio::test]
 async fn next_waits_for_a_change() {
-    let cache = Arc::new(EndpointCache::new());
+    let cache = Arc::new(EndpointCache::loaded());
     let mut sub = cache.subscribe();
     assert!(sub.next().await.full);
     let waiter = tokio::spawn(async move { sub.next().await });
@@ -159,7 +159,7 @@ async fn next_waits_for_a_change() {
 
 #[test]
 fn request_full_resends_everything() {
-    let cache = Arc::new(EndpointCache::new());
+    let cache = Arc::new(EndpointCache::loaded());
     cache.apply_event(&put(1, service("a", 80)));
     let mut sub = cache.subscribe();
     sub.try_next().unwrap();
@@ -219,7 +219,7 @@ async fn the_feed_resyncs_after_a_compaction() {
         ]),
         watches: Mutex::new(0),
     });
-    let cache = Arc::new(EndpointCache::new());
+    let cache = Arc::new(EndpointCache::loaded());
     let metrics = Arc::new(Metrics::new());
     let feed = CacheFeed::new(log.clone(), cache.clone(), metrics.clone());
     let ctx = StartContext::new(CancellationToken::new(), crate::agent::Mode::Dev);
@@ -247,7 +247,7 @@ async fn the_feed_resyncs_after_a_compaction() {
 
 #[test]
 fn events_applied_together_reach_subscribers_together() {
-    let cache = Arc::new(EndpointCache::new());
+    let cache = Arc::new(EndpointCache::loaded());
     let mut sub = cache.subscribe();
     sub.try_next().unwrap();
     // One `apply` of a service and its endpoints: never a delta in between that

@@ -173,7 +173,7 @@ pub fn attach_all(
         for name in CGROUP_PROGRAMS {
             let program: &mut CgroupSockAddr = load(ebpf, name)?;
             let id = program
-                .attach(&file, CgroupAttachMode::AllowMultiple)
+                .attach(&file, CgroupAttachMode::Single)
                 .map_err(|e| hook_error(name, &target, e))?;
             let link = program
                 .take_link(id)

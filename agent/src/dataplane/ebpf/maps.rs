@@ -133,14 +133,17 @@ impl MmapTable {
         let info = map
             .info()
             .map_err(|e| MapsError::new(lb::MAGLEV, "info", e))?;
-        if info.value_size() != 4 || info.map_flags() & 1024 == 0 {
+        // Two u32 slots per 8-byte element, no padding: the mapping is a plain u32
+        // array of `2 × max_entries` slots.
+        if info.value_size() != 4 * lb::MAGLEV_SLOTS_PER_ENTRY || info.map_flags() & 1024 == 0 {
             return Err(MapsError::new(
                 lb::MAGLEV,
                 "mmap",
-                "not an mmapable array of u32 (a pinned map from an incompatible build?)",
+                "not an mmapable array of u32 pairs (a pinned map from an incompatible build? \
+                 run `rune-agent cleanup`)",
             ));
         }
-        let len = info.max_entries() as usize;
+        let len = info.max_entries() as usize * lb::MAGLEV_SLOTS_PER_ENTRY as usize;
         // SAFETY: mapping a BPF array fd shared and read/write is how BPF_F_MMAPABLE
         // arrays are meant to be used; the result is checked before use.
         let ptr = unsafe {

@@ -1,0 +1,446 @@
+//! The eBPF data plane end to end: a production-mode agent in the node namespace of
+//! a [`Topology`] balances VIP traffic from the client namespace (tc on the node's
+//! client-facing veth) and from a process in a test cgroup on the node (socket LB).
+//!
+//! Needs root. Each test builds its own namespaces, cgroup and bpffs pin directory
+//! and removes them on drop; traffic goes only to 198.18.0.0/15 and fd00::/8 inside
+//! them. Tests run one at a time (they share the CPU with the agent they start).
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+    path::Path,
+    process::Command,
+    sync::Mutex,
+    time::Duration,
+};
+
+use rune_agent_tests::{
+    agent::{Agent, metric},
+    bpf::PinDir,
+    cgroup::TestCgroup,
+    netns::{join_at, require_root},
+    topology::{Topology, TopologyConfig},
+};
+
+/// One test at a time: each starts a privileged agent and its own topology.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const VIP4: &str = "198.18.100.10";
+const VIP6: &str = "fd00:100::10";
+const TCP_PORT: u16 = 80;
+const UDP_PORT: u16 = 53;
+/// The backends' servers (TCP and UDP).
+const BACKEND_PORT: u16 = 8080;
+const PATIENCE: Duration = Duration::from_secs(20);
+
+/// One endpoint line of the Endpoints document.
+struct Ep {
+    address: IpAddr,
+    ready: bool,
+    terminating: bool,
+}
+
+fn service_yaml(endpoints: &[Ep], drain_seconds: u32) -> String {
+    let mut eps = String::new();
+    for e in endpoints {
+        eps.push_str(&format!(
+            "    - {{address: \"{}\", node: node-b, ready: {}, terminating: {}}}\n",
+            e.address, e.ready, e.terminating
+        ));
+    }
+    if endpoints.is_empty() {
+        eps.push_str("    []\n");
+    }
+    format!(
+        "apiVersion: rune/v1
+kind: Service
+metadata: {{name: web}}
+spec:
+  ports:
+    - {{name: http, port: {TCP_PORT}, protocol: TCP, targetPort: {BACKEND_PORT}}}
+    - {{name: dns, port: {UDP_PORT}, protocol: UDP, targetPort: {BACKEND_PORT}}}
+  discovery: {{vips: [\"{VIP4}\", \"{VIP6}\"]}}
+  drainSeconds: {drain_seconds}
+---
+apiVersion: rune/v1
+kind: Endpoints
+metadata: {{name: web}}
+spec:
+  endpoints:
+{eps}"
+    )
+}
+
+/// Every backend of the topology (both families), ready.
+fn all_ready(topo: &Topology) -> Vec<Ep> {
+    topo.backends()
+        .iter()
+        .flat_map(|b| b.addr().both())
+        .map(|address| Ep {
+            address,
+            ready: true,
+            terminating: false,
+        })
+        .collect()
+}
+
+fn apply(agent: &Agent, yaml: &str) {
+    let out = agent.cli(&["apply", "-f", "-"], Some(yaml));
+    assert!(
+        out.status.success(),
+        "apply failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A production agent in the node namespace with tc on the client-facing veth and
+/// socket LB on `cgroup` (or off).
+fn start_agent(topo: &Topology, state: &Path, pins: &PinDir, cgroup: Option<&Path>) -> Agent {
+    let pin_dir = pins.path().display().to_string();
+    let cgroup = cgroup.map_or("none".to_owned(), |c| c.display().to_string());
+    let mut agent = Agent::start_in(
+        topo.node(),
+        state,
+        &[
+            "--bpf-pin-dir",
+            &pin_dir,
+            "--cgroup",
+            &cgroup,
+            "--interfaces",
+            topo.node_client_if(),
+            "--lb-max-frontends",
+            "64",
+            "--maglev-table-size",
+            "1021",
+        ],
+    );
+    agent.wait_ready(PATIENCE);
+    agent
+}
+
+fn backend_name(reply: &str) -> String {
+    reply
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// Polls until a TCP request to `vip` succeeds (the apply reached the maps).
+fn wait_reachable(topo: &Topology, vip: SocketAddr) {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        match topo.tcp_request(vip, "ping") {
+            Ok(_) => return,
+            Err(e) if std::time::Instant::now() > deadline => panic!("{vip} unreachable: {e:#}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+/// `n` new TCP connections to `vip`; every one must succeed and see `vip` as its
+/// peer. Returns connections per backend name.
+fn tcp_spread(topo: &Topology, vip: SocketAddr, n: usize) -> BTreeMap<String, usize> {
+    let mut per = BTreeMap::new();
+    for i in 0..n {
+        let (reply, peer, _) = topo
+            .tcp_request(vip, &format!("req{i}"))
+            .unwrap_or_else(|e| panic!("connection {i} to {vip}: {e:#}"));
+        assert_eq!(peer, vip, "the client must see the VIP as its peer");
+        *per.entry(backend_name(&reply)).or_insert(0) += 1;
+    }
+    per
+}
+
+fn assert_balanced(per: &BTreeMap<String, usize>, n: usize, backends: usize) {
+    assert_eq!(per.len(), backends, "every backend gets flows: {per:?}");
+    for (name, count) in per {
+        let share = *count as f64 / n as f64;
+        assert!(
+            (0.20..=0.47).contains(&share),
+            "{name} got {count} of {n} ({share:.2}): {per:?}"
+        );
+    }
+}
+
+#[test]
+fn vip_traffic_is_balanced_in_the_kernel_for_tcp_udp_and_ipv6() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    require_root().unwrap();
+    let topo = Topology::with_config(&TopologyConfig {
+        backends: 3,
+        tcp_port: Some(BACKEND_PORT),
+        udp_port: Some(BACKEND_PORT),
+        ..TopologyConfig::default()
+    })
+    .unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let pins = PinDir::new("vip");
+    let agent = start_agent(&topo, state.path(), &pins, None);
+    apply(&agent, &service_yaml(&all_ready(&topo), 30));
+
+    let vip4 = SocketAddr::new(VIP4.parse().unwrap(), TCP_PORT);
+    wait_reachable(&topo, vip4);
+    let before = agent.metrics_text();
+    let series = format!(
+        "rune_dataplane_flows_total{{service=\"default/web\",vip=\"{VIP4}\",port=\"{TCP_PORT}\",protocol=\"TCP\"}}"
+    );
+    let flows_before = metric(&before, &series).expect("per-frontend flow counter");
+
+    let per = tcp_spread(&topo, vip4, 300);
+    assert_balanced(&per, 300, 3);
+
+    // Non-VIP traffic between the same namespaces is untouched (and not counted).
+    for b in topo.backends() {
+        let direct = SocketAddr::new(b.addr().v4.into(), BACKEND_PORT);
+        let (reply, peer, _) = topo.tcp_request(direct, "direct").unwrap();
+        assert_eq!(backend_name(&reply), b.name());
+        assert_eq!(peer, direct);
+    }
+    let after = agent.metrics_text();
+    assert_eq!(
+        metric(&after, &series),
+        Some(flows_before + 300.0),
+        "the flow counter counts exactly the VIP connections"
+    );
+
+    // UDP: each request from a fresh socket is a new flow; replies come from the VIP.
+    let udp_vip = SocketAddr::new(VIP4.parse().unwrap(), UDP_PORT);
+    let mut per_udp = BTreeMap::new();
+    for i in 0..300 {
+        let (reply, from) = topo
+            .udp_request(udp_vip, format!("q{i}").as_bytes())
+            .unwrap_or_else(|e| panic!("UDP request {i}: {e:#}"));
+        assert_eq!(from, udp_vip, "the reply must come from the VIP");
+        let reply = String::from_utf8_lossy(&reply).into_owned();
+        *per_udp.entry(backend_name(&reply)).or_insert(0) += 1;
+    }
+    assert_balanced(&per_udp, 300, 3);
+
+    // IPv6 VIP, IPv6 backends.
+    let vip6 = SocketAddr::new(VIP6.parse().unwrap(), TCP_PORT);
+    let per6 = tcp_spread(&topo, vip6, 300);
+    assert_balanced(&per6, 300, 3);
+
+    let status = agent.cli(&["status"], None);
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(text.contains("data plane: ebpf"), "{text}");
+    assert!(
+        text.contains("rune_tc_ingress on tc-ingress n-client"),
+        "{text}"
+    );
+    assert!(
+        text.contains("rune_tc_egress on tc-egress n-client"),
+        "{text}"
+    );
+}
+
+#[test]
+fn terminating_backend_gets_no_new_flows_and_established_flows_stay() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    require_root().unwrap();
+    let topo = Topology::with_config(&TopologyConfig {
+        backends: 3,
+        tcp_port: Some(BACKEND_PORT),
+        udp_port: Some(BACKEND_PORT),
+        ..TopologyConfig::default()
+    })
+    .unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let pins = PinDir::new("term");
+    let agent = start_agent(&topo, state.path(), &pins, None);
+    apply(&agent, &service_yaml(&all_ready(&topo), 30));
+    let vip = SocketAddr::new(VIP4.parse().unwrap(), TCP_PORT);
+    wait_reachable(&topo, vip);
+
+    // Long-lived connections until every backend holds at least one.
+    let mut long = Vec::new();
+    let mut held = BTreeMap::new();
+    for i in 0..60 {
+        let mut c = topo.tcp_open(vip).unwrap();
+        let name = backend_name(&c.exchange(&format!("open{i}")).unwrap());
+        *held.entry(name.clone()).or_insert(0) += 1;
+        long.push((name, c));
+        if held.len() == 3 && i >= 5 {
+            break;
+        }
+    }
+    assert_eq!(held.len(), 3, "every backend holds a long-lived connection");
+
+    // backend-0 terminates: no new flows, its established ones keep working.
+    let victim = topo.backends()[0].name().to_owned();
+    let mut eps = all_ready(&topo);
+    for e in &mut eps {
+        if topo.backends()[0].addr().both().contains(&e.address) {
+            e.terminating = true;
+        }
+    }
+    apply(&agent, &service_yaml(&eps, 30));
+    rune_agent_tests::agent::eventually(PATIENCE, "the terminating backend left the table", || {
+        let per = tcp_spread(&topo, vip, 30);
+        (!per.contains_key(&victim)).then_some(())
+    });
+    let per = tcp_spread(&topo, vip, 60);
+    assert!(
+        !per.contains_key(&victim),
+        "no new flow to {victim}: {per:?}"
+    );
+    for (name, c) in &mut long {
+        let reply = c.exchange("still-there").unwrap();
+        assert_eq!(
+            &backend_name(&reply),
+            name,
+            "an established flow never moves"
+        );
+    }
+
+    // backend-0 is deleted: traffic continues on the rest; flows on the others stay.
+    let rest: Vec<Ep> = all_ready(&topo)
+        .into_iter()
+        .filter(|e| !topo.backends()[0].addr().both().contains(&e.address))
+        .collect();
+    apply(&agent, &service_yaml(&rest, 30));
+    let per = tcp_spread(&topo, vip, 60);
+    assert!(!per.contains_key(&victim), "{per:?}");
+    assert_eq!(per.len(), 2, "{per:?}");
+    for (name, c) in long.iter_mut().filter(|(n, _)| *n != victim) {
+        let reply = c.exchange("after-delete").unwrap();
+        assert_eq!(
+            &backend_name(&reply),
+            name,
+            "an established flow never moves"
+        );
+    }
+
+    // An empty endpoint list refuses new flows, and the refusal is counted.
+    apply(&agent, &service_yaml(&[], 30));
+    let series = "rune_dataplane_drops_total{reason=\"no_backend\"}";
+    let drops_before = metric(&agent.metrics_text(), series).unwrap_or(0.0);
+    rune_agent_tests::agent::eventually(PATIENCE, "connections to the VIP are refused", || {
+        topo.tcp_request(vip, "refused?").is_err().then_some(())
+    });
+    let drops_after = metric(&agent.metrics_text(), series).unwrap_or(0.0);
+    assert!(drops_after > drops_before, "refusals are counted");
+}
+
+#[test]
+fn agent_restart_drops_no_flow() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    require_root().unwrap();
+    let topo = Topology::with_config(&TopologyConfig {
+        backends: 3,
+        tcp_port: Some(BACKEND_PORT),
+        udp_port: Some(BACKEND_PORT),
+        ..TopologyConfig::default()
+    })
+    .unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let pins = PinDir::new("restart");
+    let mut agent = start_agent(&topo, state.path(), &pins, None);
+    apply(&agent, &service_yaml(&all_ready(&topo), 30));
+    let vip = SocketAddr::new(VIP4.parse().unwrap(), TCP_PORT);
+    wait_reachable(&topo, vip);
+    let mut long = topo.tcp_open(vip).unwrap();
+    let owner = backend_name(&long.exchange("before").unwrap());
+
+    // A bounded request loop runs while the agent is killed and started again.
+    const REQUESTS: usize = 2000;
+    let failures = std::thread::scope(|scope| {
+        let looper = scope.spawn(|| {
+            let mut failures = Vec::new();
+            for i in 0..REQUESTS {
+                if let Err(e) = topo.tcp_request(vip, &format!("loop{i}")) {
+                    failures.push(format!("request {i}: {e:#}"));
+                }
+            }
+            failures
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        // SIGKILL: the agent gets no chance to clean up or hand over.
+        agent.kill();
+        std::thread::sleep(Duration::from_millis(300));
+        agent = start_agent(&topo, state.path(), &pins, None);
+        looper.join().unwrap()
+    });
+    assert!(
+        failures.is_empty(),
+        "{} failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+    let reply = long.exchange("after").unwrap();
+    assert_eq!(
+        backend_name(&reply),
+        owner,
+        "the long-lived connection survived"
+    );
+    // The restarted agent still carries the service.
+    tcp_spread(&topo, vip, 20);
+}
+
+#[test]
+fn socket_lb_rewrites_connects_of_a_local_client() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    require_root().unwrap();
+    let topo = Topology::with_config(&TopologyConfig {
+        backends: 2,
+        tcp_port: Some(BACKEND_PORT),
+        udp_port: Some(BACKEND_PORT),
+        ..TopologyConfig::default()
+    })
+    .unwrap();
+    let cgroup = TestCgroup::new("socklb").unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let pins = PinDir::new("socklb");
+    let agent = start_agent(&topo, state.path(), &pins, Some(cgroup.path()));
+    apply(&agent, &service_yaml(&all_ready(&topo), 30));
+
+    let client = |mode: &str, addr: &str| -> serde_json::Value {
+        let mut cmd: Command = cgroup.command(env!("CARGO_BIN_EXE_rune-test-client"));
+        join_at(&mut cmd, &topo.node().path()).unwrap();
+        let out = cmd.args([mode, addr]).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{mode} {addr}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let vip_tcp = format!("{VIP4}:{TCP_PORT}");
+    // The maps are written shortly after the apply returns.
+    rune_agent_tests::agent::eventually(PATIENCE, "the VIP answers", || {
+        let mut cmd = cgroup.command(env!("CARGO_BIN_EXE_rune-test-client"));
+        join_at(&mut cmd, &topo.node().path()).ok()?;
+        cmd.args(["tcp", &vip_tcp])
+            .output()
+            .ok()?
+            .status
+            .success()
+            .then_some(())
+    });
+    let tcp = client("tcp", &vip_tcp);
+    assert_eq!(
+        tcp["peer"],
+        vip_tcp.as_str(),
+        "getpeername returns the VIP: {tcp}"
+    );
+    assert!(
+        tcp["reply"].as_str().unwrap_or("").starts_with("backend-"),
+        "{tcp}"
+    );
+
+    let vip_udp = format!("{VIP4}:{UDP_PORT}");
+    let udp = client("udp-unconnected", &vip_udp);
+    assert_eq!(
+        udp["peer"],
+        vip_udp.as_str(),
+        "replies come from the VIP: {udp}"
+    );
+    let vip6_tcp = format!("[{VIP6}]:{TCP_PORT}");
+    let tcp6 = client("tcp", &vip6_tcp);
+    assert_eq!(tcp6["peer"], vip6_tcp.as_str(), "{tcp6}");
+
+    let status = String::from_utf8_lossy(&agent.cli(&["status"], None).stdout).into_owned();
+    assert!(status.contains("rune_connect4 on cgroup"), "{status}");
+}
