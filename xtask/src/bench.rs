@@ -7,7 +7,8 @@
 //! whatever else runs. Direct and proxied runs use different client source addresses
 //! so that neither meets the other's TIME_WAIT entries (FACTS.md). Then the agent's
 //! memory with 1,000 services applied. Then the DNS figures ([`crate::bench_dns`]),
-//! and the eBPF load balancer per packet ([`crate::bench_ebpf`], root only).
+//! the eBPF load balancer per packet ([`crate::bench_ebpf`], root only) and the
+//! production agent's eBPF map sync ([`crate::bench_sync`], root only).
 //!
 //! Every load loop is bounded in time and stops by itself; all traffic stays on
 //! 127.0.0.0/8.
@@ -57,6 +58,7 @@ pub fn run() -> Result<()> {
         .build()?;
     let mut report = rt.block_on(bench_all(&bin))?;
     report.push_str(&crate::bench_ebpf::section()?);
+    report.push_str(&crate::bench_sync::section(&bin)?);
     println!("{report}");
     let out = crate::util::target_dir().join("bench.md");
     std::fs::write(&out, &report)?;

@@ -6,6 +6,7 @@
 mod bench;
 mod bench_dns;
 mod bench_ebpf;
+mod bench_sync;
 mod build_ebpf;
 mod run;
 mod setup;
@@ -37,8 +38,9 @@ enum Command {
     Run(run::Args),
     /// Setup, then measure the dev-mode proxy against direct connections, the
     /// embedded DNS server against dnsmasq, the agent's memory (side by side in one
-    /// run) and the eBPF load balancer's per-packet cost; prints a table.
-    /// `bench ebpf` runs only the eBPF section (needs root).
+    /// run), the eBPF load balancer's per-packet cost and the eBPF map sync of
+    /// 10,000 services; prints a table. `bench ebpf` and `bench sync` run one
+    /// section alone (both need root).
     Bench {
         /// Only this section.
         #[arg(value_enum)]
@@ -51,6 +53,9 @@ enum Command {
 enum BenchSection {
     /// The eBPF load balancer per packet (BPF_PROG_TEST_RUN).
     Ebpf,
+    /// The production agent's eBPF map sync: 10,000 services snapshot to maps, and
+    /// one endpoint change from the ordered log to the maps.
+    Sync,
 }
 
 fn main() -> ExitCode {
@@ -63,6 +68,9 @@ fn main() -> ExitCode {
         Command::Bench {
             section: Some(BenchSection::Ebpf),
         } => setup::run().and_then(|()| bench_ebpf::run_alone()),
+        Command::Bench {
+            section: Some(BenchSection::Sync),
+        } => setup::run().and_then(|()| bench_sync::run_alone()),
     };
     // One line per cause, no backtrace: the failing step's own output is above.
     match result {

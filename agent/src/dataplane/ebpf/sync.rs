@@ -98,6 +98,10 @@ pub struct LbSync<M> {
     frontends: BTreeMap<FrontendKey, Frontend>,
     backends: HashMap<SocketAddr, BackendSlot>,
     services: BTreeMap<ServiceKey, ServiceState>,
+    /// How many services have each backend in their tables ([`Use::Active`]): a
+    /// backend's state is active exactly when it is counted here. Kept equal to the
+    /// services' `uses`, so that one service's change does not rescan every service.
+    active_refs: HashMap<SocketAddr, u32>,
     free_frontends: BTreeSet<u32>,
     free_backends: BTreeSet<u32>,
     /// Syncs that failed on a full map.
@@ -118,6 +122,7 @@ impl<M: LbMaps> LbSync<M> {
             frontends: BTreeMap::new(),
             backends: HashMap::new(),
             services: BTreeMap::new(),
+            active_refs: HashMap::new(),
             free_frontends: BTreeSet::new(),
             free_backends: BTreeSet::new(),
             full_errors: 0,
@@ -307,7 +312,9 @@ impl<M: LbMaps> LbSync<M> {
         for fk in state.frontends.clone() {
             self.delete_owned_frontend(key, &fk)?;
         }
-        self.services.remove(key);
+        if let Some(state) = self.services.remove(key) {
+            count_active(&mut self.active_refs, &state.uses, false);
+        }
         self.release_unused(now)
     }
 
@@ -376,6 +383,8 @@ impl<M: LbMaps> LbSync<M> {
         // 1. Backends, before any table names them.
         let state = self.services.entry(key.clone()).or_default();
         state.uses = uses.clone();
+        count_active(&mut self.active_refs, &previous, false);
+        count_active(&mut self.active_refs, &uses, true);
         // In address order: ids must not depend on hash order (same maps for the
         // same input, on every run).
         let mut addrs: Vec<SocketAddr> = uses.keys().copied().collect();
@@ -383,7 +392,9 @@ impl<M: LbMaps> LbSync<M> {
         for addr in addrs {
             self.ensure_backend(addr)?;
         }
-        self.refresh_backend_states()?;
+        // Only this service's backends can have changed state (the rest are brought
+        // up to date by `release_unused` at the end of every apply).
+        self.refresh_backend_states_of(uses.keys().chain(previous.keys()))?;
 
         // 2. Tables and frontends.
         let mut keep = BTreeSet::new();
@@ -491,27 +502,28 @@ impl<M: LbMaps> LbSync<M> {
     /// adopted ones whose service comes later in the delta (turning them draining
     /// would cut their affinity for nothing); unused ones are freed at the end.
     fn refresh_backend_states(&mut self) -> Result<(), SyncError> {
-        let mut active: HashSet<SocketAddr> = HashSet::new();
-        let mut used: HashSet<SocketAddr> = HashSet::new();
-        for (addr, u) in self.services.values().flat_map(|s| s.uses.iter()) {
-            used.insert(*addr);
-            if *u == Use::Active {
-                active.insert(*addr);
+        let used: HashSet<SocketAddr> = self
+            .services
+            .values()
+            .flat_map(|s| s.uses.keys().copied())
+            .collect();
+        for (addr, slot) in &mut self.backends {
+            if used.contains(addr) {
+                refresh_backend_state(&mut self.maps, &self.active_refs, addr, slot)?;
             }
         }
-        for (addr, slot) in &mut self.backends {
-            if !used.contains(addr) {
-                continue;
-            }
-            let want = if active.contains(addr) {
-                BACKEND_ACTIVE
-            } else {
-                BACKEND_DRAINING
-            };
-            if slot.state != want {
-                self.maps
-                    .put_backend(slot.id, &backend_value(*addr, want))?;
-                slot.state = want;
+        Ok(())
+    }
+
+    /// [`Self::refresh_backend_states`] for `addrs` only (one service's backends,
+    /// all of which it uses or just stopped using).
+    fn refresh_backend_states_of<'a>(
+        &mut self,
+        addrs: impl IntoIterator<Item = &'a SocketAddr>,
+    ) -> Result<(), SyncError> {
+        for addr in addrs {
+            if let Some(slot) = self.backends.get_mut(addr) {
+                refresh_backend_state(&mut self.maps, &self.active_refs, addr, slot)?;
             }
         }
         Ok(())
@@ -707,6 +719,42 @@ impl<M: LbMaps> LbSync<M> {
     }
 }
 
+/// Adds (`add`) or removes the [`Use::Active`] entries of `uses` to or from `refs`.
+fn count_active(refs: &mut HashMap<SocketAddr, u32>, uses: &HashMap<SocketAddr, Use>, add: bool) {
+    for (addr, u) in uses {
+        if *u != Use::Active {
+            continue;
+        }
+        if add {
+            *refs.entry(*addr).or_default() += 1;
+        } else if let Some(n) = refs.get_mut(addr) {
+            *n -= 1;
+            if *n == 0 {
+                refs.remove(addr);
+            }
+        }
+    }
+}
+
+/// Writes backend `addr`'s state when it differs from what `refs` asks for.
+fn refresh_backend_state<M: LbMaps>(
+    maps: &mut M,
+    refs: &HashMap<SocketAddr, u32>,
+    addr: &SocketAddr,
+    slot: &mut BackendSlot,
+) -> Result<(), SyncError> {
+    let want = if refs.contains_key(addr) {
+        BACKEND_ACTIVE
+    } else {
+        BACKEND_DRAINING
+    };
+    if slot.state != want {
+        maps.put_backend(slot.id, &backend_value(*addr, want))?;
+        slot.state = want;
+    }
+    Ok(())
+}
+
 fn endpoint_port(e: &Endpoint, port: &crate::model::ServicePort) -> u16 {
     e.ports.get(&port.name).copied().unwrap_or(port.target())
 }
@@ -791,5 +839,90 @@ pub fn frontend_addr(key: &FrontendKey) -> (SocketAddr, u8) {
             SocketAddr::new(IpAddr::from(lb::addr_octets(&k.addr)), u16::from_be(k.port)),
             k.proto,
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        dataplane::ebpf::maps::FakeMaps,
+        model::{Object, parse_documents},
+    };
+    use std::sync::Arc;
+
+    fn view(name: &str, vip: &str, endpoints: &[&str]) -> ServiceView {
+        let eps: Vec<String> = endpoints
+            .iter()
+            .map(|a| format!("{{address: {a}}}"))
+            .collect();
+        let yaml = format!(
+            "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{ports: [{{port: 80, targetPort: 8080}}], discovery: {{vips: [{vip}]}}}}\n---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: {name}}}\nspec: {{endpoints: [{}]}}\n",
+            eps.join(", ")
+        );
+        let mut objects = parse_documents(&yaml).expect("valid objects").into_iter();
+        let (Some(Object::Service(s)), Some(Object::Endpoints(e))) =
+            (objects.next(), objects.next())
+        else {
+            panic!("a service and its endpoints");
+        };
+        ServiceView {
+            service: Arc::new(s),
+            endpoints: Some(Arc::new(e)),
+        }
+    }
+
+    fn delta(full: bool, upserted: Vec<ServiceView>, removed: Vec<ServiceKey>) -> Delta {
+        Delta {
+            revision: 1,
+            full,
+            upserted,
+            removed,
+        }
+    }
+
+    fn state(sync: &LbSync<FakeMaps>, addr: &str) -> u8 {
+        let addr: SocketAddr = addr.parse().expect("socket address");
+        let id = sync.backend_id(&addr).expect("a backend id");
+        sync.maps().backends[id as usize].state
+    }
+
+    /// A backend shared by two services stays active while either has it in a table,
+    /// and drains once neither has (the per-backend reference counts).
+    #[test]
+    fn shared_backend_state_follows_every_service() {
+        let mut sync = LbSync::new(
+            FakeMaps::new(Capacity {
+                frontends: 4,
+                backends: 16,
+                table_size: 7,
+                flows: 16,
+            }),
+            "node",
+        );
+        let now = Instant::now();
+        let a = view("a", "198.18.0.10", &["10.0.0.1", "10.0.0.2"]);
+        let b = view("b", "198.18.0.11", &["10.0.0.1"]);
+        sync.apply(&delta(true, vec![a, b.clone()], vec![]), now)
+            .expect("sync");
+        assert_eq!(state(&sync, "10.0.0.1:8080"), BACKEND_ACTIVE);
+
+        // `a` drops the shared backend: `b` still uses it.
+        let a = view("a", "198.18.0.10", &["10.0.0.2"]);
+        sync.apply(&delta(false, vec![a.clone()], vec![]), now)
+            .expect("sync");
+        assert_eq!(state(&sync, "10.0.0.1:8080"), BACKEND_ACTIVE);
+
+        // `b` goes too: the backend drains (a's drain deadline keeps it).
+        sync.apply(&delta(false, vec![], vec![b.key()]), now)
+            .expect("sync");
+        assert_eq!(state(&sync, "10.0.0.1:8080"), BACKEND_DRAINING);
+
+        // `a` takes it back: active again.
+        let a = view("a", "198.18.0.10", &["10.0.0.1", "10.0.0.2"]);
+        sync.apply(&delta(false, vec![a], vec![]), now)
+            .expect("sync");
+        assert_eq!(state(&sync, "10.0.0.1:8080"), BACKEND_ACTIVE);
+        assert_eq!(state(&sync, "10.0.0.2:8080"), BACKEND_ACTIVE);
     }
 }
