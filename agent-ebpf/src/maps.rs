@@ -36,11 +36,13 @@ pub static RUNE_MAGLEV: Array<u32> = Array::pinned(1, BPF_F_MMAPABLE);
 /// LRU lists (`BPF_F_NO_COMMON_LRU`): a new flow on a full table evicts from its own
 /// CPU's list instead of contending for one global list, as Katran's per-CPU LRUs.
 #[map]
-pub static RUNE_CT_V4: LruHashMap<CtKeyV4, CtValue> = LruHashMap::pinned(262_144, BPF_F_NO_COMMON_LRU);
+pub static RUNE_CT_V4: LruHashMap<CtKeyV4, CtValue> =
+    LruHashMap::pinned(262_144, BPF_F_NO_COMMON_LRU);
 
 /// IPv6 conntrack of the tc/XDP path (`agent_common::lb::CONNTRACK_V6`).
 #[map]
-pub static RUNE_CT_V6: LruHashMap<CtKeyV6, CtValue> = LruHashMap::pinned(262_144, BPF_F_NO_COMMON_LRU);
+pub static RUNE_CT_V6: LruHashMap<CtKeyV6, CtValue> =
+    LruHashMap::pinned(262_144, BPF_F_NO_COMMON_LRU);
 
 /// ClientIP session affinity (`agent_common::lb::AFFINITY`).
 #[map]
