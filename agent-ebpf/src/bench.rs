@@ -50,10 +50,15 @@ fn restore(data: usize, end: usize) -> bool {
     let Some(saved) = RUNE_BENCH_PKT.get(0) else {
         return false;
     };
-    let dst = data as *mut [u64; BENCH_HEADER / 8];
-    // SAFETY: `BENCH_HEADER` bytes from `data` are inside the packet (checked above);
-    // unaligned stores are fine for packet memory on the JIT's architectures.
-    unsafe { dst.write_unaligned(*saved) };
+    let dst = data as *mut u64;
+    // Word by word: a whole-array copy compiles to a call to a `memmove` subprogram,
+    // which made the driver (subtracted from every figure) slower and noisier.
+    for (i, word) in saved.iter().enumerate() {
+        // SAFETY: `BENCH_HEADER` bytes from `data` are inside the packet (checked
+        // above); unaligned stores are fine for packet memory on the JIT's
+        // architectures.
+        unsafe { dst.add(i).write_unaligned(*word) };
+    }
     if RUNE_BENCH_VARY.get(0).is_some_and(|v| *v != 0)
         && let Some(seq) = RUNE_BENCH_SEQ.get_ptr_mut(0)
     {

@@ -38,6 +38,17 @@ fn repeat() -> u32 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(REPEAT)
 }
+/// Conntrack entries per family (`RUNE_BENCH_CT_ENTRIES` overrides it): the size the
+/// `agent-ebpf` declaration has, so that the figures are those of a default node.
+const CT_ENTRIES: u32 = 262_144;
+
+fn ct_entries() -> u32 {
+    std::env::var("RUNE_BENCH_CT_ENTRIES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(CT_ENTRIES)
+}
+
 /// Runs per figure (the median is reported).
 const RUNS: usize = 7;
 /// Bytes the drivers restore (`agent-ebpf/src/bench.rs`, `BENCH_HEADER`).
@@ -87,6 +98,7 @@ fn measure(object: PathBuf) -> Result<String> {
         .with_context(|| format!("creating {} (is bpffs mounted?)", pins.display()))?;
     let ebpf = EbpfLoader::new()
         .map_max_entries(lb::MAGLEV, 16)
+        .map_max_entries(lb::CONNTRACK_V4, ct_entries())
         .default_map_pin_directory(&pins)
         .load_file(&object)
         .with_context(|| format!("loading {}", object.display()));
@@ -143,11 +155,29 @@ fn measure(object: PathBuf) -> Result<String> {
         "established-flow runs did not translate every packet as one flow: {before:?} → {after:?}"
     );
 
-    // New flows: every iteration another source address.
+    // New flows: every iteration another source address. First into a conntrack
+    // that still has free entries: few enough flows (two entries each) that even if
+    // every run lands on one CPU, that CPU's share of the per-CPU LRU lists
+    // (`BPF_F_NO_COMMON_LRU` splits the entries over the possible CPUs) holds them
+    // all, so nothing is evicted. Then the full run, which fills the table and from
+    // then on evicts on every insert, as a node at capacity does.
+    let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?;
+    let fresh = (u64::from(ct_entries()) / (2 * RUNS as u64 * cpus as u64) * 9 / 10)
+        .min(u64::from(repeat())) as u32;
+    ensure!(fresh > 0, "conntrack too small for the not-full run");
     b.set_vary(true)?;
     b.set_jump("RUNE_BENCH_XDP_JMP", "rune_bench_xdp_noop")?;
     let xdp_driver_vary = b.median("rune_bench_xdp_driver", &vip, XDP_PASS)?;
+    let xdp_driver_fresh = b.median_n("rune_bench_xdp_driver", &vip, XDP_PASS, fresh)?;
     b.set_jump("RUNE_BENCH_XDP_JMP", lb::PROG_XDP_LB)?;
+    let before = b.stats()?;
+    let xdp_new_fresh = b.median_n("rune_bench_xdp_driver", &vip, XDP_PASS, fresh)?;
+    let after = b.stats()?;
+    let fresh_runs = RUNS as u64 * u64::from(fresh);
+    ensure!(
+        after.flows - before.flows == fresh_runs && after.packets - before.packets == fresh_runs,
+        "not-full new-flow runs were not all new flows: {before:?} → {after:?}"
+    );
     let before = b.stats()?;
     let xdp_new = b.median("rune_bench_xdp_driver", &vip, XDP_PASS)?;
     let after = b.stats()?;
@@ -180,7 +210,13 @@ fn measure(object: PathBuf) -> Result<String> {
             None,
         ),
         (
-            "XDP VIP hit, new flow (conntrack miss, Maglev, 2 inserts)",
+            "XDP VIP hit, new flow, conntrack not full (miss, Maglev, 2 inserts)",
+            xdp_new_fresh - xdp_driver_fresh,
+            "driver subtracted",
+            None,
+        ),
+        (
+            "XDP VIP hit, new flow, conntrack full (every insert evicts)",
             xdp_new - xdp_driver_vary,
             "driver subtracted",
             None,
@@ -198,9 +234,12 @@ fn measure(object: PathBuf) -> Result<String> {
     writeln!(t)?;
     writeln!(
         t,
-        "IPv4 TCP, 70-byte frame; repeat {}, median of {RUNS} runs. Drivers alone: \
-         XDP {xdp_driver:.1} ns, XDP new-flow {xdp_driver_vary:.1} ns, tc {tc_driver:.1} ns.",
-        repeat()
+        "IPv4 TCP, 70-byte frame; repeat {} ({fresh} for the not-full conntrack), median \
+         of {RUNS} runs; conntrack {} entries per family over {cpus} per-CPU LRU lists. \
+         Drivers alone: XDP {xdp_driver:.1} ns, XDP new-flow {xdp_driver_vary:.1} ns, \
+         tc {tc_driver:.1} ns.",
+        repeat(),
+        ct_entries()
     )?;
     writeln!(t)?;
     writeln!(t, "| path | ns/packet | vs XDP_PASS | note |")?;
@@ -313,10 +352,15 @@ impl Bench {
     /// Median ns per iteration of `RUNS` runs of `prog` on `frame`; every run must
     /// return `want`.
     fn median(&self, prog: &str, frame: &[u8], want: u32) -> Result<f64> {
+        self.median_n(prog, frame, want, repeat())
+    }
+
+    /// As [`Self::median`], `repeat` iterations per run.
+    fn median_n(&self, prog: &str, frame: &[u8], want: u32, repeat: u32) -> Result<f64> {
         let fd = self.fd(prog)?;
         let mut ns = Vec::with_capacity(RUNS);
         for _ in 0..RUNS {
-            let out = test_run(&fd, frame, repeat())?;
+            let out = test_run(&fd, frame, repeat)?;
             ensure!(
                 out.retval == want,
                 "{prog} returned {} instead of {want}",
