@@ -102,6 +102,15 @@ pub struct LbSync<M> {
     /// backend's state is active exactly when it is counted here. Kept equal to the
     /// services' `uses`, so that one service's change does not rescan every service.
     active_refs: HashMap<SocketAddr, u32>,
+    /// How many services use each backend in any way (active or draining).
+    use_refs: HashMap<SocketAddr, u32>,
+    /// Drain deadlines, earliest first; an entry whose use changed since is stale
+    /// and skipped when it comes due.
+    drains: BTreeSet<(Instant, ServiceKey, SocketAddr)>,
+    /// Backends whose last use went away: freed by the next `release_unused`.
+    unused: HashSet<SocketAddr>,
+    /// Backends whose uses changed: their state is rewritten by `release_unused`.
+    touched: HashSet<SocketAddr>,
     free_frontends: BTreeSet<u32>,
     free_backends: BTreeSet<u32>,
     /// Syncs that failed on a full map.
@@ -123,6 +132,10 @@ impl<M: LbMaps> LbSync<M> {
             backends: HashMap::new(),
             services: BTreeMap::new(),
             active_refs: HashMap::new(),
+            use_refs: HashMap::new(),
+            drains: BTreeSet::new(),
+            unused: HashSet::new(),
+            touched: HashSet::new(),
             free_frontends: BTreeSet::new(),
             free_backends: BTreeSet::new(),
             full_errors: 0,
@@ -177,6 +190,10 @@ impl<M: LbMaps> LbSync<M> {
             self.upsert_service(view, now)?;
         }
         if delta.full {
+            // Backends adopted from the maps that no service claimed are freed, and
+            // every backend's state is checked.
+            self.unused.extend(self.backends.keys().copied());
+            self.touched.extend(self.backends.keys().copied());
             // Frontends adopted from the maps that no service claimed.
             let orphans: Vec<FrontendKey> = self
                 .frontends
@@ -312,9 +329,8 @@ impl<M: LbMaps> LbSync<M> {
         for fk in state.frontends.clone() {
             self.delete_owned_frontend(key, &fk)?;
         }
-        if let Some(state) = self.services.remove(key) {
-            count_active(&mut self.active_refs, &state.uses, false);
-        }
+        self.set_uses(key, HashMap::new());
+        self.services.remove(key);
         self.release_unused(now)
     }
 
@@ -381,10 +397,8 @@ impl<M: LbMaps> LbSync<M> {
         }
 
         // 1. Backends, before any table names them.
-        let state = self.services.entry(key.clone()).or_default();
-        state.uses = uses.clone();
-        count_active(&mut self.active_refs, &previous, false);
-        count_active(&mut self.active_refs, &uses, true);
+        self.services.entry(key.clone()).or_default();
+        self.set_uses(&key, uses.clone());
         // In address order: ids must not depend on hash order (same maps for the
         // same input, on every run).
         let mut addrs: Vec<SocketAddr> = uses.keys().copied().collect();
@@ -497,26 +511,8 @@ impl<M: LbMaps> LbSync<M> {
         Ok(())
     }
 
-    /// Writes each backend's state (active when any service has it in a table).
-    /// Backends no service uses are left alone: during a full sync they may be
-    /// adopted ones whose service comes later in the delta (turning them draining
-    /// would cut their affinity for nothing); unused ones are freed at the end.
-    fn refresh_backend_states(&mut self) -> Result<(), SyncError> {
-        let used: HashSet<SocketAddr> = self
-            .services
-            .values()
-            .flat_map(|s| s.uses.keys().copied())
-            .collect();
-        for (addr, slot) in &mut self.backends {
-            if used.contains(addr) {
-                refresh_backend_state(&mut self.maps, &self.active_refs, addr, slot)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// [`Self::refresh_backend_states`] for `addrs` only (one service's backends,
-    /// all of which it uses or just stopped using).
+    /// Writes the state of the backends at `addrs` (active when some service has
+    /// it in a table, else draining) where it differs from the maps.
     fn refresh_backend_states_of<'a>(
         &mut self,
         addrs: impl IntoIterator<Item = &'a SocketAddr>,
@@ -624,42 +620,81 @@ impl<M: LbMaps> LbSync<M> {
     /// Frees backends no service uses any more (drain over, or never claimed after
     /// a full sync), removing the flows that still lead to them.
     fn release_unused(&mut self, now: Instant) -> Result<(), SyncError> {
-        for state in self.services.values_mut() {
-            state
-                .uses
-                .retain(|_, u| !matches!(u, Use::Draining { until } if *until <= now));
-        }
-        let used: HashSet<SocketAddr> = self
-            .services
-            .values()
-            .flat_map(|s| s.uses.keys().copied())
-            .collect();
-        let unused: Vec<SocketAddr> = self
-            .backends
-            .keys()
-            .filter(|a| !used.contains(*a))
-            .copied()
-            .collect();
-        if unused.is_empty() {
-            return self.refresh_backend_states();
-        }
-        // Flows first, then the slots: if a write fails in between, no flow is left
-        // naming a free id that a new backend may get (the next sync retries).
-        let ids: HashSet<u32> = unused
-            .iter()
-            .filter_map(|a| self.backends.get(a).map(|b| b.id))
-            .collect();
-        let purged = self.maps.purge_flows(&ids)?;
-        for addr in unused {
-            if let Some(slot) = self.backends.get(&addr) {
-                let id = slot.id;
-                self.maps.put_backend(id, &Backend::default())?;
-                self.backends.remove(&addr);
-                self.free_backends.insert(id);
+        // Drains that are over end the use (only the due ones are looked at).
+        while let Some((until, key, addr)) = self.drains.first().cloned() {
+            if until > now {
+                break;
+            }
+            self.drains.pop_first();
+            let current = self.services.get(&key).and_then(|s| s.uses.get(&addr));
+            if current == Some(&Use::Draining { until }) {
+                let mut uses = self
+                    .services
+                    .get(&key)
+                    .map(|s| s.uses.clone())
+                    .unwrap_or_default();
+                uses.remove(&addr);
+                self.set_uses(&key, uses);
             }
         }
-        tracing::debug!(backends = ids.len(), flows = purged, "backends released");
-        self.refresh_backend_states()
+        let unused: Vec<SocketAddr> = self
+            .unused
+            .iter()
+            .filter(|a| !self.use_refs.contains_key(*a) && self.backends.contains_key(*a))
+            .copied()
+            .collect();
+        if !unused.is_empty() {
+            // Flows first, then the slots: if a write fails in between, no flow is
+            // left naming a free id that a new backend may get (the next sync retries).
+            let ids: HashSet<u32> = unused
+                .iter()
+                .filter_map(|a| self.backends.get(a).map(|b| b.id))
+                .collect();
+            let purged = self.maps.purge_flows(&ids)?;
+            for addr in &unused {
+                if let Some(slot) = self.backends.get(addr) {
+                    let id = slot.id;
+                    self.maps.put_backend(id, &Backend::default())?;
+                    self.backends.remove(addr);
+                    self.free_backends.insert(id);
+                }
+            }
+            tracing::debug!(backends = ids.len(), flows = purged, "backends released");
+        }
+        self.unused.clear();
+        let touched: Vec<SocketAddr> = self.touched.drain().collect();
+        self.refresh_backend_states_of(touched.iter())
+    }
+
+    /// Replaces service `key`'s backend uses, keeping every count and index equal
+    /// to the services' uses.
+    fn set_uses(&mut self, key: &ServiceKey, uses: HashMap<SocketAddr, Use>) {
+        let Some(state) = self.services.get_mut(key) else {
+            return;
+        };
+        let old = std::mem::take(&mut state.uses);
+        count_active(&mut self.active_refs, &old, false);
+        count_active(&mut self.active_refs, &uses, true);
+        for addr in old.keys() {
+            self.touched.insert(*addr);
+            if let Some(n) = self.use_refs.get_mut(addr) {
+                *n -= 1;
+                if *n == 0 {
+                    self.use_refs.remove(addr);
+                    self.unused.insert(*addr);
+                }
+            }
+        }
+        for (addr, u) in &uses {
+            self.touched.insert(*addr);
+            *self.use_refs.entry(*addr).or_default() += 1;
+            if let Use::Draining { until } = u
+                && old.get(addr) != Some(u)
+            {
+                self.drains.insert((*until, key.clone(), *addr));
+            }
+        }
+        state.uses = uses;
     }
 
     fn port_status(
