@@ -97,24 +97,33 @@ fn apply(agent: &Agent, yaml: &str) {
 /// A production agent in the node namespace with tc on the client-facing veth and
 /// socket LB on `cgroup` (or off).
 fn start_agent(topo: &Topology, state: &Path, pins: &PinDir, cgroup: Option<&Path>) -> Agent {
+    start_agent_with(topo, state, pins, cgroup, &[])
+}
+
+/// [`start_agent`] with extra flags.
+fn start_agent_with(
+    topo: &Topology,
+    state: &Path,
+    pins: &PinDir,
+    cgroup: Option<&Path>,
+    extra: &[&str],
+) -> Agent {
     let pin_dir = pins.path().display().to_string();
     let cgroup = cgroup.map_or("none".to_owned(), |c| c.display().to_string());
-    let mut agent = Agent::start_in(
-        topo.node(),
-        state,
-        &[
-            "--bpf-pin-dir",
-            &pin_dir,
-            "--cgroup",
-            &cgroup,
-            "--interfaces",
-            topo.node_client_if(),
-            "--lb-max-frontends",
-            "64",
-            "--maglev-table-size",
-            "1021",
-        ],
-    );
+    let mut args = vec![
+        "--bpf-pin-dir",
+        &pin_dir,
+        "--cgroup",
+        &cgroup,
+        "--interfaces",
+        topo.node_client_if(),
+        "--lb-max-frontends",
+        "64",
+        "--maglev-table-size",
+        "1021",
+    ];
+    args.extend_from_slice(extra);
+    let mut agent = Agent::start_in(topo.node(), state, &args);
     agent.wait_ready(PATIENCE);
     agent
 }
@@ -166,6 +175,18 @@ fn assert_balanced(per: &BTreeMap<String, usize>, n: usize, backends: usize) {
 
 #[test]
 fn vip_traffic_is_balanced_in_the_kernel_for_tcp_udp_and_ipv6() {
+    balanced_for_tcp_udp_and_ipv6(false);
+}
+
+/// The same through XDP on the node's client-facing veth (DNAT in XDP, reverse NAT
+/// still in tc egress). The client's veth sends full checksums (the topology turns
+/// its TX checksum offload off), as a NIC delivers them.
+#[test]
+fn vip_traffic_is_balanced_in_xdp_too() {
+    balanced_for_tcp_udp_and_ipv6(true);
+}
+
+fn balanced_for_tcp_udp_and_ipv6(xdp: bool) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     require_root().unwrap();
     let topo = Topology::with_config(&TopologyConfig {
@@ -177,7 +198,13 @@ fn vip_traffic_is_balanced_in_the_kernel_for_tcp_udp_and_ipv6() {
     .unwrap();
     let state = tempfile::tempdir().unwrap();
     let pins = PinDir::new("vip");
-    let agent = start_agent(&topo, state.path(), &pins, None);
+    let node_if = topo.node_client_if().to_owned();
+    let extra: Vec<&str> = if xdp {
+        vec!["--xdp-interfaces", &node_if]
+    } else {
+        Vec::new()
+    };
+    let agent = start_agent_with(&topo, state.path(), &pins, None, &extra);
     apply(&agent, &service_yaml(&all_ready(&topo), 30));
 
     let vip4 = SocketAddr::new(VIP4.parse().unwrap(), TCP_PORT);
@@ -234,6 +261,7 @@ fn vip_traffic_is_balanced_in_the_kernel_for_tcp_udp_and_ipv6() {
         text.contains("rune_tc_egress on tc-egress n-client"),
         "{text}"
     );
+    assert_eq!(text.contains("rune_xdp_lb on xdp n-client"), xdp, "{text}");
 }
 
 #[test]

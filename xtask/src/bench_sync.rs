@@ -512,7 +512,8 @@ struct MaglevView {
 impl MaglevView {
     fn open(pins: &Path) -> Result<Self> {
         let map = open_pinned(pins, lb::MAGLEV)?;
-        let len = map.info()?.max_entries() as usize;
+        // Two u32 slots per entry (agent_common::lb::MAGLEV).
+        let len = map.info()?.max_entries() as usize * lb::MAGLEV_SLOTS_PER_ENTRY as usize;
         // SAFETY: a BPF_F_MMAPABLE array's fd maps shared; read-only here, and the
         // result is checked before use.
         let ptr = unsafe {
