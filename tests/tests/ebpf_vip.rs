@@ -472,3 +472,45 @@ fn socket_lb_rewrites_connects_of_a_local_client() {
     let status = String::from_utf8_lossy(&agent.cli(&["status"], None).stdout).into_owned();
     assert!(status.contains("rune_connect4 on cgroup"), "{status}");
 }
+
+#[test]
+fn programs_stay_after_stop_and_cleanup_removes_them() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    require_root().unwrap();
+    let topo = Topology::new(1).unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let pins = PinDir::new("cleanup");
+    let mut agent = start_agent(&topo, state.path(), &pins, None);
+    let pin_dir = pins.path().display().to_string();
+
+    // Refused while the agent runs: it would re-create what is removed.
+    let out = agent.cli(&["cleanup", "--bpf-pin-dir", &pin_dir], None);
+    assert!(
+        !out.status.success(),
+        "cleanup must refuse while the agent runs"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("an agent is running"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // A clean stop leaves the programs attached and the maps pinned.
+    assert_eq!(agent.terminate(PATIENCE), Some(0));
+    let links = pins.path().join("links");
+    let pinned = std::fs::read_dir(&links).unwrap().count();
+    assert_eq!(
+        pinned, 2,
+        "tc ingress and egress stay attached after a stop"
+    );
+    assert!(pins.path().join("RUNE_SVC_V4").exists());
+
+    let out =
+        rune_agent_tests::agent::cli(state.path(), &["cleanup", "--bpf-pin-dir", &pin_dir], None);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!pins.path().exists(), "cleanup removes every pin");
+}
