@@ -59,6 +59,7 @@ pub fn run() -> Result<()> {
     let mut report = rt.block_on(bench_all(&bin))?;
     report.push_str(&crate::bench_ebpf::section()?);
     report.push_str(&crate::bench_sync::section(&bin)?);
+    report.push_str(&crate::bench_e2e::section(&bin)?);
     println!("{report}");
     let out = crate::util::target_dir().join("bench.md");
     std::fs::write(&out, &report)?;
@@ -166,7 +167,7 @@ async fn bench_all(bin: &Path) -> Result<String> {
 }
 
 #[derive(Clone, Copy, Debug)]
-enum Scenario {
+pub(crate) enum Scenario {
     /// New connection, 1-byte request and answer, close.
     Connections,
     /// 1 KiB request / 1 KiB response over kept-alive connections.
@@ -196,7 +197,7 @@ pub(crate) fn median(v: &mut [f64]) -> f64 {
 
 /// Runs one scenario against `target` from source address `src` for [`RUN`];
 /// returns operations per second. Any failed operation fails the benchmark.
-async fn load(scenario: Scenario, target: SocketAddr, src: Ipv4Addr) -> Result<f64> {
+pub(crate) async fn load(scenario: Scenario, target: SocketAddr, src: Ipv4Addr) -> Result<f64> {
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let mut workers = Vec::new();
@@ -256,7 +257,12 @@ async fn connect_from(src: Ipv4Addr, target: SocketAddr) -> Result<TcpStream> {
 /// The backend: answers each read with the same number of bytes (1 B or 1 KiB
 /// messages), until the client closes.
 async fn start_backend() -> Result<SocketAddr> {
-    let listener = TcpListener::bind((BACKEND, 0)).await?;
+    start_backend_on(BACKEND).await
+}
+
+/// [`start_backend`] on address `ip` (any free port).
+pub(crate) async fn start_backend_on(ip: Ipv4Addr) -> Result<SocketAddr> {
+    let listener = TcpListener::bind((ip, 0)).await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {

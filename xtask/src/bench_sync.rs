@@ -164,7 +164,7 @@ pub fn section(bin: &Path) -> Result<String> {
         let store_apply = t.elapsed();
         let pins = PinDir(PathBuf::from(format!("/sys/fs/bpf/rune-bench-sync-{pid}")));
         let _ = std::fs::remove_dir_all(&pins.0);
-        let agent = Agent::start(bin, &netns, &state, &pins.0)?;
+        let agent = Agent::start(bin, &netns, &state, &pins.0, "")?;
         let mut snap = measure_snapshot(&agent, &pins.0)?;
         snap.store_apply = store_apply;
         eprintln!(
@@ -190,12 +190,12 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// A network namespace of the bench's own, with `lo` up; deleted on drop.
-struct Netns {
+pub(crate) struct Netns {
     name: String,
 }
 
 impl Netns {
-    fn create(name: &str) -> Result<Self> {
+    pub(crate) fn create(name: &str) -> Result<Self> {
         let _ = Command::new("ip")
             .args(["netns", "delete", name])
             .stderr(Stdio::null())
@@ -214,7 +214,7 @@ impl Netns {
         Ok(ns)
     }
 
-    fn path(&self) -> PathBuf {
+    pub(crate) fn path(&self) -> PathBuf {
         Path::new("/run/netns").join(&self.name)
     }
 }
@@ -228,7 +228,7 @@ impl Drop for Netns {
 }
 
 /// A bpffs pin directory; its pins (files, then subdirectories) are removed on drop.
-struct PinDir(PathBuf);
+pub(crate) struct PinDir(pub(crate) PathBuf);
 
 impl Drop for PinDir {
     fn drop(&mut self) {
@@ -238,10 +238,10 @@ impl Drop for PinDir {
 }
 
 /// A temporary directory, removed on drop.
-struct TempDir(PathBuf);
+pub(crate) struct TempDir(pub(crate) PathBuf);
 
 impl TempDir {
-    fn new(name: &str) -> Result<Self> {
+    pub(crate) fn new(name: &str) -> Result<Self> {
         let dir = std::env::temp_dir().join(name);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
@@ -257,14 +257,20 @@ impl Drop for TempDir {
 
 /// The release agent in production mode inside the bench's namespace; stopped
 /// (SIGTERM, then SIGKILL) on drop.
-struct Agent {
+pub(crate) struct Agent {
     child: Child,
     started: Instant,
     log: PathBuf,
 }
 
 impl Agent {
-    fn start(bin: &Path, netns: &Netns, state: &Path, pins: &Path) -> Result<Self> {
+    pub(crate) fn start(
+        bin: &Path,
+        netns: &Netns,
+        state: &Path,
+        pins: &Path,
+        interfaces: &str,
+    ) -> Result<Self> {
         let ns = File::open(netns.path())
             .with_context(|| format!("opening {}", netns.path().display()))?;
         let log = state.with_extension("log");
@@ -277,7 +283,7 @@ impl Agent {
                 "--cgroup",
                 "none",
                 "--interfaces",
-                "",
+                interfaces,
                 "--bpf-pin-dir",
             ])
             .arg(pins)

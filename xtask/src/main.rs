@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_dns;
+mod bench_e2e;
 mod bench_ebpf;
 mod bench_sync;
 mod build_ebpf;
@@ -56,6 +57,8 @@ enum BenchSection {
     /// The production agent's eBPF map sync: 10,000 services snapshot to maps, and
     /// one endpoint change from the ordered log to the maps.
     Sync,
+    /// TCP end to end through the eBPF VIP vs straight to the backend (netns).
+    E2e,
 }
 
 fn main() -> ExitCode {
@@ -71,6 +74,9 @@ fn main() -> ExitCode {
         Command::Bench {
             section: Some(BenchSection::Sync),
         } => setup::run().and_then(|()| bench_sync::run_alone()),
+        Command::Bench {
+            section: Some(BenchSection::E2e),
+        } => setup::run().and_then(|()| bench_e2e::run_alone()),
     };
     // One line per cause, no backtrace: the failing step's own output is above.
     match result {
