@@ -138,13 +138,23 @@ impl Loadable for Xdp {
     }
 }
 
-/// Replaces whatever is pinned at `path` by `link`.
-fn repin(link: FdLink, path: &Path) -> Result<(), EbpfError> {
+/// Replaces whatever is pinned at `path` by `link` (program `name` on `target`).
+fn repin<L>(link: L, path: &Path, name: &'static str, target: &str) -> Result<(), EbpfError>
+where
+    L: TryInto<FdLink, Error = LinkError>,
+{
+    let link: FdLink = link.try_into().map_err(|e| hook_error(name, target, e))?;
     if path.exists() {
         fs::remove_file(path).map_err(|e| pin_error(path, e))?;
     }
     link.pin(path).map_err(|e| pin_error(path, e))?;
     Ok(())
+}
+
+/// The link pinned at `path`, as a link of type `L`, if there is one of that type.
+fn pinned<L: TryFrom<FdLink>>(path: &Path) -> Option<L> {
+    let link: FdLink = PinnedLink::from_pin(path).ok()?.into();
+    L::try_from(link).ok()
 }
 
 /// Loads the programs `hooks` needs and attaches them, reusing pinned links.
@@ -178,11 +188,8 @@ pub fn attach_all(
             let link = program
                 .take_link(id)
                 .map_err(|e| hook_error(name, &target, e))?;
-            let link: FdLink = link
-                .try_into()
-                .map_err(|e: LinkError| hook_error(name, &target, e))?;
             // The new link runs before the old one is unpinned (and so detached).
-            repin(link, &pin_path(pin_dir, name, &target))?;
+            repin(link, &pin_path(pin_dir, name, &target), name, &target)?;
             attached.push(Attachment {
                 program: name,
                 hook: "cgroup",
@@ -198,31 +205,17 @@ pub fn attach_all(
         ] {
             let path = pin_path(pin_dir, name, interface);
             let program: &mut SchedClassifier = load(ebpf, name)?;
-            let replaced = match PinnedLink::from_pin(&path) {
-                Ok(pinned) => {
-                    let link: FdLink = pinned.into();
-                    match SchedClassifierLink::try_from(link) {
-                        Ok(link) => program.attach_to_link(link).ok(),
-                        Err(_) => None,
-                    }
-                }
-                Err(_) => None,
-            };
-            let was_replaced = replaced.is_some();
-            let id = match replaced {
-                Some(id) => id,
-                None => program
+            // An update in place keeps the pin; a new link is pinned.
+            let updated = pinned::<SchedClassifierLink>(&path)
+                .and_then(|link| program.attach_to_link(link).ok());
+            if updated.is_none() {
+                let id = program
                     .attach(interface, attach_type)
-                    .map_err(|e| hook_error(name, interface, e))?,
-            };
-            let link = program
-                .take_link(id)
-                .map_err(|e| hook_error(name, interface, e))?;
-            let link: FdLink = link
-                .try_into()
-                .map_err(|e: LinkError| hook_error(name, interface, e))?;
-            if !was_replaced {
-                repin(link, &path)?;
+                    .map_err(|e| hook_error(name, interface, e))?;
+                let link = program
+                    .take_link(id)
+                    .map_err(|e| hook_error(name, interface, e))?;
+                repin(link, &path, name, interface)?;
             }
             attached.push(Attachment {
                 program: name,
@@ -236,35 +229,18 @@ pub fn attach_all(
         let name = lb::PROG_XDP_LB;
         let path = pin_path(pin_dir, name, interface);
         let program: &mut Xdp = load(ebpf, name)?;
-        let replaced = match PinnedLink::from_pin(&path) {
-            Ok(pinned) => {
-                let link: FdLink = pinned.into();
-                match XdpLink::try_from(link) {
-                    Ok(link) => program.attach_to_link(link).ok(),
-                    Err(_) => None,
-                }
-            }
-            Err(_) => None,
-        };
-        let was_replaced = replaced.is_some();
-        let id = match replaced {
-            Some(id) => id,
-            None => {
-                // A stale pin (its interface was recreated) holds nothing: drop it.
-                let _ = fs::remove_file(&path);
-                program
-                    .attach(interface, hooks.xdp_mode)
-                    .map_err(|e| hook_error(name, interface, e))?
-            }
-        };
-        let link = program
-            .take_link(id)
-            .map_err(|e| hook_error(name, interface, e))?;
-        let link: FdLink = link
-            .try_into()
-            .map_err(|e: LinkError| hook_error(name, interface, e))?;
-        if !was_replaced {
-            repin(link, &path)?;
+        let updated = pinned::<XdpLink>(&path).and_then(|link| program.attach_to_link(link).ok());
+        if updated.is_none() {
+            // A stale pin (its interface was recreated) holds nothing: drop it
+            // (XDP takes one link per interface).
+            let _ = fs::remove_file(&path);
+            let id = program
+                .attach(interface, hooks.xdp_mode)
+                .map_err(|e| hook_error(name, interface, e))?;
+            let link = program
+                .take_link(id)
+                .map_err(|e| hook_error(name, interface, e))?;
+            repin(link, &path, name, interface)?;
         }
         attached.push(Attachment {
             program: name,
