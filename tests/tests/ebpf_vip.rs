@@ -34,6 +34,17 @@ const UDP_PORT: u16 = 53;
 const BACKEND_PORT: u16 = 8080;
 const PATIENCE: Duration = Duration::from_secs(20);
 
+/// A topology with `backends` backends serving TCP and UDP on [`BACKEND_PORT`].
+fn topology(backends: usize) -> Topology {
+    Topology::with_config(&TopologyConfig {
+        backends,
+        tcp_port: Some(BACKEND_PORT),
+        udp_port: Some(BACKEND_PORT),
+        ..TopologyConfig::default()
+    })
+    .unwrap()
+}
+
 /// One endpoint line of the Endpoints document.
 struct Ep {
     address: IpAddr,
@@ -189,13 +200,7 @@ fn vip_traffic_is_balanced_in_xdp_too() {
 fn balanced_for_tcp_udp_and_ipv6(xdp: bool) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     require_root().unwrap();
-    let topo = Topology::with_config(&TopologyConfig {
-        backends: 3,
-        tcp_port: Some(BACKEND_PORT),
-        udp_port: Some(BACKEND_PORT),
-        ..TopologyConfig::default()
-    })
-    .unwrap();
+    let topo = topology(3);
     let state = tempfile::tempdir().unwrap();
     let pins = PinDir::new("vip");
     let node_if = topo.node_client_if().to_owned();
@@ -268,13 +273,7 @@ fn balanced_for_tcp_udp_and_ipv6(xdp: bool) {
 fn terminating_backend_gets_no_new_flows_and_established_flows_stay() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     require_root().unwrap();
-    let topo = Topology::with_config(&TopologyConfig {
-        backends: 3,
-        tcp_port: Some(BACKEND_PORT),
-        udp_port: Some(BACKEND_PORT),
-        ..TopologyConfig::default()
-    })
-    .unwrap();
+    let topo = topology(3);
     let state = tempfile::tempdir().unwrap();
     let pins = PinDir::new("term");
     let agent = start_agent(&topo, state.path(), &pins, None);
@@ -356,13 +355,7 @@ fn terminating_backend_gets_no_new_flows_and_established_flows_stay() {
 fn agent_restart_drops_no_flow() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     require_root().unwrap();
-    let topo = Topology::with_config(&TopologyConfig {
-        backends: 3,
-        tcp_port: Some(BACKEND_PORT),
-        udp_port: Some(BACKEND_PORT),
-        ..TopologyConfig::default()
-    })
-    .unwrap();
+    let topo = topology(3);
     let state = tempfile::tempdir().unwrap();
     let pins = PinDir::new("restart");
     let mut agent = start_agent(&topo, state.path(), &pins, None);
@@ -411,23 +404,21 @@ fn agent_restart_drops_no_flow() {
 fn socket_lb_rewrites_connects_of_a_local_client() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     require_root().unwrap();
-    let topo = Topology::with_config(&TopologyConfig {
-        backends: 2,
-        tcp_port: Some(BACKEND_PORT),
-        udp_port: Some(BACKEND_PORT),
-        ..TopologyConfig::default()
-    })
-    .unwrap();
+    let topo = topology(2);
     let cgroup = TestCgroup::new("socklb").unwrap();
     let state = tempfile::tempdir().unwrap();
     let pins = PinDir::new("socklb");
     let agent = start_agent(&topo, state.path(), &pins, Some(cgroup.path()));
     apply(&agent, &service_yaml(&all_ready(&topo), 30));
 
-    let client = |mode: &str, addr: &str| -> serde_json::Value {
+    // The test client, in the test cgroup and the node namespace.
+    let run_client = |mode: &str, addr: &str| -> std::process::Output {
         let mut cmd: Command = cgroup.command(env!("CARGO_BIN_EXE_rune-test-client"));
         join_at(&mut cmd, &topo.node().path()).unwrap();
-        let out = cmd.args([mode, addr]).output().unwrap();
+        cmd.args([mode, addr]).output().unwrap()
+    };
+    let client = |mode: &str, addr: &str| -> serde_json::Value {
+        let out = run_client(mode, addr);
         assert!(
             out.status.success(),
             "{mode} {addr}: {}",
@@ -438,14 +429,7 @@ fn socket_lb_rewrites_connects_of_a_local_client() {
     let vip_tcp = format!("{VIP4}:{TCP_PORT}");
     // The maps are written shortly after the apply returns.
     rune_agent_tests::agent::eventually(PATIENCE, "the VIP answers", || {
-        let mut cmd = cgroup.command(env!("CARGO_BIN_EXE_rune-test-client"));
-        join_at(&mut cmd, &topo.node().path()).ok()?;
-        cmd.args(["tcp", &vip_tcp])
-            .output()
-            .ok()?
-            .status
-            .success()
-            .then_some(())
+        run_client("tcp", &vip_tcp).status.success().then_some(())
     });
     let tcp = client("tcp", &vip_tcp);
     assert_eq!(
