@@ -221,14 +221,7 @@ impl<M: LbMaps + 'static> DataPlane for EbpfDataPlane<M> {
         let mut ports = sync.status();
         for port in &mut ports {
             let Some(listen) = port.listen else { continue };
-            let key = sync::frontend_key(
-                listen.ip(),
-                port.port,
-                match port.protocol {
-                    crate::model::Protocol::Tcp => lb::PROTO_TCP,
-                    crate::model::Protocol::Udp => lb::PROTO_UDP,
-                },
-            );
+            let key = sync::frontend_key(listen.ip(), port.port, sync::proto_number(port.protocol));
             port.counters = sync
                 .frontend_id(&key)
                 .and_then(|id| sync.maps().frontend_stats(id).ok())

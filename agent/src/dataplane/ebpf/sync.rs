@@ -449,10 +449,7 @@ impl<M: LbMaps> LbSync<M> {
         };
         let mut out = Vec::new();
         for port in &spec.ports {
-            let proto = match port.protocol {
-                Protocol::Tcp => lb::PROTO_TCP,
-                Protocol::Udp => lb::PROTO_UDP,
-            };
+            let proto = proto_number(port.protocol);
             for vip in &spec.discovery.vips {
                 let same_family = |e: &&Endpoint| e.address.is_ipv4() == vip.is_ipv4();
                 let ready: Vec<&Endpoint> = endpoints
@@ -710,10 +707,7 @@ impl<M: LbMaps> LbSync<M> {
             .unwrap_or_default();
         let mut out = Vec::new();
         for port in &spec.ports {
-            let proto = match port.protocol {
-                Protocol::Tcp => lb::PROTO_TCP,
-                Protocol::Udp => lb::PROTO_UDP,
-            };
+            let proto = proto_number(port.protocol);
             let vip = spec.discovery.vips.first().copied();
             let programmed = desired
                 .iter()
@@ -811,6 +805,15 @@ fn listed_backends(view: &ServiceView) -> HashSet<SocketAddr> {
                 .map(move |e| SocketAddr::new(e.address, endpoint_port(e, p)))
         })
         .collect()
+}
+
+/// The IP protocol number of `protocol`, as the maps store it.
+#[must_use]
+pub fn proto_number(protocol: Protocol) -> u8 {
+    match protocol {
+        Protocol::Tcp => lb::PROTO_TCP,
+        Protocol::Udp => lb::PROTO_UDP,
+    }
 }
 
 /// The map key of VIP `vip`, service port `port`, protocol `proto`.
