@@ -119,29 +119,35 @@ impl Maglev {
                 backend: backends[w[0]].0,
             });
         }
-        // (offset, skip, next) per backend, in fill order.
-        let mut perm: Vec<(u64, u64, u64)> = order
+        // (next slot, skip) per backend, in fill order. Each permutation is
+        // `offset, offset + skip, offset + 2·skip, ...` modulo m, walked by adding
+        // `skip` and subtracting m once when past the end: no division per probe
+        // (the fill probes about m·ln m slots, and a 64-bit modulo each dominated).
+        let mut perm: Vec<(u32, u32)> = order
             .iter()
             .map(|&i| {
                 let w = backends[i].words();
-                let offset = u64::from(jhash2(&w, OFFSET_SEED) % m);
-                let skip = u64::from(jhash2(&w, SKIP_SEED) % (m - 1).max(1)) + 1;
-                (offset, skip, 0)
+                let offset = jhash2(&w, OFFSET_SEED) % m;
+                let skip = jhash2(&w, SKIP_SEED) % (m - 1).max(1) + 1;
+                (offset, skip)
             })
             .collect();
-        let (m64, mut filled) = (u64::from(m), 0usize);
+        let mut filled = 0usize;
         let mut table = vec![u32::MAX; m as usize];
+        // Both operands are below m ≤ MAX_TABLE_SIZE, so the sum never overflows.
+        let advance = |slot: u32, skip: u32| {
+            let next = slot + skip;
+            if next >= m { next - m } else { next }
+        };
         'fill: loop {
-            for (k, (offset, skip, next)) in perm.iter_mut().enumerate() {
+            for (k, (slot, skip)) in perm.iter_mut().enumerate() {
                 // Each permutation visits every slot once (m prime, 0 < skip < m), and a
                 // free slot exists while filled < m: this loop ends.
-                let mut slot = (*offset + *next * *skip) % m64;
-                while table[slot as usize] != u32::MAX {
-                    *next += 1;
-                    slot = (*offset + *next * *skip) % m64;
+                while table[*slot as usize] != u32::MAX {
+                    *slot = advance(*slot, *skip);
                 }
-                table[slot as usize] = order[k] as u32;
-                *next += 1;
+                table[*slot as usize] = order[k] as u32;
+                *slot = advance(*slot, *skip);
                 filled += 1;
                 if filled == m as usize {
                     break 'fill;

@@ -10,6 +10,7 @@ use std::process::ExitCode;
 const DEFAULT_LOG_FILTER: &str = "info,hickory_server=warn";
 
 fn main() -> ExitCode {
+    rune_agent::heap::limit_arenas();
     let cli = Cli::parse();
     // The version needs no settings: a bad config must not hide it.
     if let Command::Version = cli.command {

@@ -53,15 +53,17 @@ async fn reconcile(
         };
         match plane.apply(&delta).await {
             Ok(()) => {
-                if delta.full {
-                    applied.set_ready();
-                }
                 tracing::debug!(
                     revision = delta.revision,
                     upserted = delta.upserted.len(),
                     removed = delta.removed.len(),
                     "data plane updated"
                 );
+                if delta.full {
+                    applied.set_ready();
+                    drop(delta);
+                    crate::heap::trim();
+                }
             }
             Err(e) => {
                 tracing::error!(mode = plane.mode(), error = %e, "data plane update failed; retrying with a full resync");

@@ -45,7 +45,7 @@ pub const DEFAULT_HISTORY: u64 = 10_000;
 const WATCH_BATCH: usize = 256;
 
 /// redb's cache; the store is small, and redb's default (1 GiB) is meant for big ones.
-const CACHE_BYTES: usize = 16 * 1024 * 1024;
+const CACHE_BYTES: usize = 4 * 1024 * 1024;
 
 const OBJECTS: TableDefinition<&str, (u64, &str)> = TableDefinition::new("objects");
 const LOG: TableDefinition<u64, &str> = TableDefinition::new("log");

@@ -75,12 +75,27 @@ enum Use {
     Draining { until: Instant },
 }
 
+/// What the per-apply scratch sets keep between applies: enough for any change
+/// of a few services without growing.
+const SCRATCH_CAPACITY: usize = 1024;
+
+/// How many services use one backend.
+#[derive(Clone, Copy, Debug, Default)]
+struct Refs {
+    /// In any way (active or draining): the backend stays in the maps while > 0.
+    uses: u32,
+    /// With [`Use::Active`]: the backend's state is active exactly when > 0.
+    active: u32,
+}
+
 /// What the sync engine remembers of a service.
 #[derive(Clone, Debug, Default)]
 struct ServiceState {
     frontends: BTreeSet<FrontendKey>,
     uses: HashMap<SocketAddr, Use>,
-    ports: Vec<ServicePortStatus>,
+    /// The service as last applied: `status` is derived from it when asked (it
+    /// shares the cache's objects; a copy per service would cost ~1.4 KB each).
+    view: Option<ServiceView>,
 }
 
 /// A frontend the cache asks for.
@@ -98,12 +113,10 @@ pub struct LbSync<M> {
     frontends: BTreeMap<FrontendKey, Frontend>,
     backends: HashMap<SocketAddr, BackendSlot>,
     services: BTreeMap<ServiceKey, ServiceState>,
-    /// How many services have each backend in their tables ([`Use::Active`]): a
-    /// backend's state is active exactly when it is counted here. Kept equal to the
-    /// services' `uses`, so that one service's change does not rescan every service.
-    active_refs: HashMap<SocketAddr, u32>,
-    /// How many services use each backend in any way (active or draining).
-    use_refs: HashMap<SocketAddr, u32>,
+    /// How many services use each backend, and how many of them have it in their
+    /// tables. Kept equal to the services' `uses`, so that one service's change does
+    /// not rescan every service; a backend with no entry is unused.
+    refs: HashMap<SocketAddr, Refs>,
     /// Drain deadlines, earliest first; an entry whose use changed since is stale
     /// and skipped when it comes due.
     drains: BTreeSet<(Instant, ServiceKey, SocketAddr)>,
@@ -131,8 +144,7 @@ impl<M: LbMaps> LbSync<M> {
             frontends: BTreeMap::new(),
             backends: HashMap::new(),
             services: BTreeMap::new(),
-            active_refs: HashMap::new(),
-            use_refs: HashMap::new(),
+            refs: HashMap::new(),
             drains: BTreeSet::new(),
             unused: HashSet::new(),
             touched: HashSet::new(),
@@ -223,7 +235,8 @@ impl<M: LbMaps> LbSync<M> {
     pub fn status(&self) -> Vec<ServicePortStatus> {
         self.services
             .values()
-            .flat_map(|s| s.ports.iter().cloned())
+            .filter_map(|s| s.view.as_ref())
+            .flat_map(port_status)
             .collect()
     }
 
@@ -424,10 +437,9 @@ impl<M: LbMaps> LbSync<M> {
         for fk in old_frontends.difference(&keep) {
             self.delete_owned_frontend(&key, fk)?;
         }
-        let ports = self.port_status(view, &desired);
         if let Some(state) = self.services.get_mut(&key) {
             state.frontends = keep;
-            state.ports = ports;
+            state.view = Some(view.clone());
         }
         Ok(())
     }
@@ -516,7 +528,7 @@ impl<M: LbMaps> LbSync<M> {
     ) -> Result<(), SyncError> {
         for addr in addrs {
             if let Some(slot) = self.backends.get_mut(addr) {
-                refresh_backend_state(&mut self.maps, &self.active_refs, addr, slot)?;
+                refresh_backend_state(&mut self.maps, &self.refs, addr, slot)?;
             }
         }
         Ok(())
@@ -637,7 +649,7 @@ impl<M: LbMaps> LbSync<M> {
         let unused: Vec<SocketAddr> = self
             .unused
             .iter()
-            .filter(|a| !self.use_refs.contains_key(*a) && self.backends.contains_key(*a))
+            .filter(|a| !self.refs.contains_key(*a) && self.backends.contains_key(*a))
             .copied()
             .collect();
         if !unused.is_empty() {
@@ -660,6 +672,10 @@ impl<M: LbMaps> LbSync<M> {
         }
         self.unused.clear();
         let touched: Vec<SocketAddr> = self.touched.drain().collect();
+        // A full sync fills these with every backend: give that memory back (a few
+        // MB at 100,000 backends) instead of keeping it for the next full sync.
+        self.unused.shrink_to(SCRATCH_CAPACITY);
+        self.touched.shrink_to(SCRATCH_CAPACITY);
         self.refresh_backend_states_of(touched.iter())
     }
 
@@ -670,21 +686,22 @@ impl<M: LbMaps> LbSync<M> {
             return;
         };
         let old = std::mem::take(&mut state.uses);
-        count_active(&mut self.active_refs, &old, false);
-        count_active(&mut self.active_refs, &uses, true);
-        for addr in old.keys() {
+        for (addr, u) in &old {
             self.touched.insert(*addr);
-            if let Some(n) = self.use_refs.get_mut(addr) {
-                *n -= 1;
-                if *n == 0 {
-                    self.use_refs.remove(addr);
+            if let Some(r) = self.refs.get_mut(addr) {
+                r.uses -= 1;
+                r.active -= u32::from(*u == Use::Active);
+                if r.uses == 0 {
+                    self.refs.remove(addr);
                     self.unused.insert(*addr);
                 }
             }
         }
         for (addr, u) in &uses {
             self.touched.insert(*addr);
-            *self.use_refs.entry(*addr).or_default() += 1;
+            let r = self.refs.entry(*addr).or_default();
+            r.uses += 1;
+            r.active += u32::from(*u == Use::Active);
             if let Use::Draining { until } = u
                 && old.get(addr) != Some(u)
             {
@@ -693,86 +710,63 @@ impl<M: LbMaps> LbSync<M> {
         }
         state.uses = uses;
     }
-
-    fn port_status(
-        &self,
-        view: &ServiceView,
-        desired: &[DesiredFrontend],
-    ) -> Vec<ServicePortStatus> {
-        let spec = &view.service.spec;
-        let endpoints: &[Endpoint] = view
-            .endpoints
-            .as_ref()
-            .map(|e| &e.spec.endpoints[..])
-            .unwrap_or_default();
-        let mut out = Vec::new();
-        for port in &spec.ports {
-            let proto = proto_number(port.protocol);
-            let vip = spec.discovery.vips.first().copied();
-            let programmed = desired
-                .iter()
-                .any(|f| vip.is_some_and(|v| f.key == frontend_key(v, port.port, proto)));
-            let state = if spec.discovery.headless {
-                PortState::Failed {
-                    reason: "headless: no VIP to balance (DNS only)".into(),
-                }
-            } else if !programmed {
-                PortState::Failed {
-                    reason: "the service has no VIP".into(),
-                }
-            } else {
-                PortState::Listening
-            };
-            let backends = endpoints
-                .iter()
-                .map(|e| BackendStatus {
-                    address: e.address,
-                    port: endpoint_port(e, port),
-                    node: e.node.clone(),
-                    state: BackendState::of(e),
-                    counters: None,
-                })
-                .collect();
-            out.push(ServicePortStatus {
-                service: view.key().to_string(),
-                port: port.port,
-                protocol: port.protocol,
-                listen: vip.map(|v| SocketAddr::new(v, port.port)),
-                state,
-                endpoints_known: view.endpoints.is_some(),
-                backends,
-                counters: None,
-            });
-        }
-        out
-    }
 }
 
-/// Adds (`add`) or removes the [`Use::Active`] entries of `uses` to or from `refs`.
-fn count_active(refs: &mut HashMap<SocketAddr, u32>, uses: &HashMap<SocketAddr, Use>, add: bool) {
-    for (addr, u) in uses {
-        if *u != Use::Active {
-            continue;
-        }
-        if add {
-            *refs.entry(*addr).or_default() += 1;
-        } else if let Some(n) = refs.get_mut(addr) {
-            *n -= 1;
-            if *n == 0 {
-                refs.remove(addr);
+/// How `status` shows `view`'s ports.
+fn port_status(view: &ServiceView) -> Vec<ServicePortStatus> {
+    let spec = &view.service.spec;
+    let endpoints: &[Endpoint] = view
+        .endpoints
+        .as_ref()
+        .map(|e| &e.spec.endpoints[..])
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    for port in &spec.ports {
+        // `desired` gives every non-headless service a frontend per VIP × port.
+        let vip = spec.discovery.vips.first().copied();
+        let state = if spec.discovery.headless {
+            PortState::Failed {
+                reason: "headless: no VIP to balance (DNS only)".into(),
             }
-        }
+        } else if vip.is_none() {
+            PortState::Failed {
+                reason: "the service has no VIP".into(),
+            }
+        } else {
+            PortState::Listening
+        };
+        let backends = endpoints
+            .iter()
+            .map(|e| BackendStatus {
+                address: e.address,
+                port: endpoint_port(e, port),
+                node: e.node.clone(),
+                state: BackendState::of(e),
+                counters: None,
+            })
+            .collect();
+        out.push(ServicePortStatus {
+            service: view.key().to_string(),
+            port: port.port,
+            protocol: port.protocol,
+            listen: vip.map(|v| SocketAddr::new(v, port.port)),
+            state,
+            endpoints_known: view.endpoints.is_some(),
+            backends,
+            counters: None,
+        });
     }
+    out
 }
 
 /// Writes backend `addr`'s state when it differs from what `refs` asks for.
 fn refresh_backend_state<M: LbMaps>(
     maps: &mut M,
-    refs: &HashMap<SocketAddr, u32>,
+    refs: &HashMap<SocketAddr, Refs>,
     addr: &SocketAddr,
     slot: &mut BackendSlot,
 ) -> Result<(), SyncError> {
-    let want = if refs.contains_key(addr) {
+    let want = if refs.get(addr).is_some_and(|r| r.active > 0) {
         BACKEND_ACTIVE
     } else {
         BACKEND_DRAINING

@@ -1,0 +1,31 @@
+//! The process heap: glibc malloc tuned for a long-running agent whose memory is
+//! mostly a few large structures built at start (the cache, the data plane's state,
+//! the DNS zone) and small changes after.
+//!
+//! Measured at 10,000 services × 10 endpoints (eBPF mode): glibc's default of up to
+//! 8 arenas per core left the agent at 86 MB anonymous memory for about 45 MB of live
+//! heap; one arena and a trim after the initial sync bring it to about 61 MB.
+
+/// Limits glibc to one malloc arena unless `MALLOC_ARENA_MAX` says otherwise. Call
+/// before any thread starts. Per-thread caches (tcache) still serve small
+/// allocations without the arena lock, and the agent's hot paths allocate little.
+pub fn limit_arenas() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+        // SAFETY: mallopt only sets a glibc tunable; M_ARENA_MAX takes a count.
+        unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, 1);
+        }
+    }
+}
+
+/// Hands freed heap memory back to the OS. After the first full sync (every
+/// service at once, with the snapshot it came from) glibc would otherwise keep what
+/// the temporaries freed.
+pub fn trim() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks glibc's own arenas; it has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
