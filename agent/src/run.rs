@@ -19,6 +19,7 @@ use crate::{
     localapi::{self, LocalApiServer, StatusFn},
     metrics::{Metrics, MetricsServer},
     orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
+    preflight::{self, DataplaneMode},
     status::{AgentStatus, NodeStatus, SubsystemLine},
 };
 use anyhow::{Context, Result};
@@ -45,6 +46,7 @@ pub async fn run(config: Config) -> Result<()> {
     )?);
     let metrics = Arc::new(Metrics::new());
     let cache = Arc::new(EndpointCache::new());
+    let mut preflight_status: Option<SelectedDataplane> = None;
     let plane: Arc<dyn DataPlane> = match mode {
         Mode::Dev => Arc::new(UserspaceProxy::new(
             ProxyConfig {
@@ -58,12 +60,24 @@ pub async fn run(config: Config) -> Result<()> {
             metrics.clone(),
         )?),
         Mode::Production => {
-            let ebpf = EbpfDataPlane::new(&ebpf_config(&config, &identity)).context(
-                "starting the eBPF data plane (production mode needs root and a kernel with \
-                 BTF, cgroup v2 and bpffs; run with --dev for userspace proxies on 127.0.0.1)",
-            )?;
-            metrics.set_dataplane_collector(ebpf.collector());
-            Arc::new(ebpf)
+            let selection = select_dataplane(&config, &metrics)?;
+            preflight_status = Some(selection.clone());
+            match selection.mode {
+                DataplaneMode::Ebpf => {
+                    let ebpf = EbpfDataPlane::new(&ebpf_config(&config, &identity)).context(
+                        "starting the eBPF data plane (preflight passed; see the error for \
+                         what failed, or run with --dataplane nftables)",
+                    )?;
+                    metrics.set_dataplane_collector(ebpf.collector());
+                    Arc::new(ebpf)
+                }
+                DataplaneMode::Nftables => {
+                    anyhow::bail!("the nftables data plane is not wired yet")
+                }
+                DataplaneMode::Userspace => {
+                    anyhow::bail!("the userspace data plane on the VIPs is not wired yet")
+                }
+            }
         }
     };
     let agent = Arc::new(Agent::new(AgentConfig {
@@ -94,12 +108,16 @@ pub async fn run(config: Config) -> Result<()> {
         metrics.clone(),
     )?);
 
+    if mode == Mode::Dev {
+        metrics.set_dataplane(plane.mode(), &[]);
+    }
     let status = status_fn(
         Arc::downgrade(&agent),
         cache.clone(),
         plane.clone(),
         Arc::new(dns.state_handle()),
         config.state_dir.clone(),
+        preflight_status.map(Arc::new),
     );
     agent.register(Arc::new(MetricsServer::new(
         config.metrics_addr,
@@ -158,6 +176,42 @@ pub async fn run(config: Config) -> Result<()> {
     agent.stop().await.context("stopping the agent")?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The production data plane preflight chose, with the checks behind the choice.
+#[derive(Clone, Debug)]
+struct SelectedDataplane {
+    mode: DataplaneMode,
+    reason: String,
+    checks: Vec<preflight::Check>,
+}
+
+/// Runs preflight, decides the data plane for `--dataplane` (a forced mode whose
+/// checks fail is an error naming them), logs and records the choice.
+fn select_dataplane(config: &Config, metrics: &Metrics) -> Result<SelectedDataplane> {
+    let report = preflight::run(&preflight::Options::with_cgroup(config.cgroup.clone()))?;
+    for c in report.checks.iter().filter(|c| !c.passed) {
+        tracing::warn!(check = %c.name, detail = %c.detail, "preflight check failed");
+    }
+    let selection =
+        preflight::decide(config.dataplane, &report.checks).context("choosing the data plane")?;
+    tracing::info!(
+        mode = %selection.mode,
+        reason = %selection.reason,
+        kernel = %report.kernel,
+        "data plane chosen"
+    );
+    let results: Vec<(String, bool)> = report
+        .checks
+        .iter()
+        .map(|c| (c.name.clone(), c.passed))
+        .collect();
+    metrics.set_dataplane(selection.mode.as_str(), &results);
+    Ok(SelectedDataplane {
+        mode: selection.mode,
+        reason: selection.reason,
+        checks: report.checks,
+    })
 }
 
 /// The eBPF data plane's settings: hooks from the config, else the cgroup v2 root
@@ -239,11 +293,16 @@ fn status_fn(
     plane: Arc<dyn DataPlane>,
     dns: Arc<dyn Fn() -> DnsState + Send + Sync>,
     state_dir: PathBuf,
+    preflight: Option<Arc<SelectedDataplane>>,
 ) -> StatusFn {
     Arc::new(move || {
         let mut st = AgentStatus::from_cache(&state_dir, &cache);
         st.running = true;
         st.dataplane = Some(plane.mode().to_owned());
+        if let Some(p) = &preflight {
+            st.dataplane_reason = Some(p.reason.clone());
+            st.preflight = p.checks.clone();
+        }
         st.programs = plane.programs();
         st.dns = Some(dns().to_string());
         let ports = plane.status();

@@ -25,6 +25,12 @@ pub struct AgentStatus {
     /// The data plane carrying services (`userspace`, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dataplane: Option<String>,
+    /// Why this data plane (production: preflight's decision at start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dataplane_reason: Option<String>,
+    /// Preflight's checks at start (production mode).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub preflight: Vec<crate::preflight::Check>,
     /// The kernel programs the data plane runs, one line each.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub programs: Vec<String>,
@@ -236,7 +242,23 @@ impl AgentStatus {
             writeln!(o, "mode:       {m}")?;
         }
         if let Some(d) = &self.dataplane {
-            writeln!(o, "data plane: {d}")?;
+            match &self.dataplane_reason {
+                Some(why) => writeln!(o, "data plane: {d} ({why})")?,
+                None => writeln!(o, "data plane: {d}")?,
+            }
+        }
+        if !self.preflight.is_empty() {
+            let failed: Vec<&crate::preflight::Check> =
+                self.preflight.iter().filter(|c| !c.passed).collect();
+            writeln!(
+                o,
+                "preflight:  {} of {} checks passed",
+                self.preflight.len() - failed.len(),
+                self.preflight.len()
+            )?;
+            for c in failed {
+                writeln!(o, "  failed {}: {}", c.name, c.detail)?;
+            }
         }
         for (i, p) in self.programs.iter().enumerate() {
             let label = if i == 0 { "programs:" } else { "" };
