@@ -46,9 +46,13 @@ pub async fn run(config: Config) -> Result<()> {
     )?);
     let metrics = Arc::new(Metrics::new());
     let cache = Arc::new(EndpointCache::new());
-    let mut preflight_status: Option<SelectedDataplane> = None;
-    let plane: Arc<dyn DataPlane> = match mode {
-        Mode::Dev => Arc::new(UserspaceProxy::new(
+    // Production runs preflight first; dev mode always uses the loopback proxies.
+    let selected = match mode {
+        Mode::Dev => None,
+        Mode::Production => Some(select_dataplane(&config, &metrics)?),
+    };
+    let plane: Arc<dyn DataPlane> = match selected.as_ref().map(|s| s.mode) {
+        None => Arc::new(UserspaceProxy::new(
             ProxyConfig {
                 listen: ListenOn::Loopback,
                 port_offset: config.dev_port_offset,
@@ -59,25 +63,19 @@ pub async fn run(config: Config) -> Result<()> {
             },
             metrics.clone(),
         )?),
-        Mode::Production => {
-            let selection = select_dataplane(&config, &metrics)?;
-            preflight_status = Some(selection.clone());
-            match selection.mode {
-                DataplaneMode::Ebpf => {
-                    let ebpf = EbpfDataPlane::new(&ebpf_config(&config, &identity)).context(
-                        "starting the eBPF data plane (preflight passed; see the error for \
-                         what failed, or run with --dataplane nftables)",
-                    )?;
-                    metrics.set_dataplane_collector(ebpf.collector());
-                    Arc::new(ebpf)
-                }
-                DataplaneMode::Nftables => {
-                    anyhow::bail!("the nftables data plane is not wired yet")
-                }
-                DataplaneMode::Userspace => {
-                    anyhow::bail!("the userspace data plane on the VIPs is not wired yet")
-                }
-            }
+        Some(DataplaneMode::Ebpf) => {
+            let ebpf = EbpfDataPlane::new(&ebpf_config(&config, &identity)).context(
+                "starting the eBPF data plane (its preflight checks passed: this is a load \
+                 or attach error; --dataplane nftables runs without eBPF)",
+            )?;
+            metrics.set_dataplane_collector(ebpf.collector());
+            Arc::new(ebpf)
+        }
+        Some(DataplaneMode::Nftables) => {
+            anyhow::bail!("the nftables data plane is not wired yet")
+        }
+        Some(DataplaneMode::Userspace) => {
+            anyhow::bail!("the userspace data plane on the VIPs is not wired yet")
         }
     };
     let agent = Arc::new(Agent::new(AgentConfig {
@@ -117,7 +115,7 @@ pub async fn run(config: Config) -> Result<()> {
         plane.clone(),
         Arc::new(dns.state_handle()),
         config.state_dir.clone(),
-        preflight_status.map(Arc::new),
+        selected.map(Arc::new),
     );
     agent.register(Arc::new(MetricsServer::new(
         config.metrics_addr,
@@ -179,7 +177,7 @@ pub async fn run(config: Config) -> Result<()> {
 }
 
 /// The production data plane preflight chose, with the checks behind the choice.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 struct SelectedDataplane {
     mode: DataplaneMode,
     reason: String,
