@@ -1,5 +1,5 @@
 //! The `rune-agent` command line: `run`, `apply`, `get`, `delete`, `status`,
-//! `version`.
+//! `cleanup`, `preflight`, `version`.
 //!
 //! Commands other than `run` reach a running agent through its socket
 //! (`<state-dir>/agent.sock`); when no agent runs they open the store directly, so a
@@ -79,6 +79,21 @@ pub enum Command {
         #[arg(long, env = "RUNE_BPF_PIN_DIR", value_name = "DIR")]
         bpf_pin_dir: Option<PathBuf>,
     },
+    /// Check what this kernel and process can run (bpf syscall, BTF, program, map
+    /// and helper types, attachments, cgroup v2, bpffs, capabilities, nft) and which
+    /// data plane would be chosen, and why. Exits 0 when some data plane can run.
+    Preflight {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// The data plane to decide for [default: auto, or the config file's].
+        #[arg(long, env = "RUNE_DATAPLANE", value_enum)]
+        dataplane: Option<crate::config::DataplaneChoice>,
+        /// cgroup v2 directory of the socket-LB hooks, or `none` [default: the
+        /// cgroup v2 root]; the attach probe uses an empty child it removes again.
+        #[arg(long, env = "RUNE_CGROUP", value_name = "PATH")]
+        cgroup: Option<String>,
+    },
     /// Print the version.
     Version,
 }
@@ -152,7 +167,8 @@ pub struct RunArgs {
     /// Forwarded DNS answers kept in the cache, 0 for none [default: 10000].
     #[arg(long, env = "RUNE_DNS_CACHE_SIZE", value_name = "N")]
     pub dns_cache_size: Option<usize>,
-    /// Production data plane [default: auto, which is ebpf today].
+    /// Production data plane: auto (preflight picks ebpf, else nftables, else
+    /// userspace), or one of them forced (the start fails when its checks fail) [default: auto].
     #[arg(long, env = "RUNE_DATAPLANE", value_enum)]
     pub dataplane: Option<crate::config::DataplaneChoice>,
     /// bpffs directory for the eBPF pins [default: /sys/fs/bpf/rune].
@@ -451,5 +467,32 @@ pub async fn cleanup(config: &Config, pin_dir: Option<&std::path::Path>) -> Resu
     let dir = pin_dir.unwrap_or(&config.bpf_pin_dir);
     let removed = crate::dataplane::ebpf::attach::remove_pins(dir)?;
     println!("removed {removed} eBPF pins under {}", dir.display());
+    Ok(())
+}
+
+/// `rune-agent preflight [--json]`: every check, then the data plane `requested`
+/// would get. Fails (after printing) when no data plane can run.
+pub fn preflight(
+    config: &Config,
+    json: bool,
+    requested: Option<crate::config::DataplaneChoice>,
+    cgroup: Option<&str>,
+) -> Result<()> {
+    use crate::preflight::{self, Options, Outcome};
+    let cgroup = match cgroup.map(str::trim) {
+        Some("none" | "") => Some(None),
+        Some(path) => Some(Some(PathBuf::from(path))),
+        None => config.cgroup.clone(),
+    };
+    let report = preflight::run(&Options::with_cgroup(cgroup))?;
+    let outcome = Outcome::new(&report, requested.unwrap_or(config.dataplane));
+    if json {
+        println!("{}", serde_json::to_string_pretty(&outcome)?);
+    } else {
+        print!("{}", outcome.render());
+    }
+    if outcome.mode.is_none() {
+        bail!("{}", outcome.reason);
+    }
     Ok(())
 }

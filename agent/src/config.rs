@@ -68,11 +68,29 @@ pub const DEFAULT_LB_MAX_FLOWS: u32 = 262_144;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum DataplaneChoice {
-    /// The best the kernel can run: today the eBPF data plane.
+    /// The best the kernel can run, as preflight decides: eBPF when every eBPF
+    /// check passes, else nftables when `nft` works, else userspace proxies.
     #[default]
     Auto,
-    /// The eBPF data plane; the start fails when it cannot be loaded.
+    /// The eBPF data plane; the start fails when a check it needs fails.
     Ebpf,
+    /// nftables DNAT in the agent's own table; the start fails without a working `nft`.
+    Nftables,
+    /// Userspace proxies listening on the VIPs themselves (the last resort).
+    Userspace,
+}
+
+impl DataplaneChoice {
+    /// The name as written on the command line and in the config file.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Ebpf => "ebpf",
+            Self::Nftables => "nftables",
+            Self::Userspace => "userspace",
+        }
+    }
 }
 
 /// Everything `rune-agent run` needs, resolved and checked.

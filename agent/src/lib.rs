@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod model;
 pub mod orderedlog;
 pub mod outbox;
+pub mod preflight;
 pub mod run;
 pub mod status;
 mod sync;

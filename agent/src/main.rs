@@ -68,6 +68,11 @@ fn main() -> ExitCode {
             } => cli::delete(&config, kind, name, namespace).await,
             Command::Status { output } => cli::status(&config, *output).await,
             Command::Cleanup { bpf_pin_dir } => cli::cleanup(&config, bpf_pin_dir.as_deref()).await,
+            Command::Preflight {
+                json,
+                dataplane,
+                cgroup,
+            } => cli::preflight(&config, *json, *dataplane, cgroup.as_deref()),
             Command::Version => Ok(()),
         }
     });

@@ -103,6 +103,20 @@ pub struct DnsZoneLabels {
     pub zone: &'static str,
 }
 
+/// Labels of the data plane mode gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DataplaneModeLabels {
+    /// `ebpf`, `nftables` or `userspace`.
+    pub mode: String,
+}
+
+/// Labels of a preflight check's result.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PreflightCheckLabels {
+    /// The check's name, as `rune-agent preflight` prints it.
+    pub check: String,
+}
+
 /// The buckets of `rune_dns_query_duration_seconds`: 50 µs to about 3.3 s.
 fn dns_duration_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_05, 4.0, 9))
@@ -158,6 +172,10 @@ pub struct Metrics {
     pub dns_cache_misses: Counter,
     /// `rune_dns_query_duration_seconds{zone}`: time from query to response.
     pub dns_query_duration: Family<DnsZoneLabels, Histogram, fn() -> Histogram>,
+    /// `rune_dataplane_mode{mode}`: 1 for the data plane carrying services.
+    pub dataplane_mode: Family<DataplaneModeLabels, Gauge>,
+    /// `rune_preflight_check{check}`: 1 passed, 0 failed at the last start.
+    pub preflight_check: Family<PreflightCheckLabels, Gauge>,
 }
 
 impl Metrics {
@@ -245,6 +263,18 @@ impl Metrics {
             "Time from a DNS query to its response, by zone",
             dns_query_duration.clone(),
         );
+        let dataplane_mode = Family::<DataplaneModeLabels, Gauge>::default();
+        registry.register(
+            "dataplane_mode",
+            "1 for the data plane carrying services (ebpf, nftables or userspace)",
+            dataplane_mode.clone(),
+        );
+        let preflight_check = Family::<PreflightCheckLabels, Gauge>::default();
+        registry.register(
+            "preflight_check",
+            "1 when the preflight check passed at start, 0 when it failed",
+            preflight_check.clone(),
+        );
         let dataplane = Arc::new(DataplaneCollector::default());
         registry.register_collector(Box::new(dataplane.clone()));
         Self {
@@ -263,6 +293,22 @@ impl Metrics {
             dns_cache_hits,
             dns_cache_misses,
             dns_query_duration,
+            dataplane_mode,
+            preflight_check,
+        }
+    }
+
+    /// Records the data plane in use and each preflight check's result.
+    pub fn set_dataplane(&self, mode: &str, checks: &[(String, bool)]) {
+        self.dataplane_mode
+            .get_or_create(&DataplaneModeLabels { mode: mode.into() })
+            .set(1);
+        for (check, passed) in checks {
+            self.preflight_check
+                .get_or_create(&PreflightCheckLabels {
+                    check: check.clone(),
+                })
+                .set(i64::from(*passed));
         }
     }
 
@@ -552,6 +598,10 @@ mod tests {
             })
             .set(1);
         metrics.revision_applied.set(7);
+        metrics.set_dataplane(
+            "ebpf",
+            &[("btf".to_owned(), true), ("nft".to_owned(), false)],
+        );
         let text = metrics.encode();
         for line in [
             "rune_subsystem_ready{subsystem=\"dns\"} 1",
@@ -562,6 +612,9 @@ mod tests {
             "rune_proxy_listener_up{service=\"default/web\",port=\"80\",protocol=\"TCP\"} 1",
             "rune_outbox_depth 0",
             "rune_outbox_dropped_total 0",
+            "rune_dataplane_mode{mode=\"ebpf\"} 1",
+            "rune_preflight_check{check=\"btf\"} 1",
+            "rune_preflight_check{check=\"nft\"} 0",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

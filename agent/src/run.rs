@@ -19,6 +19,7 @@ use crate::{
     localapi::{self, LocalApiServer, StatusFn},
     metrics::{Metrics, MetricsServer},
     orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
+    preflight::{self, DataplaneMode},
     status::{AgentStatus, NodeStatus, SubsystemLine},
 };
 use anyhow::{Context, Result};
@@ -45,8 +46,13 @@ pub async fn run(config: Config) -> Result<()> {
     )?);
     let metrics = Arc::new(Metrics::new());
     let cache = Arc::new(EndpointCache::new());
-    let plane: Arc<dyn DataPlane> = match mode {
-        Mode::Dev => Arc::new(UserspaceProxy::new(
+    // Production runs preflight first; dev mode always uses the loopback proxies.
+    let selected = match mode {
+        Mode::Dev => None,
+        Mode::Production => Some(select_dataplane(&config, &metrics)?),
+    };
+    let plane: Arc<dyn DataPlane> = match selected.as_ref().map(|s| s.mode) {
+        None => Arc::new(UserspaceProxy::new(
             ProxyConfig {
                 listen: ListenOn::Loopback,
                 port_offset: config.dev_port_offset,
@@ -57,13 +63,19 @@ pub async fn run(config: Config) -> Result<()> {
             },
             metrics.clone(),
         )?),
-        Mode::Production => {
+        Some(DataplaneMode::Ebpf) => {
             let ebpf = EbpfDataPlane::new(&ebpf_config(&config, &identity)).context(
-                "starting the eBPF data plane (production mode needs root and a kernel with \
-                 BTF, cgroup v2 and bpffs; run with --dev for userspace proxies on 127.0.0.1)",
+                "starting the eBPF data plane (its preflight checks passed: this is a load \
+                 or attach error; --dataplane nftables runs without eBPF)",
             )?;
             metrics.set_dataplane_collector(ebpf.collector());
             Arc::new(ebpf)
+        }
+        Some(DataplaneMode::Nftables) => {
+            anyhow::bail!("the nftables data plane is not wired yet")
+        }
+        Some(DataplaneMode::Userspace) => {
+            anyhow::bail!("the userspace data plane on the VIPs is not wired yet")
         }
     };
     let agent = Arc::new(Agent::new(AgentConfig {
@@ -94,12 +106,16 @@ pub async fn run(config: Config) -> Result<()> {
         metrics.clone(),
     )?);
 
+    if mode == Mode::Dev {
+        metrics.set_dataplane(plane.mode(), &[]);
+    }
     let status = status_fn(
         Arc::downgrade(&agent),
         cache.clone(),
         plane.clone(),
         Arc::new(dns.state_handle()),
         config.state_dir.clone(),
+        selected.map(Arc::new),
     );
     agent.register(Arc::new(MetricsServer::new(
         config.metrics_addr,
@@ -158,6 +174,42 @@ pub async fn run(config: Config) -> Result<()> {
     agent.stop().await.context("stopping the agent")?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The production data plane preflight chose, with the checks behind the choice.
+#[derive(Debug)]
+struct SelectedDataplane {
+    mode: DataplaneMode,
+    reason: String,
+    checks: Vec<preflight::Check>,
+}
+
+/// Runs preflight, decides the data plane for `--dataplane` (a forced mode whose
+/// checks fail is an error naming them), logs and records the choice.
+fn select_dataplane(config: &Config, metrics: &Metrics) -> Result<SelectedDataplane> {
+    let report = preflight::run(&preflight::Options::with_cgroup(config.cgroup.clone()))?;
+    for c in report.checks.iter().filter(|c| !c.passed) {
+        tracing::warn!(check = %c.name, detail = %c.detail, "preflight check failed");
+    }
+    let selection =
+        preflight::decide(config.dataplane, &report.checks).context("choosing the data plane")?;
+    tracing::info!(
+        mode = %selection.mode,
+        reason = %selection.reason,
+        kernel = %report.kernel,
+        "data plane chosen"
+    );
+    let results: Vec<(String, bool)> = report
+        .checks
+        .iter()
+        .map(|c| (c.name.clone(), c.passed))
+        .collect();
+    metrics.set_dataplane(selection.mode.as_str(), &results);
+    Ok(SelectedDataplane {
+        mode: selection.mode,
+        reason: selection.reason,
+        checks: report.checks,
+    })
 }
 
 /// The eBPF data plane's settings: hooks from the config, else the cgroup v2 root
@@ -239,11 +291,16 @@ fn status_fn(
     plane: Arc<dyn DataPlane>,
     dns: Arc<dyn Fn() -> DnsState + Send + Sync>,
     state_dir: PathBuf,
+    preflight: Option<Arc<SelectedDataplane>>,
 ) -> StatusFn {
     Arc::new(move || {
         let mut st = AgentStatus::from_cache(&state_dir, &cache);
         st.running = true;
         st.dataplane = Some(plane.mode().to_owned());
+        if let Some(p) = &preflight {
+            st.dataplane_reason = Some(p.reason.clone());
+            st.preflight = p.checks.clone();
+        }
         st.programs = plane.programs();
         st.dns = Some(dns().to_string());
         let ports = plane.status();

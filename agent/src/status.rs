@@ -25,6 +25,12 @@ pub struct AgentStatus {
     /// The data plane carrying services (`userspace`, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dataplane: Option<String>,
+    /// Why this data plane (production: preflight's decision at start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dataplane_reason: Option<String>,
+    /// Preflight's checks at start (production mode).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub preflight: Vec<crate::preflight::Check>,
     /// The kernel programs the data plane runs, one line each.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub programs: Vec<String>,
@@ -236,7 +242,23 @@ impl AgentStatus {
             writeln!(o, "mode:       {m}")?;
         }
         if let Some(d) = &self.dataplane {
-            writeln!(o, "data plane: {d}")?;
+            match &self.dataplane_reason {
+                Some(why) => writeln!(o, "data plane: {d} ({why})")?,
+                None => writeln!(o, "data plane: {d}")?,
+            }
+        }
+        if !self.preflight.is_empty() {
+            let failed: Vec<&crate::preflight::Check> =
+                self.preflight.iter().filter(|c| !c.passed).collect();
+            writeln!(
+                o,
+                "preflight:  {} of {} checks passed",
+                self.preflight.len() - failed.len(),
+                self.preflight.len()
+            )?;
+            for c in failed {
+                writeln!(o, "  failed {}: {}", c.name, c.detail)?;
+            }
         }
         for (i, p) in self.programs.iter().enumerate() {
             let label = if i == 0 { "programs:" } else { "" };
@@ -314,5 +336,44 @@ impl AgentStatus {
             writeln!(o, "  {e}: no such service")?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::preflight::{Check, DataplaneMode};
+
+    #[test]
+    fn render_shows_the_data_plane_reason_and_failed_preflight_checks() {
+        let st = AgentStatus {
+            running: true,
+            dataplane: Some("nftables".into()),
+            dataplane_reason: Some("auto: ebpf unavailable: btf (missing)".into()),
+            preflight: vec![
+                Check::new("btf", false, "missing", &[DataplaneMode::Ebpf]),
+                Check::new("nft", true, "nftables v1.0.6", &[DataplaneMode::Nftables]),
+            ],
+            ..AgentStatus::default()
+        };
+        let text = st.render();
+        assert!(
+            text.contains("data plane: nftables (auto: ebpf unavailable: btf (missing))\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("preflight:  1 of 2 checks passed\n"),
+            "{text}"
+        );
+        assert!(text.contains("  failed btf: missing\n"), "{text}");
+        assert!(!text.contains("failed nft"), "{text}");
+        let json = serde_json::to_value(&st).unwrap();
+        assert_eq!(
+            json["dataplaneReason"],
+            "auto: ebpf unavailable: btf (missing)"
+        );
+        assert_eq!(json["preflight"][0]["neededBy"][0], "ebpf");
+        let back: AgentStatus = serde_json::from_value(json).unwrap();
+        assert_eq!(back, st);
     }
 }

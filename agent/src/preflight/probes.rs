@@ -1,0 +1,836 @@
+//! The probes: each asks the kernel or the host directly and records a [`Check`].
+//!
+//! Nothing here changes the host for longer than the probe: maps and programs are
+//! closed again, the agent's programs are loaded from a copy of the object whose
+//! maps are not pinned ([`super::object`]), tc and XDP are attached to `lo` of a
+//! private network namespace that vanishes with the probe thread, and the cgroup
+//! hook to an empty child cgroup that is removed again. Every command is bounded in
+//! time.
+
+use super::{Check, DataplaneMode, Options, object};
+use crate::dataplane::ebpf::{EMBEDDED_OBJECT, attach, loader, programs_embedded};
+use agent_common::lb;
+use aya::{
+    EbpfLoader,
+    maps::MapType,
+    programs::{
+        CgroupAttachMode, CgroupSockAddr, Program, ProgramError, ProgramType, SchedClassifier,
+        TcAttachType, Xdp, XdpMode,
+    },
+    sys::{BpfHelper, is_helper_supported, is_map_supported, is_program_supported},
+};
+use std::{
+    io,
+    os::fd::{FromRawFd as _, OwnedFd},
+    path::{Path, PathBuf},
+    process::{Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+use DataplaneMode::{Ebpf, Nftables, Userspace};
+
+const EBPF: &[DataplaneMode] = &[Ebpf];
+
+/// How long one `nft` command may take.
+const COMMAND_PATIENCE: Duration = Duration::from_secs(5);
+
+/// The program types our programs are, by the names checks use.
+const PROGRAM_TYPES: [(&str, ProgramType); 3] = [
+    ("xdp", ProgramType::Xdp),
+    ("sched_cls", ProgramType::SchedClassifier),
+    ("cgroup_sock_addr", ProgramType::CgroupSockAddr),
+];
+
+/// The helpers our programs call, per program type (the unit test below keeps this
+/// equal to the calls in the embedded object).
+const HELPERS: [(&str, ProgramType, &[BpfHelper]); 3] = {
+    [
+        (
+            "xdp",
+            ProgramType::Xdp,
+            &[
+                BpfHelper::BPF_FUNC_map_lookup_elem,
+                BpfHelper::BPF_FUNC_map_update_elem,
+                BpfHelper::BPF_FUNC_ktime_get_ns,
+                BpfHelper::BPF_FUNC_get_smp_processor_id,
+            ],
+        ),
+        (
+            "sched_cls",
+            ProgramType::SchedClassifier,
+            &[
+                BpfHelper::BPF_FUNC_map_lookup_elem,
+                BpfHelper::BPF_FUNC_map_update_elem,
+                BpfHelper::BPF_FUNC_ktime_get_ns,
+                BpfHelper::BPF_FUNC_get_smp_processor_id,
+                BpfHelper::BPF_FUNC_l3_csum_replace,
+                BpfHelper::BPF_FUNC_l4_csum_replace,
+                BpfHelper::BPF_FUNC_skb_pull_data,
+            ],
+        ),
+        (
+            "cgroup_sock_addr",
+            ProgramType::CgroupSockAddr,
+            &[
+                BpfHelper::BPF_FUNC_map_lookup_elem,
+                BpfHelper::BPF_FUNC_map_update_elem,
+                BpfHelper::BPF_FUNC_ktime_get_ns,
+                BpfHelper::BPF_FUNC_get_prandom_u32,
+                BpfHelper::BPF_FUNC_get_socket_cookie,
+                BpfHelper::BPF_FUNC_get_netns_cookie,
+            ],
+        ),
+    ]
+};
+
+/// The map types our maps are.
+const MAP_TYPES: [(&str, MapType); 4] = [
+    ("hash", MapType::Hash),
+    ("array", MapType::Array),
+    ("lru_hash", MapType::LruHash),
+    ("percpu_array", MapType::PerCpuArray),
+];
+
+/// The programs the agent attaches, by the hook they need.
+const PROGRAMS: [&str; 11] = [
+    lb::PROG_CONNECT4,
+    lb::PROG_CONNECT6,
+    lb::PROG_SENDMSG4,
+    lb::PROG_SENDMSG6,
+    lb::PROG_RECVMSG4,
+    lb::PROG_RECVMSG6,
+    lb::PROG_GETPEERNAME4,
+    lb::PROG_GETPEERNAME6,
+    lb::PROG_TC_INGRESS,
+    lb::PROG_TC_EGRESS,
+    lb::PROG_XDP_LB,
+];
+
+// bpf(2) constants (uapi/linux/bpf.h).
+const BPF_MAP_CREATE: libc::c_long = 0;
+const BPF_MAP_TYPE_ARRAY: u32 = 2;
+const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+const BPF_F_NO_COMMON_LRU: u32 = 1 << 1;
+const BPF_F_MMAPABLE: u32 = 1 << 10;
+
+// Capability bits of CapEff.
+const CAP_NET_BIND_SERVICE: u32 = 10;
+const CAP_NET_ADMIN: u32 = 12;
+const CAP_SYS_ADMIN: u32 = 21;
+const CAP_PERFMON: u32 = 38;
+const CAP_BPF: u32 = 39;
+
+/// The kernel release (`uname -r`), or why it is unknown.
+#[must_use]
+pub fn kernel_release() -> String {
+    // SAFETY: uname fills the zeroed struct; the fields are NUL-terminated.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    if unsafe { libc::uname(&raw mut u) } != 0 {
+        return format!("unknown ({})", io::Error::last_os_error());
+    }
+    // SAFETY: NUL-terminated by uname.
+    unsafe { std::ffi::CStr::from_ptr(u.release.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Every probe, in the order the table shows them.
+pub fn probe_all(options: &Options) -> Vec<Check> {
+    let mut checks = vec![Check::new("kernel", true, kernel_release(), &[])];
+    checks.extend(capabilities());
+    checks.push(bpf_syscall());
+    checks.push(btf());
+    checks.push(bpffs());
+    let cgroup = socket_lb_cgroup(options);
+    checks.push(cgroup2(&cgroup));
+    for (name, kind) in PROGRAM_TYPES {
+        checks.push(program_type(name, kind));
+    }
+    for (name, kind) in MAP_TYPES {
+        checks.push(map_type(name, kind));
+    }
+    checks.push(map_flag(
+        "map-flag:mmapable",
+        BPF_MAP_TYPE_ARRAY,
+        BPF_F_MMAPABLE,
+        "arrays mapped into the agent's memory (BPF_F_MMAPABLE, Maglev tables)",
+    ));
+    checks.push(map_flag(
+        "map-flag:no_common_lru",
+        BPF_MAP_TYPE_LRU_HASH,
+        BPF_F_NO_COMMON_LRU,
+        "per-CPU LRU lists (BPF_F_NO_COMMON_LRU, conntrack)",
+    ));
+    for (type_name, kind, helpers) in HELPERS {
+        for helper in helpers {
+            checks.push(helper_check(type_name, kind, *helper));
+        }
+    }
+    checks.extend(agent_programs(cgroup));
+    checks.extend(nft());
+    checks
+}
+
+/// The effective capabilities (CapEff of /proc/self/status).
+fn cap_eff() -> Result<u64, String> {
+    let status = std::fs::read_to_string("/proc/self/status")
+        .map_err(|e| format!("reading /proc/self/status: {e}"))?;
+    parse_cap_eff(&status)
+}
+
+fn parse_cap_eff(status: &str) -> Result<u64, String> {
+    let hex = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .ok_or("no CapEff line in /proc/self/status")?;
+    u64::from_str_radix(hex.trim(), 16).map_err(|e| format!("CapEff {:?}: {e}", hex.trim()))
+}
+
+fn capabilities() -> Vec<Check> {
+    let caps = cap_eff();
+    [
+        (
+            "cap-bpf",
+            "CAP_BPF",
+            CAP_BPF,
+            EBPF,
+            "for loading programs and creating maps",
+        ),
+        (
+            "cap-net-admin",
+            "CAP_NET_ADMIN",
+            CAP_NET_ADMIN,
+            &[Ebpf, Nftables, Userspace][..],
+            "for tc/XDP attachment, nftables, VIP addresses",
+        ),
+        (
+            "cap-sys-admin",
+            "CAP_SYS_ADMIN",
+            CAP_SYS_ADMIN,
+            EBPF,
+            "for cgroup hooks, mounting bpffs",
+        ),
+        (
+            "cap-perfmon",
+            "CAP_PERFMON",
+            CAP_PERFMON,
+            &[][..],
+            "advisory: wider verifier allowances our programs do not need",
+        ),
+        (
+            "cap-net-bind-service",
+            "CAP_NET_BIND_SERVICE",
+            CAP_NET_BIND_SERVICE,
+            &[Userspace][..],
+            "for proxies on VIP ports below 1024",
+        ),
+    ]
+    .into_iter()
+    .map(|(name, cap, bit, needed_by, why)| match &caps {
+        Ok(bits) if bits & (1 << bit) != 0 => {
+            Check::new(name, true, format!("{cap} effective ({why})"), needed_by)
+        }
+        Ok(_) => Check::new(
+            name,
+            false,
+            format!("{cap} not in the effective set ({why}); run as root"),
+            needed_by,
+        ),
+        Err(e) => Check::new(name, false, e.clone(), needed_by),
+    })
+    .collect()
+}
+
+/// `bpf(BPF_MAP_CREATE)` of a tiny map, closed again.
+fn create_map(map_type: u32, key_size: u32, value_size: u32, flags: u32) -> io::Result<OwnedFd> {
+    /// The leading fields of `union bpf_attr` for BPF_MAP_CREATE; the rest zero.
+    #[repr(C)]
+    struct MapCreate {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+        rest: [u32; 27],
+    }
+    let attr = MapCreate {
+        map_type,
+        key_size,
+        value_size,
+        max_entries: 1,
+        map_flags: flags,
+        rest: [0; 27],
+    };
+    // SAFETY: bpf(2) reads `size` bytes of the attribute, all initialised.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_CREATE,
+            &raw const attr,
+            size_of::<MapCreate>() as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn bpf_syscall() -> Check {
+    match create_map(BPF_MAP_TYPE_ARRAY, 4, 4, 0) {
+        Ok(_) => Check::new("bpf-syscall", true, "bpf(BPF_MAP_CREATE) works", EBPF),
+        Err(e) => {
+            let why = match e.raw_os_error() {
+                Some(libc::ENOSYS) => "kernel built without the bpf syscall".to_owned(),
+                Some(libc::EPERM) => format!("{e}: needs CAP_BPF (root)"),
+                _ => e.to_string(),
+            };
+            Check::new(
+                "bpf-syscall",
+                false,
+                format!("bpf(BPF_MAP_CREATE): {why}"),
+                EBPF,
+            )
+        }
+    }
+}
+
+fn btf() -> Check {
+    match aya::Btf::from_sys_fs() {
+        Ok(_) => Check::new("btf", true, "/sys/kernel/btf/vmlinux parsed", EBPF),
+        Err(e) => Check::new(
+            "btf",
+            false,
+            format!("/sys/kernel/btf/vmlinux: {e} (kernel without CONFIG_DEBUG_INFO_BTF)"),
+            EBPF,
+        ),
+    }
+}
+
+/// bpffs's `f_type`.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+fn bpffs() -> Check {
+    let root = Path::new("/sys/fs/bpf");
+    if loader::fs_type(root) == Some(BPF_FS_MAGIC) {
+        return Check::new("bpffs", true, "mounted on /sys/fs/bpf", EBPF);
+    }
+    let known = std::fs::read_to_string("/proc/filesystems")
+        .map(|t| {
+            t.lines()
+                .any(|l| l.split_whitespace().last() == Some("bpf"))
+        })
+        .unwrap_or(false);
+    let may_mount = cap_eff().is_ok_and(|c| c & (1 << CAP_SYS_ADMIN) != 0);
+    match (known, may_mount) {
+        (true, true) => Check::new(
+            "bpffs",
+            true,
+            "not mounted on /sys/fs/bpf; the agent mounts it at start",
+            EBPF,
+        ),
+        (true, false) => Check::new(
+            "bpffs",
+            false,
+            "not mounted on /sys/fs/bpf, and mounting it needs CAP_SYS_ADMIN",
+            EBPF,
+        ),
+        (false, _) => Check::new(
+            "bpffs",
+            false,
+            "the kernel has no bpf filesystem (not in /proc/filesystems)",
+            EBPF,
+        ),
+    }
+}
+
+/// Where socket LB would attach: `Ok(Some(dir))`, `Ok(None)` when turned off, or
+/// why there is no cgroup v2 directory.
+fn socket_lb_cgroup(options: &Options) -> Result<Option<PathBuf>, String> {
+    match &options.cgroup {
+        Some(None) => Ok(None),
+        Some(Some(dir)) => Ok(Some(dir.clone())),
+        None => attach::default_cgroup().map(Some).ok_or_else(|| {
+            "no cgroup v2 mount at /sys/fs/cgroup/unified or /sys/fs/cgroup".to_owned()
+        }),
+    }
+}
+
+fn cgroup2(cgroup: &Result<Option<PathBuf>, String>) -> Check {
+    match cgroup {
+        Ok(None) => Check::new("cgroup2", true, "socket LB off (--cgroup none)", EBPF),
+        Ok(Some(dir)) if dir.is_dir() => Check::new(
+            "cgroup2",
+            true,
+            format!("socket LB hooks go on {}", dir.display()),
+            EBPF,
+        ),
+        Ok(Some(dir)) => Check::new(
+            "cgroup2",
+            false,
+            format!("{} is not a directory", dir.display()),
+            EBPF,
+        ),
+        Err(e) => Check::new("cgroup2", false, e.clone(), EBPF),
+    }
+}
+
+fn program_type(name: &str, kind: ProgramType) -> Check {
+    let check = format!("prog:{name}");
+    match is_program_supported(kind) {
+        Ok(true) => Check::new(check, true, "a trivial program loads", EBPF),
+        Ok(false) => Check::new(check, false, "the kernel refuses this program type", EBPF),
+        Err(e) => Check::new(check, false, error_chain(&e), EBPF),
+    }
+}
+
+fn map_type(name: &str, kind: MapType) -> Check {
+    let check = format!("map:{name}");
+    match is_map_supported(kind) {
+        Ok(true) => Check::new(check, true, "a one-entry map is created", EBPF),
+        Ok(false) => Check::new(check, false, "the kernel refuses this map type", EBPF),
+        Err(e) => Check::new(check, false, error_chain(&e), EBPF),
+    }
+}
+
+fn map_flag(name: &str, map_type: u32, flag: u32, what: &str) -> Check {
+    let (key, value) = if map_type == BPF_MAP_TYPE_ARRAY {
+        (4, 8)
+    } else {
+        (8, 8)
+    };
+    match create_map(map_type, key, value, flag) {
+        Ok(_) => Check::new(name, true, what, EBPF),
+        Err(e) => Check::new(name, false, format!("{what}: {e}"), EBPF),
+    }
+}
+
+/// `bpf_map_lookup_elem` from `BPF_FUNC_map_lookup_elem`.
+fn helper_name(helper: BpfHelper) -> String {
+    let debug = format!("{helper:?}");
+    format!(
+        "bpf_{}",
+        debug.strip_prefix("BPF_FUNC_").unwrap_or(debug.as_str())
+    )
+}
+
+fn helper_check(type_name: &str, kind: ProgramType, id: BpfHelper) -> Check {
+    let helper = helper_name(id);
+    let check = format!("helper:{type_name}:{helper}");
+    match is_helper_supported(kind, id) {
+        Ok(true) => Check::new(check, true, "a program calling it loads", EBPF),
+        Ok(false) => Check::new(
+            check,
+            false,
+            format!("the verifier does not offer {helper} to {type_name} programs"),
+            EBPF,
+        ),
+        Err(e) => Check::new(check, false, error_chain(&e), EBPF),
+    }
+}
+
+/// An error with its sources, on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// A program load error: the syscall's error and the verifier's last words.
+fn load_error(e: &ProgramError) -> String {
+    match e {
+        ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } => {
+            let log = verifier_log.to_string();
+            let tail: Vec<&str> = log
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect();
+            let tail = tail[tail.len().saturating_sub(2)..].join(" / ");
+            format!("the verifier refused it ({io_error}): {tail}")
+        }
+        other => error_chain(other),
+    }
+}
+
+/// Loads the agent's own programs (maps unpinned and tiny) and attaches them in
+/// a private network namespace and an empty child cgroup, on a thread of its own
+/// (the namespace belongs to that thread and ends with it).
+fn agent_programs(cgroup: Result<Option<PathBuf>, String>) -> Vec<Check> {
+    let probe = std::thread::Builder::new()
+        .name("preflight".into())
+        .spawn(move || agent_programs_here(cgroup.ok().flatten()));
+    let failed = |why: String| {
+        PROGRAMS
+            .iter()
+            .map(|p| format!("load:{p}"))
+            .chain(["attach:xdp", "attach:tc", "attach:cgroup"].map(str::to_owned))
+            .map(|name| Check::new(name, false, why.clone(), EBPF))
+            .collect()
+    };
+    match probe {
+        Ok(handle) => handle
+            .join()
+            .unwrap_or_else(|_| failed("the probe thread panicked".into())),
+        Err(e) => failed(format!("starting the probe thread: {e}")),
+    }
+}
+
+/// Map capacity in the probe: tiny, nothing is stored.
+const PROBE_MAP_ENTRIES: u32 = 64;
+
+fn agent_programs_here(cgroup: Option<PathBuf>) -> Vec<Check> {
+    let mut checks = Vec::new();
+    let loaded = if programs_embedded() {
+        object::without_pins(EMBEDDED_OBJECT)
+            .map_err(|e| e.to_string())
+            .and_then(|copy| {
+                let mut loader = EbpfLoader::new();
+                for map in [
+                    lb::SERVICES_V4,
+                    lb::SERVICES_V6,
+                    lb::BACKENDS,
+                    lb::SERVICE_STATS,
+                    lb::BACKEND_STATS,
+                    lb::CONNTRACK_V4,
+                    lb::CONNTRACK_V6,
+                    lb::SOCK_REVERSE,
+                    lb::AFFINITY,
+                ] {
+                    loader.map_max_entries(map, PROBE_MAP_ENTRIES);
+                }
+                loader
+                    .load(copy.bytes())
+                    .map_err(|e| format!("creating the object's maps: {}", error_chain(&e)))
+            })
+    } else {
+        Err(loader::EbpfError::NotEmbedded.to_string())
+    };
+    let mut ebpf = match loaded {
+        Ok(ebpf) => ebpf,
+        Err(why) => {
+            for p in PROGRAMS {
+                checks.push(Check::new(format!("load:{p}"), false, why.clone(), EBPF));
+            }
+            for name in ["attach:xdp", "attach:tc", "attach:cgroup"] {
+                checks.push(Check::new(
+                    name,
+                    false,
+                    "not probed: no program loaded",
+                    EBPF,
+                ));
+            }
+            return checks;
+        }
+    };
+    for name in PROGRAMS {
+        let result = match ebpf.program_mut(name) {
+            Some(Program::Xdp(p)) => p.load().map_err(|e| load_error(&e)),
+            Some(Program::SchedClassifier(p)) => p.load().map_err(|e| load_error(&e)),
+            Some(Program::CgroupSockAddr(p)) => p.load().map_err(|e| load_error(&e)),
+            Some(_) => Err("of an unexpected program type".to_owned()),
+            None => Err("not in the embedded object".to_owned()),
+        };
+        checks.push(match result {
+            Ok(()) => Check::new(
+                format!("load:{name}"),
+                true,
+                "the verifier accepts it",
+                EBPF,
+            ),
+            Err(why) => Check::new(format!("load:{name}"), false, why, EBPF),
+        });
+    }
+    // SAFETY: unshare(2) on this thread only; it ends with the probe.
+    let private_netns = if unsafe { libc::unshare(libc::CLONE_NEWNET) } == 0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "creating a private network namespace for the probe: {}",
+            io::Error::last_os_error()
+        ))
+    };
+    checks.push(attach_xdp(&mut ebpf, &private_netns));
+    checks.push(attach_tc(&mut ebpf, &private_netns));
+    checks.push(attach_cgroup(&mut ebpf, cgroup.as_deref()));
+    checks
+}
+
+fn attach_xdp(ebpf: &mut aya::Ebpf, netns: &Result<(), String>) -> Check {
+    let result = netns.clone().and_then(|()| {
+        let program: &mut Xdp = ebpf
+            .program_mut(lb::PROG_XDP_LB)
+            .ok_or("rune_xdp_lb missing")?
+            .try_into()
+            .map_err(|e: ProgramError| e.to_string())?;
+        let link = program
+            .attach("lo", XdpMode::Skb)
+            .map_err(|e| error_chain(&e))?;
+        program.detach(link).map_err(|e| error_chain(&e))
+    });
+    match result {
+        Ok(()) => Check::new(
+            "attach:xdp",
+            true,
+            "rune_xdp_lb attached to lo of a private namespace",
+            EBPF,
+        ),
+        Err(why) => Check::new("attach:xdp", false, why, EBPF),
+    }
+}
+
+fn attach_tc(ebpf: &mut aya::Ebpf, netns: &Result<(), String>) -> Check {
+    let result = netns.clone().and_then(|()| {
+        for (name, side) in [
+            (lb::PROG_TC_INGRESS, TcAttachType::Ingress),
+            (lb::PROG_TC_EGRESS, TcAttachType::Egress),
+        ] {
+            let program: &mut SchedClassifier = ebpf
+                .program_mut(name)
+                .ok_or(format!("{name} missing"))?
+                .try_into()
+                .map_err(|e: ProgramError| e.to_string())?;
+            let link = match program.attach("lo", side) {
+                Ok(link) => link,
+                // Kernels before TCX (6.6) need a clsact qdisc; this namespace is ours.
+                Err(_) => {
+                    let _ = aya::programs::tc::qdisc_add_clsact("lo");
+                    program.attach("lo", side).map_err(|e| error_chain(&e))?
+                }
+            };
+            program.detach(link).map_err(|e| error_chain(&e))?;
+        }
+        Ok(())
+    });
+    match result {
+        Ok(()) => Check::new(
+            "attach:tc",
+            true,
+            "tc ingress and egress attached to lo of a private namespace",
+            EBPF,
+        ),
+        Err(why) => Check::new("attach:tc", false, why, EBPF),
+    }
+}
+
+/// An empty child cgroup, removed on drop.
+struct ProbeCgroup(PathBuf);
+
+impl Drop for ProbeCgroup {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir(&self.0) {
+            tracing::warn!(cgroup = %self.0.display(), error = %e, "removing the preflight cgroup failed");
+        }
+    }
+}
+
+fn attach_cgroup(ebpf: &mut aya::Ebpf, parent: Option<&Path>) -> Check {
+    let Some(parent) = parent else {
+        return Check::new(
+            "attach:cgroup",
+            true,
+            "not probed: socket LB off or no cgroup v2 (see cgroup2)",
+            &[],
+        );
+    };
+    let result = (|| -> Result<(), String> {
+        let dir = parent.join(format!("rune-preflight-{}", std::process::id()));
+        std::fs::create_dir(&dir)
+            .map_err(|e| format!("creating the probe cgroup {}: {e}", dir.display()))?;
+        let cgroup = ProbeCgroup(dir);
+        let file = std::fs::File::open(&cgroup.0)
+            .map_err(|e| format!("opening {}: {e}", cgroup.0.display()))?;
+        let program: &mut CgroupSockAddr = ebpf
+            .program_mut(lb::PROG_CONNECT4)
+            .ok_or("rune_connect4 missing")?
+            .try_into()
+            .map_err(|e: ProgramError| e.to_string())?;
+        let link = program
+            .attach(&file, CgroupAttachMode::Single)
+            .map_err(|e| error_chain(&e))?;
+        program.detach(link).map_err(|e| error_chain(&e))
+    })();
+    match result {
+        Ok(()) => Check::new(
+            "attach:cgroup",
+            true,
+            format!(
+                "rune_connect4 attached to an empty child of {}",
+                parent.display()
+            ),
+            EBPF,
+        ),
+        Err(why) => Check::new("attach:cgroup", false, why, EBPF),
+    }
+}
+
+/// Runs `program args` with its output captured, killed after [`COMMAND_PATIENCE`].
+fn run_bounded(program: &str, args: &[&str]) -> io::Result<Output> {
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let deadline = Instant::now() + COMMAND_PATIENCE;
+    loop {
+        if child.try_wait()?.is_some() {
+            return child.wait_with_output();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{program} did not finish within {COMMAND_PATIENCE:?}"),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn first_line(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes)
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("")
+        .to_owned()
+}
+
+/// The `nft` binary and its version, and whether it reaches nftables over netlink
+/// (a read-only `nft list tables`).
+fn nft() -> Vec<Check> {
+    const NFT: &[DataplaneMode] = &[Nftables];
+    let version = match run_bounded("nft", &["--version"]) {
+        Ok(out) if out.status.success() => Ok(first_line(&out.stdout)),
+        Ok(out) => Err(format!(
+            "nft --version: {} {}",
+            out.status,
+            first_line(&out.stderr)
+        )),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err("nft is not in PATH".to_owned()),
+        Err(e) => Err(format!("nft --version: {e}")),
+    };
+    let (version_check, netlink) = match version {
+        Ok(v) => (
+            Check::new("nft", true, v, NFT),
+            match run_bounded("nft", &["list", "tables"]) {
+                Ok(out) if out.status.success() => Check::new(
+                    "nft-netlink",
+                    true,
+                    "nft list tables answered over netlink",
+                    NFT,
+                ),
+                Ok(out) => Check::new(
+                    "nft-netlink",
+                    false,
+                    format!("nft list tables: {}", first_line(&out.stderr)),
+                    NFT,
+                ),
+                Err(e) => Check::new("nft-netlink", false, format!("nft list tables: {e}"), NFT),
+            },
+        ),
+        Err(why) => (
+            Check::new("nft", false, why, NFT),
+            Check::new("nft-netlink", false, "not probed: no nft binary", NFT),
+        ),
+    };
+    vec![version_check, netlink]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    #[test]
+    fn cap_eff_is_read_from_the_status_line() {
+        let status = "Name:\tx\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n";
+        let caps = parse_cap_eff(status).unwrap();
+        assert_ne!(caps & (1 << CAP_BPF), 0);
+        assert_ne!(caps & (1 << CAP_NET_BIND_SERVICE), 0);
+        assert_eq!(
+            parse_cap_eff("CapEff:\t0000000000001000\n").unwrap(),
+            1 << CAP_NET_ADMIN
+        );
+        assert!(parse_cap_eff("CapPrm:\t0\n").is_err());
+        assert!(parse_cap_eff("CapEff:\tzz\n").is_err());
+    }
+
+    #[test]
+    fn helper_names_read_like_the_kernels() {
+        assert_eq!(
+            helper_name(BpfHelper::BPF_FUNC_get_netns_cookie),
+            "bpf_get_netns_cookie"
+        );
+    }
+
+    /// The helper ids called (`call imm` with src_reg 0) in each code section.
+    fn helper_calls(object: &[u8]) -> Vec<(String, BTreeSet<u32>)> {
+        object::sections(object)
+            .unwrap()
+            .into_iter()
+            .filter(|s| s.is_code())
+            .map(|s| {
+                let calls = object[s.offset..s.offset + s.size]
+                    .chunks_exact(8)
+                    .filter(|insn| insn[0] == 0x85 && insn[1] >> 4 == 0)
+                    .map(|insn| u32::from_le_bytes([insn[4], insn[5], insn[6], insn[7]]))
+                    .collect();
+                (s.name, calls)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_helper_the_programs_call_is_probed_for_their_program_type() {
+        if !programs_embedded() {
+            return;
+        }
+        // tail_call is used only by the benchmark drivers that share the xdp and
+        // classifier sections; the agent never attaches them.
+        let bench_only = BpfHelper::BPF_FUNC_tail_call as u32;
+        let mut seen = 0;
+        for (section, calls) in helper_calls(EMBEDDED_OBJECT) {
+            let type_name = match section.as_str() {
+                "xdp" => "xdp",
+                "classifier" => "sched_cls",
+                s if s.starts_with("cgroup/") => "cgroup_sock_addr",
+                ".text" => {
+                    assert!(
+                        calls.is_empty(),
+                        "subprograms call helpers {calls:?}: probe them"
+                    );
+                    continue;
+                }
+                other => panic!("code section {other} has no program type in preflight"),
+            };
+            let probed: BTreeSet<u32> = HELPERS
+                .iter()
+                .find(|(n, _, _)| *n == type_name)
+                .map(|(_, _, h)| h.iter().map(|h| *h as u32).collect())
+                .unwrap_or_default();
+            let missing: Vec<u32> = calls
+                .iter()
+                .copied()
+                .filter(|id| *id != bench_only && !probed.contains(id))
+                .collect();
+            assert!(
+                missing.is_empty(),
+                "{section} calls helpers {missing:?} that preflight does not probe"
+            );
+            seen += calls.len();
+        }
+        assert!(seen > 0, "no helper calls found: the scan is broken");
+    }
+}
