@@ -92,6 +92,9 @@ pub trait LbMaps: Send {
     fn drops(&self) -> Result<Vec<(DropReason, u64)>, MapsError>;
     /// Conntrack entries in use (both families), for map-pressure metrics.
     fn flows(&self) -> Result<usize, MapsError>;
+    /// Lets go of what reading and writing tables held on to (the kernel maps'
+    /// windows into the Maglev array); called at the end of every sync.
+    fn release(&mut self) {}
 }
 
 /// The kernel's maps, taken from a loaded (or re-opened pinned) object.
@@ -105,30 +108,54 @@ pub struct KernelMaps {
     svc_stats: PerCpuArray<MapData, TrafficStats>,
     backend_stats: PerCpuArray<MapData, TrafficStats>,
     drops: PerCpuArray<MapData, u64>,
-    maglev: MmapTable,
+    maglev: MaglevArray,
     capacity: Capacity,
 }
 
-/// The Maglev array, mapped into the agent's memory (`BPF_F_MMAPABLE`), so a table is
-/// written with plain stores instead of one syscall per slot.
-struct MmapTable {
-    ptr: *mut u32,
+/// The Maglev array (`BPF_F_MMAPABLE`), reached through windows mapped into the
+/// agent's memory: a table is read and written with plain loads and stores instead
+/// of one syscall per slot. Only the pages of the tables in use are mapped, and only
+/// until [`LbMaps::release`]: the kernel maps a BPF array's every page at `mmap`
+/// time, so keeping the whole array mapped would add its size (40 MB at 10,240
+/// frontends × 1,021 slots) to the agent's resident memory for nothing.
+struct MaglevArray {
+    map: MapData,
+    /// Slots in the whole array.
     len: usize,
-    /// Keeps the map (and so the mapping's object) alive.
-    _map: MapData,
+    page: usize,
+    /// Mapped windows. Only `&mut self` methods unmap them, so a slice handed out by
+    /// `&self` stays valid for as long as it is borrowed.
+    windows: std::cell::RefCell<Vec<Window>>,
 }
 
-// SAFETY: the mapping is owned by this value and only reached through `&mut self`.
-unsafe impl Send for MmapTable {}
+/// Pages per window into the Maglev array (256 KiB with 4 KiB pages).
+const WINDOW_PAGES: usize = 64;
 
-impl Drop for MmapTable {
+/// Windows kept before a write unmaps them all (a sync's reads may map more; they
+/// all go at [`LbMaps::release`]).
+const MAX_WINDOWS: usize = 8;
+
+/// One mapping of whole pages of the array.
+struct Window {
+    ptr: *mut u32,
+    /// First slot mapped.
+    first: usize,
+    /// Slots mapped.
+    slots: usize,
+}
+
+// SAFETY: the mappings are owned by this value; `&self` only ever adds mappings and
+// hands out slices into them, `&mut self` is needed to write or unmap. The RefCell is
+// never borrowed across calls.
+unsafe impl Send for MaglevArray {}
+
+impl Drop for MaglevArray {
     fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` are exactly what mmap returned in `MmapTable::new`.
-        unsafe { libc::munmap(self.ptr.cast(), self.len * 4) };
+        self.unmap_all();
     }
 }
 
-impl MmapTable {
+impl MaglevArray {
     fn new(map: MapData) -> Result<Self, MapsError> {
         let info = map
             .info()
@@ -144,16 +171,54 @@ impl MmapTable {
             ));
         }
         let len = info.max_entries() as usize * lb::MAGLEV_SLOTS_PER_ENTRY as usize;
-        // SAFETY: mapping a BPF array fd shared and read/write is how BPF_F_MMAPABLE
-        // arrays are meant to be used; the result is checked before use.
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+            .ok()
+            .filter(|p| *p >= 4 && p.is_power_of_two())
+            .unwrap_or(4096);
+        Ok(Self {
+            map,
+            len,
+            page,
+            windows: std::cell::RefCell::new(Vec::new()),
+        })
+    }
+
+    /// The slots `start..start + size`, mapping the pages that hold them unless a
+    /// window already covers them.
+    fn window(&self, start: usize, size: usize, op: &'static str) -> Result<*mut u32, MapsError> {
+        let end = start
+            .checked_add(size)
+            .filter(|end| *end <= self.len)
+            .ok_or_else(|| MapsError::new(lb::MAGLEV, op, format!("no slots {start}+{size}")))?;
+        let mut windows = self.windows.borrow_mut();
+        if let Some(w) = windows
+            .iter()
+            .find(|w| w.first <= start && end <= w.first + w.slots)
+        {
+            // SAFETY: `start - w.first` is within the window (checked just above).
+            return Ok(unsafe { w.ptr.add(start - w.first) });
+        }
+        // Whole chunks of pages: frontend ids are handed out in order, so the next
+        // tables a sync touches are usually in the chunk already mapped.
+        let slots_per_page = self.page / 4;
+        let total_pages = self.len.div_ceil(slots_per_page);
+        let first_page = start / slots_per_page / WINDOW_PAGES * WINDOW_PAGES;
+        let last_page = ((end - 1) / slots_per_page / WINDOW_PAGES * WINDOW_PAGES + WINDOW_PAGES)
+            .min(total_pages)
+            - 1;
+        let pages = last_page - first_page + 1;
+        // SAFETY: mapping whole pages of a BPF_F_MMAPABLE array fd, shared, at a page
+        // offset inside the array, is how such arrays are meant to be used; the result
+        // is checked before use.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len * 4,
+                pages * self.page,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
-                map.fd().as_fd().as_raw_fd(),
-                0,
+                self.map.fd().as_fd().as_raw_fd(),
+                libc::off_t::try_from(first_page * self.page).unwrap_or(libc::off_t::MAX),
             )
         };
         if ptr == libc::MAP_FAILED {
@@ -163,24 +228,42 @@ impl MmapTable {
                 std::io::Error::last_os_error(),
             ));
         }
-        Ok(Self {
+        let window = Window {
             ptr: ptr.cast(),
-            len,
-            _map: map,
-        })
+            first: first_page * slots_per_page,
+            slots: (pages * slots_per_page).min(self.len - first_page * slots_per_page),
+        };
+        // SAFETY: `start` lies in the window just mapped.
+        let at = unsafe { window.ptr.add(start - window.first) };
+        windows.push(window);
+        Ok(at)
     }
 
-    fn as_slice(&self) -> &[u32] {
-        // SAFETY: the mapping is `len` u32s long and lives as long as `self`; `&self`
-        // excludes the `&mut` of `slice` for as long as this borrow lives.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    fn table(&self, start: usize, size: usize) -> Result<&[u32], MapsError> {
+        let ptr = self.window(start, size, "read")?;
+        // SAFETY: `size` slots from `ptr` are mapped, and stay mapped while `&self` is
+        // borrowed (only `&mut self` unmaps).
+        Ok(unsafe { std::slice::from_raw_parts(ptr, size) })
     }
 
-    fn slice(&mut self) -> &mut [u32] {
-        // SAFETY: the mapping is `len` u32s long, lives as long as `self`, and `&mut
-        // self` makes this the only reference. The kernel reads it concurrently, which
-        // is the point: every slot is a plain u32 written whole.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    fn table_mut(&mut self, start: usize, size: usize) -> Result<&mut [u32], MapsError> {
+        if self.windows.get_mut().len() > MAX_WINDOWS {
+            self.unmap_all();
+        }
+        let ptr = self.window(start, size, "write")?;
+        // SAFETY: as in `table`; `&mut self` makes this the only reference. The kernel
+        // reads it concurrently, which is the point: every slot is a plain u32
+        // written whole.
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, size) })
+    }
+
+    fn unmap_all(&mut self) {
+        for w in self.windows.get_mut().drain(..) {
+            let bytes = (w.slots * 4).div_ceil(self.page) * self.page;
+            // SAFETY: `ptr` and the page-rounded length are what mmap mapped; no
+            // slice into it outlives `&mut self`.
+            unsafe { libc::munmap(w.ptr.cast(), bytes) };
+        }
     }
 }
 
@@ -208,7 +291,7 @@ impl KernelMaps {
         }
         let backends: Array<MapData, Backend> = typed(maps, lb::BACKENDS)?;
         let svc_stats: PerCpuArray<MapData, TrafficStats> = typed(maps, lb::SERVICE_STATS)?;
-        let maglev = MmapTable::new(map_data(take(maps, lb::MAGLEV)?, lb::MAGLEV)?)?;
+        let maglev = MaglevArray::new(map_data(take(maps, lb::MAGLEV)?, lb::MAGLEV)?)?;
         let frontends = svc_stats.len();
         let table_size = u32::try_from(maglev.len)
             .unwrap_or(u32::MAX)
@@ -313,20 +396,13 @@ impl LbMaps for KernelMaps {
     fn table(&self, id: u32) -> Result<&[u32], MapsError> {
         let size = self.capacity.table_size as usize;
         let start = id as usize * size;
-        self.maglev
-            .as_slice()
-            .get(start..start + size)
-            .ok_or_else(|| MapsError::new(lb::MAGLEV, "read", format!("no table {id}")))
+        self.maglev.table(start, size)
     }
 
     fn set_slots(&mut self, id: u32, changes: &[(usize, u32)]) -> Result<(), MapsError> {
         let size = self.capacity.table_size as usize;
         let start = id as usize * size;
-        let table = self
-            .maglev
-            .slice()
-            .get_mut(start..start + size)
-            .ok_or_else(|| MapsError::new(lb::MAGLEV, "write", format!("no table {id}")))?;
+        let table = self.maglev.table_mut(start, size)?;
         for &(slot, backend) in changes {
             *table
                 .get_mut(slot)
@@ -405,6 +481,10 @@ impl LbMaps for KernelMaps {
 
     fn flows(&self) -> Result<usize, MapsError> {
         Ok(self.ct_v4.keys().count() + self.ct_v6.keys().count())
+    }
+
+    fn release(&mut self) {
+        self.maglev.unmap_all();
     }
 }
 
@@ -599,5 +679,8 @@ impl<M: LbMaps> LbMaps for FaultyMaps<M> {
     }
     fn flows(&self) -> Result<usize, MapsError> {
         self.inner.flows()
+    }
+    fn release(&mut self) {
+        self.inner.release();
     }
 }

@@ -170,6 +170,7 @@ impl<M: LbMaps> LbSync<M> {
     /// itself stale, so the next full delta re-reads the maps and repairs them.
     pub fn apply(&mut self, delta: &Delta, now: Instant) -> Result<(), SyncError> {
         let result = self.apply_inner(delta, now);
+        self.maps.release();
         if let Err(e) = &result {
             self.stale = true;
             if matches!(e, SyncError::Full { .. }) {
