@@ -258,6 +258,7 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
         .map_max_entries(lb::MAGLEV, slots.div_ceil(lb::MAGLEV_SLOTS_PER_ENTRY))
         .map_max_entries(lb::BACKENDS, sizes.backends)
         .map_max_entries(lb::BACKEND_STATS, sizes.backends)
+        .map_max_entries(lb::REVNAT, sizes.backends)
         .map_max_entries(lb::CONNTRACK_V4, sizes.flows)
         .map_max_entries(lb::CONNTRACK_V6, sizes.flows)
         .map_max_entries(lb::SOCK_REVERSE, sizes.flows)
