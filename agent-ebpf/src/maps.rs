@@ -49,8 +49,7 @@ pub static RUNE_CT_V6: LruHashMap<CtKeyV6, CtValue> =
 /// (`agent_common::lb::REVNAT`). Written by the agent only, so not preallocated:
 /// memory follows the backends in use.
 #[map]
-pub static RUNE_REVNAT: HashMap<RevNatKey, RevNatValue> =
-    HashMap::pinned(65536, BPF_F_NO_PREALLOC);
+pub static RUNE_REVNAT: HashMap<RevNatKey, RevNatValue> = HashMap::pinned(65536, BPF_F_NO_PREALLOC);
 
 /// ClientIP session affinity (`agent_common::lb::AFFINITY`).
 #[map]

@@ -16,8 +16,8 @@ use std::{
 use agent_common::{
     hash::{FLOW_HASH_SEED, flow_hash_v4, flow_hash_v6},
     lb::{
-        self, BACKEND_ACTIVE, Backend, CT_FORWARD, CT_REVERSE, CtKeyV4, CtKeyV6, CtValue,
-        DropReason, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, ServiceKeyV4, ServiceKeyV6,
+        self, BACKEND_ACTIVE, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, FAMILY_V4, FAMILY_V6,
+        PROTO_TCP, PROTO_UDP, RevNatFrontend, RevNatKey, RevNatValue, ServiceKeyV4, ServiceKeyV6,
         ServiceValue, TrafficStats, addr_from_octets,
     },
 };
@@ -45,6 +45,8 @@ const TABLE: u32 = 7;
 
 const VIP4: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 1);
 const VIP4_EMPTY: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 2);
+/// A second IPv4 VIP whose backends are those of [`SVC_TCP4`] (shared backends).
+const VIP4_SHARED: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 3);
 const VIP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x100);
 const CLIENT4: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
 const CLIENT6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0xc, 0, 0, 0, 0, 10);
@@ -94,7 +96,21 @@ const SVC_EMPTY: Svc = Svc {
     proto: PROTO_TCP,
     backends: &[],
 };
-const ALL_SVCS: [&Svc; 5] = [&SVC_TCP4, &SVC_UDP4, &SVC_TCP6, &SVC_UDP6, &SVC_EMPTY];
+const SVC_SHARED: Svc = Svc {
+    id: 6,
+    vip: IpAddr::V4(VIP4_SHARED),
+    port: 8080,
+    proto: PROTO_TCP,
+    backends: &[1, 2, 3],
+};
+const ALL_SVCS: [&Svc; 6] = [
+    &SVC_TCP4,
+    &SVC_UDP4,
+    &SVC_TCP6,
+    &SVC_UDP6,
+    &SVC_EMPTY,
+    &SVC_SHARED,
+];
 
 /// Backend `id`'s address and port: 198.18.1.id / 2001:db8:1::id, port 8000 + id.
 fn backend_of(id: u32) -> (IpAddr, u16) {
@@ -229,6 +245,7 @@ impl Lb {
         }
         for &id in svc.backends {
             self.set_backend(id, true);
+            self.add_revnat(id, svc);
         }
         if !svc.backends.is_empty() {
             let mut maglev: Array<_, [u32; 2]> =
@@ -238,6 +255,32 @@ impl Lb {
                 rune_agent_tests::bpf::set_maglev_slot(&mut maglev, base + slot, id);
             }
         }
+    }
+
+    /// Adds `svc`'s frontend to backend `id`'s reverse-NAT entry, as the agent does
+    /// for every frontend that leads to a backend.
+    fn add_revnat(&mut self, id: u32, svc: &Svc) {
+        let (addr, port) = backend_of(id);
+        let key = RevNatKey {
+            addr: addr_from_octets(&octets(addr)),
+            port: port.to_be(),
+            family: if addr.is_ipv4() { FAMILY_V4 } else { FAMILY_V6 },
+            pad: 0,
+        };
+        let mut m: HashMap<_, RevNatKey, RevNatValue> =
+            HashMap::try_from(self.ebpf.map_mut(lb::REVNAT).unwrap()).unwrap();
+        let mut value = m.get(&key, 0).unwrap_or(RevNatValue {
+            backend_id: id,
+            ..RevNatValue::default()
+        });
+        value.frontends[value.count as usize] = RevNatFrontend {
+            addr: addr_from_octets(&octets(svc.vip)),
+            port: svc.port.to_be(),
+            proto: svc.proto,
+            pad: 0,
+        };
+        value.count += 1;
+        m.insert(key, value, 0).unwrap();
     }
 
     /// Fills (or, with `present` false, empties) backend slot `id`.
@@ -319,6 +362,15 @@ impl Lb {
         m.get(key, 0).ok()
     }
 
+    /// Conntrack entries of both families.
+    fn ct_len(&self) -> usize {
+        let v4: HashMap<&MapData, CtKeyV4, CtValue> =
+            HashMap::try_from(self.ebpf.map(lb::CONNTRACK_V4).unwrap()).unwrap();
+        let v6: HashMap<&MapData, CtKeyV6, CtValue> =
+            HashMap::try_from(self.ebpf.map(lb::CONNTRACK_V6).unwrap()).unwrap();
+        v4.keys().count() + v6.keys().count()
+    }
+
     fn ct_v6(&self, key: &CtKeyV6) -> Option<CtValue> {
         let m: HashMap<&MapData, CtKeyV6, CtValue> =
             HashMap::try_from(self.ebpf.map(lb::CONNTRACK_V6).unwrap()).unwrap();
@@ -398,31 +450,18 @@ fn xdp_vip_hit_translates_and_conntrack_keeps_the_backend() {
     let client = IpAddr::V4(CLIENT4);
     let spec = vip_packet(&SVC_TCP4, client, 40000);
     let id = expect_dnat(&lb, lb::PROG_XDP_LB, &spec, &SVC_TCP4);
-    // Forward and reverse conntrack entries.
+    // One conntrack entry per flow, keyed as the client sent the packet.
     let fwd = CtKeyV4 {
         saddr: u32::from_ne_bytes(CLIENT4.octets()),
         daddr: u32::from_ne_bytes(VIP4.octets()),
         sport: 40000u16.to_be(),
         dport: 80u16.to_be(),
         proto: PROTO_TCP,
-        dir: CT_FORWARD,
-        pad: [0; 2],
+        pad: [0; 3],
     };
-    let ct = lb.ct_v4(&fwd).expect("forward entry");
+    let ct = lb.ct_v4(&fwd).expect("conntrack entry");
     assert_eq!((ct.backend_id, ct.service_id), (id, SVC_TCP4.id));
-    let (addr, port) = backend_of(id);
-    let rev = CtKeyV4 {
-        saddr: addr_from_octets(&octets(addr))[0],
-        daddr: fwd.saddr,
-        sport: port.to_be(),
-        dport: fwd.sport,
-        proto: PROTO_TCP,
-        dir: CT_REVERSE,
-        pad: [0; 2],
-    };
-    let ct = lb.ct_v4(&rev).expect("reverse entry");
-    assert_eq!(ct.nat_addr[0], fwd.daddr);
-    assert_eq!(ct.nat_port, fwd.dport);
+    assert_eq!(lb.ct_len(), 1, "exactly one entry for the new flow");
 
     // The second packet of the flow: conntrack hit, same backend, no new flow.
     assert_eq!(expect_dnat(&lb, lb::PROG_XDP_LB, &spec, &SVC_TCP4), id);
@@ -506,10 +545,9 @@ fn ipv6_vip_hit_and_reply() {
         sport: 42000u16.to_be(),
         dport: 443u16.to_be(),
         proto: PROTO_TCP,
-        dir: CT_FORWARD,
-        pad: [0; 2],
+        pad: [0; 3],
     };
-    assert_eq!(lb.ct_v6(&fwd).expect("forward entry").backend_id, id);
+    assert_eq!(lb.ct_v6(&fwd).expect("conntrack entry").backend_id, id);
 
     let udp = vip_packet(&SVC_UDP6, client, 42001);
     let uid = expect_dnat(&lb, lb::PROG_TC_INGRESS, &udp, &SVC_UDP6);
@@ -712,4 +750,53 @@ fn no_backend_service_is_refused_and_counted() {
     assert_eq!(out.retval, TC_ACT_SHOT);
     assert_eq!(lb.drops(DropReason::NoBackend), 2);
     assert_eq!(lb.service_stats(SVC_EMPTY.id), TrafficStats::default());
+}
+
+/// Backends behind two VIPs (every backend's reverse-NAT entry lists both
+/// frontends): each reply from a shared backend goes back from the VIP and port
+/// its own flow used, whichever candidate comes first; another backend of the
+/// service writing to the client's port is not a reply of the flow and passes
+/// untouched. One conntrack entry per flow.
+#[test]
+fn shared_backend_replies_come_from_the_vip_of_their_flow() {
+    let lb = Lb::new();
+    let client = IpAddr::V4(CLIENT4);
+    for (n, (svc, sport)) in [(&SVC_TCP4, 47010), (&SVC_SHARED, 47011)]
+        .into_iter()
+        .enumerate()
+    {
+        let id = expect_dnat(
+            &lb,
+            lb::PROG_TC_INGRESS,
+            &vip_packet(svc, client, sport),
+            svc,
+        );
+        assert_eq!(lb.ct_len(), n + 1, "one conntrack entry per flow");
+        let (addr, port) = backend_of(id);
+        let out = lb
+            .run(
+                lb::PROG_TC_EGRESS,
+                &PacketSpec::tcp(addr, port, client, sport).build(),
+            )
+            .unwrap();
+        assert_eq!(out.retval, TC_ACT_OK);
+        let got = parse_and_verify(&out.data).unwrap();
+        assert_eq!(
+            (got.src, got.sport),
+            (svc.vip, svc.port),
+            "reply of {sport}"
+        );
+        assert_eq!((got.dst, got.dport), (client, sport));
+        assert_eq!(lb.service_stats(svc.id).packets, 2, "the reply is counted");
+        // Another backend of the service writing to that client port: untouched.
+        let other = svc.backends.iter().copied().find(|&o| o != id).unwrap();
+        let (oaddr, oport) = backend_of(other);
+        let stray = PacketSpec::tcp(oaddr, oport, client, sport).build();
+        let out = lb.run(lb::PROG_TC_EGRESS, &stray).unwrap();
+        assert_eq!(
+            (out.retval, &out.data),
+            (TC_ACT_OK, &stray),
+            "stray from {other}"
+        );
+    }
 }

@@ -515,8 +515,7 @@ impl LbMaps for FakeMaps {
     }
 
     fn put_revnat(&mut self, key: &RevNatKey, value: &RevNatValue) -> Result<(), MapsError> {
-        if !self.revnat.contains_key(key) && self.revnat.len() >= self.capacity.backends as usize
-        {
+        if !self.revnat.contains_key(key) && self.revnat.len() >= self.capacity.backends as usize {
             return Err(MapsError::new(lb::REVNAT, "insert", "map full"));
         }
         self.writes.push(format!("put_revnat {key:?}"));

@@ -187,7 +187,11 @@ fn dump(maps: &FakeMaps, ids: bool) -> String {
                 } else {
                     IpAddr::from(lb::addr_octets(&f.addr))
                 };
-                format!("{}/{}", SocketAddr::new(ip, u16::from_be(f.port)), proto(f.proto))
+                format!(
+                    "{}/{}",
+                    SocketAddr::new(ip, u16::from_be(f.port)),
+                    proto(f.proto)
+                )
             })
             .collect();
         writeln!(out, "  {a}{id}{check} via {}", via.join(", ")).unwrap();
@@ -493,7 +497,8 @@ fn restart_adopts_the_maps_without_writing() {
         .to_vec();
     want.extend(local_backends.iter().map(|id| format!("put_backend {id}")));
     want.extend(
-        ["198.18.2.1:80", "198.18.2.3:80"].map(|a| format!("delete_revnat {:?}", revnat_key(sa(a)))),
+        ["198.18.2.1:80", "198.18.2.3:80"]
+            .map(|a| format!("delete_revnat {:?}", revnat_key(sa(a)))),
     );
     want.sort();
     assert_eq!(writes, want);
