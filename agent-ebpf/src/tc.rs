@@ -3,7 +3,10 @@
 
 use agent_common::lb::DropReason;
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{
+        BPF_CSUM_LEVEL_RESET, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT,
+    },
+    helpers::{bpf_csum_level, bpf_redirect, bpf_skb_change_tail},
     macros::classifier,
     programs::TcContext,
 };
@@ -82,7 +85,8 @@ fn pull_headers(ctx: &TcContext) {
     }
 }
 
-/// tc ingress: DNAT VIP → backend, then on to the stack. Named as
+/// tc ingress: DNAT VIP → backend, then on to the stack; a TCP packet to a service
+/// without backends goes back out of the interface it came in on as a RST. Named as
 /// `agent_common::lb::PROG_TC_INGRESS`.
 #[classifier]
 pub fn rune_tc_ingress(ctx: TcContext) -> i32 {
@@ -98,7 +102,27 @@ pub fn rune_tc_ingress(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn try_rune_tc_ingress(ctx: &TcContext) -> Result<i32, DropReason> {
     pull_headers(ctx);
-    nat::dnat(ctx).map(|_| TC_ACT_OK as i32)
+    match nat::dnat(ctx)? {
+        nat::Verdict::Refused(len) => send_back(ctx, len),
+        _ => Ok(TC_ACT_OK as i32),
+    }
+}
+
+/// Trims the reply built in place to `len` bytes and redirects it to the egress of
+/// the interface it arrived on.
+#[inline(always)]
+fn send_back(ctx: &TcContext, len: usize) -> Result<i32, DropReason> {
+    let skb = ctx.skb.skb;
+    // SAFETY: `skb` is this program's context; the helpers only invalidate packet
+    // pointers, and none is used afterwards.
+    unsafe {
+        if bpf_skb_change_tail(skb, len as u32, 0) != 0 {
+            return Err(DropReason::NoBackend);
+        }
+        // The checksums are complete: no offload state of the original may apply.
+        bpf_csum_level(skb, u64::from(BPF_CSUM_LEVEL_RESET));
+        Ok(bpf_redirect((*skb).ifindex, 0) as i32)
+    }
 }
 
 /// tc egress of the client-facing interface: a backend's reply gets the VIP and

@@ -1,7 +1,12 @@
 //! `rune_xdp_lb`: VIP DNAT on the uplink's XDP hook (see [`crate::nat`]).
 
 use agent_common::lb::DropReason;
-use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
+use aya_ebpf::{
+    bindings::xdp_action,
+    helpers::{bpf_xdp_adjust_tail, bpf_xdp_get_buff_len},
+    macros::xdp,
+    programs::XdpContext,
+};
 
 use crate::{
     nat::{self, CsumFix, NatCtx},
@@ -34,7 +39,8 @@ impl NatCtx for XdpContext {
 }
 
 /// XDP load balancer: DNAT VIP → backend, then `XDP_PASS` to the stack, which routes
-/// the packet to the backend. Named as `agent_common::lb::PROG_XDP_LB`.
+/// the packet to the backend; a TCP packet to a service without backends goes back
+/// out as a RST (`XDP_TX`). Named as `agent_common::lb::PROG_XDP_LB`.
 #[xdp]
 pub fn rune_xdp_lb(ctx: XdpContext) -> u32 {
     match try_rune_xdp_lb(&ctx) {
@@ -48,5 +54,20 @@ pub fn rune_xdp_lb(ctx: XdpContext) -> u32 {
 
 #[inline(always)]
 fn try_rune_xdp_lb(ctx: &XdpContext) -> Result<u32, DropReason> {
-    nat::dnat(ctx).map(|_| xdp_action::XDP_PASS)
+    match nat::dnat(ctx)? {
+        nat::Verdict::Refused(len) => {
+            // The length from the helper: computed from the packet pointers, the
+            // compiler turns it into arithmetic on `data_end`, which the verifier
+            // refuses.
+            // SAFETY: `ctx` is this program's context; shrinking the tail only
+            // invalidates packet pointers, and none is used afterwards.
+            let delta = len as i32 - unsafe { bpf_xdp_get_buff_len(ctx.ctx) } as i32;
+            // SAFETY: as above.
+            if unsafe { bpf_xdp_adjust_tail(ctx.ctx, delta) } != 0 {
+                return Err(DropReason::NoBackend);
+            }
+            Ok(xdp_action::XDP_TX)
+        }
+        _ => Ok(xdp_action::XDP_PASS),
+    }
 }

@@ -29,12 +29,14 @@ use aya::{
 use rune_agent::dataplane::ebpf::EMBEDDED_OBJECT;
 use rune_agent_tests::{
     netns::require_root,
-    packet::{PacketSpec, parse_and_verify},
+    packet::{PacketSpec, TCP_ACK, TCP_RST, TCP_SYN, parse_and_verify},
     prog_test_run::{TestRun, test_run},
 };
 
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
+const TC_ACT_REDIRECT: u32 = 7;
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 
@@ -103,13 +105,21 @@ const SVC_SHARED: Svc = Svc {
     proto: PROTO_TCP,
     backends: &[1, 2, 3],
 };
-const ALL_SVCS: [&Svc; 6] = [
+const SVC_EMPTY6: Svc = Svc {
+    id: 7,
+    vip: IpAddr::V6(VIP6),
+    port: 8443,
+    proto: PROTO_TCP,
+    backends: &[],
+};
+const ALL_SVCS: [&Svc; 7] = [
     &SVC_TCP4,
     &SVC_UDP4,
     &SVC_TCP6,
     &SVC_UDP6,
     &SVC_EMPTY,
     &SVC_SHARED,
+    &SVC_EMPTY6,
 ];
 
 /// Backend `id`'s address and port: 198.18.1.id / 2001:db8:1::id, port 8000 + id.
@@ -739,17 +749,90 @@ fn malformed_headers_never_crash() {
     assert_eq!(lb.service_stats(SVC_TCP4.id), TrafficStats::default());
 }
 
+/// A TCP packet to a service without backends comes back as the RST that refuses
+/// it (XDP_TX in XDP, redirected back out of the ingress interface in tc): MACs,
+/// addresses and ports swapped, no options or payload, valid checksums, sequence
+/// numbers as RFC 9293 asks of a closed port. Counted as `no_backend`; a RST is
+/// never answered (dropped, counted).
 #[test]
-fn no_backend_service_is_refused_and_counted() {
+fn no_backend_tcp_is_refused_with_a_rst_and_counted() {
     let lb = Lb::new();
-    let tcp = PacketSpec::tcp(IpAddr::V4(CLIENT4), 46000, SVC_EMPTY.vip, SVC_EMPTY.port).build();
-    let out = lb.run(lb::PROG_XDP_LB, &tcp).unwrap();
-    assert_eq!(out.retval, XDP_DROP);
-    assert_eq!(lb.drops(DropReason::NoBackend), 1);
-    let out = lb.run(lb::PROG_TC_INGRESS, &tcp).unwrap();
-    assert_eq!(out.retval, TC_ACT_SHOT);
-    assert_eq!(lb.drops(DropReason::NoBackend), 2);
-    assert_eq!(lb.service_stats(SVC_EMPTY.id), TrafficStats::default());
+    let mut refusals = 0;
+    for (svc, client) in [
+        (&SVC_EMPTY, IpAddr::V4(CLIENT4)),
+        (&SVC_EMPTY6, IpAddr::V6(CLIENT6)),
+    ] {
+        let syn = PacketSpec::tcp(client, 46000, svc.vip, svc.port);
+        let mut ack = syn.clone();
+        ack.tcp_flags = TCP_ACK;
+        ack.ack = 0xdead_beef;
+        let mut ack_opts = ack.clone();
+        // IP options: the reply is built without them.
+        ack_opts.ip_options = vec![1, 1, 1, 0];
+        let want_len = if client.is_ipv4() {
+            14 + 20 + 20
+        } else {
+            14 + 40 + 20
+        };
+        for (prog, tx) in [
+            (lb::PROG_XDP_LB, XDP_TX),
+            (lb::PROG_TC_INGRESS, TC_ACT_REDIRECT),
+        ] {
+            for (what, spec) in [
+                ("SYN", &syn),
+                ("ACK", &ack),
+                ("ACK + IP options", &ack_opts),
+            ] {
+                if client.is_ipv6() && what == "ACK + IP options" {
+                    continue;
+                }
+                let frame = spec.build();
+                let out = lb.run(prog, &frame).unwrap();
+                refusals += 1;
+                assert_eq!(out.retval, tx, "{prog} {what}: return code");
+                assert_eq!(out.data.len(), want_len, "{prog} {what}: length");
+                assert_eq!(&out.data[0..6], &frame[6..12], "{prog} {what}: dst MAC");
+                assert_eq!(&out.data[6..12], &frame[0..6], "{prog} {what}: src MAC");
+                let got =
+                    parse_and_verify(&out.data).unwrap_or_else(|e| panic!("{prog} {what}: {e:#}"));
+                assert_eq!(
+                    (got.src, got.sport, got.dst, got.dport, got.payload_len),
+                    (svc.vip, svc.port, client, 46000, 0),
+                    "{prog} {what}"
+                );
+                if spec.tcp_flags & TCP_ACK != 0 {
+                    // <SEQ=SEG.ACK><CTL=RST>
+                    assert_eq!(
+                        (got.tcp_flags, got.seq),
+                        (TCP_RST, spec.ack),
+                        "{prog} {what}"
+                    );
+                } else {
+                    // <SEQ=0><ACK=SEG.SEQ+SEG.LEN (+1 for the SYN)><CTL=RST,ACK>
+                    let len = spec.payload.len() as u32 + u32::from(spec.tcp_flags & TCP_SYN != 0);
+                    assert_eq!(
+                        (got.tcp_flags, got.seq, got.ack),
+                        (TCP_RST | TCP_ACK, 0, spec.seq.wrapping_add(len)),
+                        "{prog} {what}"
+                    );
+                }
+                assert_eq!(lb.drops(DropReason::NoBackend), refusals, "{prog} {what}");
+            }
+            // A RST to the empty service is not answered: dropped and counted.
+            let mut rst = syn.clone();
+            rst.tcp_flags = TCP_RST;
+            let out = lb.run(prog, &rst.build()).unwrap();
+            refusals += 1;
+            let drop = if prog == lb::PROG_XDP_LB {
+                XDP_DROP
+            } else {
+                TC_ACT_SHOT
+            };
+            assert_eq!(out.retval, drop, "{prog}: RST");
+            assert_eq!(lb.drops(DropReason::NoBackend), refusals);
+        }
+        assert_eq!(lb.service_stats(svc.id), TrafficStats::default());
+    }
 }
 
 /// Backends behind two VIPs (every backend's reverse-NAT entry lists both

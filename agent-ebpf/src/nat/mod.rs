@@ -27,6 +27,7 @@
 
 pub mod csum;
 pub mod parse;
+pub mod refuse;
 
 use agent_common::{
     hash::{FLOW_HASH_SEED, flow_hash_v4, flow_hash_v6},
@@ -50,6 +51,22 @@ pub enum Verdict {
     Untouched,
     /// Addresses and ports rewritten, checksums updated.
     Translated,
+    /// A TCP packet to a frontend without backends, rewritten in place into the RST
+    /// that refuses it (counted as `DropReason::NoBackend`): the hook trims the frame
+    /// to this length and sends it back where it came from.
+    Refused(usize),
+}
+
+/// The verdict on a refused packet: its reply when one was built, else a drop.
+#[inline(always)]
+fn refused(reply_len: Option<usize>) -> Result<Verdict, DropReason> {
+    match reply_len {
+        Some(len) => {
+            select::count_drop(DropReason::NoBackend);
+            Ok(Verdict::Refused(len))
+        }
+        None => Err(DropReason::NoBackend),
+    }
 }
 
 /// The hook the core runs in: packet bounds and how checksums are fixed.
@@ -222,7 +239,13 @@ fn dnat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
         Some((id, backend)) => (id, backend, false),
         None => {
             let hash = flow_hash_v4(u32::from_be(saddr), u16::from_be(sport), FLOW_HASH_SEED);
-            let (id, backend) = pick(&svc, &[saddr, 0, 0, 0], hash, FAMILY_V4)?;
+            let (id, backend) = match pick(&svc, &[saddr, 0, 0, 0], hash, FAMILY_V4) {
+                Ok(found) => found,
+                Err(DropReason::NoBackend) if pos.proto == PROTO_TCP => {
+                    return refused(refuse::tcp_rst_v4(data, end, &pos, tot_len));
+                }
+                Err(e) => return Err(e),
+            };
             let value = CtValue {
                 backend_id: id,
                 service_id: svc.id,
@@ -298,7 +321,13 @@ fn dnat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
                 u32::from_be(saddr[3]),
             ];
             let hash = flow_hash_v6(words, u16::from_be(sport), FLOW_HASH_SEED);
-            let (id, backend) = pick(&svc, &saddr, hash, FAMILY_V6)?;
+            let (id, backend) = match pick(&svc, &saddr, hash, FAMILY_V6) {
+                Ok(found) => found,
+                Err(DropReason::NoBackend) if pos.proto == PROTO_TCP => {
+                    return refused(refuse::tcp_rst_v6(data, end, &pos, payload));
+                }
+                Err(e) => return Err(e),
+            };
             let value = CtValue {
                 backend_id: id,
                 service_id: svc.id,
