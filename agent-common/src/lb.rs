@@ -79,8 +79,8 @@ pub struct ServiceKeyV6 {
 /// What a frontend leads to. Value of [`SERVICES_V4`] and [`SERVICES_V6`].
 ///
 /// `maglev_size == 0` means the service is known but has no backend for new flows:
-/// the programs refuse and count [`DropReason::NoBackend`] (tc/XDP: TCP gets a RST
-/// back; UDP is dropped, no ICMP unreachable yet; socket LB: the connect fails).
+/// the programs refuse and count [`DropReason::NoBackend`] (tc/XDP: a TCP RST or an
+/// ICMP/ICMPv6 port unreachable goes back; socket LB: the connect fails).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ServiceValue {

@@ -5,6 +5,7 @@ use agent_common::lb::DropReason;
 use aya_ebpf::{
     bindings::{
         BPF_CSUM_LEVEL_RESET, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT,
+        bpf_adj_room_mode,
     },
     helpers::{bpf_csum_level, bpf_redirect, bpf_skb_change_tail},
     macros::classifier,
@@ -12,7 +13,7 @@ use aya_ebpf::{
 };
 
 use crate::{
-    nat::{self, CsumFix, IPV4_CHECK_OFF, NatCtx},
+    nat::{self, CsumFix, IPV4_CHECK_OFF, NatCtx, refuse},
     select,
 };
 
@@ -85,8 +86,9 @@ fn pull_headers(ctx: &TcContext) {
     }
 }
 
-/// tc ingress: DNAT VIP → backend, then on to the stack; a TCP packet to a service
-/// without backends goes back out of the interface it came in on as a RST. Named as
+/// tc ingress: DNAT VIP → backend, then on to the stack; a packet to a service
+/// without backends goes back out of the interface it came in on as a TCP RST or an
+/// ICMP port unreachable. Named as
 /// `agent_common::lb::PROG_TC_INGRESS`.
 #[classifier]
 pub fn rune_tc_ingress(ctx: TcContext) -> i32 {
@@ -104,6 +106,22 @@ fn try_rune_tc_ingress(ctx: &TcContext) -> Result<i32, DropReason> {
     pull_headers(ctx);
     match nat::dnat(ctx)? {
         nat::Verdict::Refused(len) => send_back(ctx, len),
+        nat::Verdict::Unreachable(plan) => {
+            ctx.adjust_room(plan.room() as i32, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, 0)
+                .map_err(|_| DropReason::NoBackend)?;
+            let len = plan.frame_len();
+            // SAFETY: `ctx.skb.skb` is this program's context; packet pointers are
+            // read again below.
+            if unsafe { bpf_skb_change_tail(ctx.skb.skb, len as u32, 0) } != 0 {
+                return Err(DropReason::NoBackend);
+            }
+            ctx.pull_data(len as u32)
+                .map_err(|_| DropReason::NoBackend)?;
+            if !refuse::write_icmp(ctx.data(), ctx.data_end(), &plan) {
+                return Err(DropReason::NoBackend);
+            }
+            send_back(ctx, len)
+        }
         _ => Ok(TC_ACT_OK as i32),
     }
 }

@@ -294,3 +294,86 @@ pub fn checksum(bytes: &[u8]) -> u16 {
     }
     !(sum as u16)
 }
+
+/// An ICMP or ICMPv6 error read back, its checksums verified by recomputing them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IcmpError {
+    /// Source of the error (outer IP header).
+    pub src: IpAddr,
+    /// Destination of the error.
+    pub dst: IpAddr,
+    /// ICMP type.
+    pub icmp_type: u8,
+    /// ICMP code.
+    pub code: u8,
+    /// The quoted datagram (its IP header and what follows, as carried).
+    pub quote: Vec<u8>,
+}
+
+/// Parses an Ethernet frame carrying an ICMP (IPv4) or ICMPv6 message, checking the
+/// IPv4 header checksum, the lengths and the ICMP checksum (ICMPv6: with the
+/// pseudo header).
+pub fn parse_icmp_error(frame: &[u8]) -> anyhow::Result<IcmpError> {
+    ensure!(frame.len() >= 14, "short frame");
+    let ethertype = u16::from_be_bytes([frame[12], frame[13]]);
+    let ip = &frame[14..];
+    let (src, dst, msg, pseudo): (IpAddr, IpAddr, &[u8], Vec<u8>) = match ethertype {
+        0x0800 => {
+            ensure!(
+                ip.len() >= 20 && ip[0] == 0x45,
+                "IPv4 header {:02x?}",
+                &ip[..1]
+            );
+            ensure!(ip[9] == 1, "protocol {}, not ICMP", ip[9]);
+            let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+            ensure!(
+                total == ip.len(),
+                "IP total length {total}, frame has {}",
+                ip.len()
+            );
+            let mut hdr = ip[..20].to_vec();
+            hdr[10..12].fill(0);
+            let want = checksum(&hdr);
+            let found = u16::from_be_bytes([ip[10], ip[11]]);
+            ensure!(
+                found == want,
+                "IPv4 checksum {found:#06x}, recomputed {want:#06x}"
+            );
+            let s: [u8; 4] = ip[12..16].try_into()?;
+            let d: [u8; 4] = ip[16..20].try_into()?;
+            (s.into(), d.into(), &ip[20..], Vec::new())
+        }
+        0x86dd => {
+            ensure!(ip.len() >= 40 && ip[0] >> 4 == 6, "IPv6 header");
+            ensure!(ip[6] == 58, "next header {}, not ICMPv6", ip[6]);
+            let len = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+            ensure!(
+                len == ip.len() - 40,
+                "payload length {len}, frame has {}",
+                ip.len() - 40
+            );
+            let s: [u8; 16] = ip[8..24].try_into()?;
+            let d: [u8; 16] = ip[24..40].try_into()?;
+            (s.into(), d.into(), &ip[40..], pseudo_v6(&s, &d, 58, len))
+        }
+        other => bail!("ethertype {other:#06x}"),
+    };
+    ensure!(msg.len() >= 8, "short ICMP message");
+    let mut all = pseudo;
+    let at = all.len();
+    all.extend_from_slice(msg);
+    all[at + 2..at + 4].fill(0);
+    let want = checksum(&all);
+    let found = u16::from_be_bytes([msg[2], msg[3]]);
+    ensure!(
+        found == want,
+        "ICMP checksum {found:#06x}, recomputed {want:#06x}"
+    );
+    Ok(IcmpError {
+        src,
+        dst,
+        icmp_type: msg[0],
+        code: msg[1],
+        quote: msg[8..].to_vec(),
+    })
+}

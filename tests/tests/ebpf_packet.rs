@@ -29,7 +29,7 @@ use aya::{
 use rune_agent::dataplane::ebpf::EMBEDDED_OBJECT;
 use rune_agent_tests::{
     netns::require_root,
-    packet::{PacketSpec, TCP_ACK, TCP_RST, TCP_SYN, parse_and_verify},
+    packet::{PacketSpec, TCP_ACK, TCP_RST, TCP_SYN, parse_and_verify, parse_icmp_error},
     prog_test_run::{TestRun, test_run},
 };
 
@@ -112,7 +112,21 @@ const SVC_EMPTY6: Svc = Svc {
     proto: PROTO_TCP,
     backends: &[],
 };
-const ALL_SVCS: [&Svc; 7] = [
+const SVC_EMPTY_UDP: Svc = Svc {
+    id: 8,
+    vip: IpAddr::V4(VIP4_EMPTY),
+    port: 53,
+    proto: PROTO_UDP,
+    backends: &[],
+};
+const SVC_EMPTY_UDP6: Svc = Svc {
+    id: 9,
+    vip: IpAddr::V6(VIP6),
+    port: 5353,
+    proto: PROTO_UDP,
+    backends: &[],
+};
+const ALL_SVCS: [&Svc; 9] = [
     &SVC_TCP4,
     &SVC_UDP4,
     &SVC_TCP6,
@@ -120,6 +134,8 @@ const ALL_SVCS: [&Svc; 7] = [
     &SVC_EMPTY,
     &SVC_SHARED,
     &SVC_EMPTY6,
+    &SVC_EMPTY_UDP,
+    &SVC_EMPTY_UDP6,
 ];
 
 /// Backend `id`'s address and port: 198.18.1.id / 2001:db8:1::id, port 8000 + id.
@@ -833,6 +849,57 @@ fn no_backend_tcp_is_refused_with_a_rst_and_counted() {
         }
         assert_eq!(lb.service_stats(svc.id), TrafficStats::default());
     }
+}
+
+/// A UDP datagram to a service without backends comes back as an ICMP (IPv4: type
+/// 3 code 3) or ICMPv6 (type 1 code 4) port unreachable from the VIP to the client,
+/// quoting the datagram's IP header and first 8 bytes unchanged, with valid
+/// checksums; XDP_TX in XDP, redirected back out in tc; counted as `no_backend`.
+#[test]
+fn no_backend_udp_is_refused_with_port_unreachable_and_counted() {
+    let lb = Lb::new();
+    let mut refusals = 0;
+    let mut with_options = PacketSpec::udp(IpAddr::V4(CLIENT4), 48001, SVC_EMPTY_UDP.vip, 53);
+    with_options.ip_options = vec![1, 1, 1, 0];
+    let cases = [
+        (
+            PacketSpec::udp(IpAddr::V4(CLIENT4), 48000, SVC_EMPTY_UDP.vip, 53),
+            (3, 3),
+        ),
+        (with_options, (3, 3)),
+        (
+            PacketSpec::udp(IpAddr::V6(CLIENT6), 48002, SVC_EMPTY_UDP6.vip, 5353),
+            (1, 4),
+        ),
+    ];
+    for (spec, (icmp_type, code)) in &cases {
+        let frame = spec.build();
+        let ihl = if spec.src.is_ipv4() {
+            20 + spec.ip_options.len()
+        } else {
+            40
+        };
+        for (prog, tx) in [
+            (lb::PROG_XDP_LB, XDP_TX),
+            (lb::PROG_TC_INGRESS, TC_ACT_REDIRECT),
+        ] {
+            let out = lb.run(prog, &frame).unwrap();
+            refusals += 1;
+            let what = format!("{prog} {}:{}", spec.src, spec.sport);
+            assert_eq!(out.retval, tx, "{what}: return code");
+            assert_eq!(&out.data[0..6], &frame[6..12], "{what}: dst MAC");
+            assert_eq!(&out.data[6..12], &frame[0..6], "{what}: src MAC");
+            let got = parse_icmp_error(&out.data).unwrap_or_else(|e| panic!("{what}: {e:#}"));
+            assert_eq!(
+                (got.src, got.dst, got.icmp_type, got.code),
+                (spec.dst, spec.src, *icmp_type, *code),
+                "{what}"
+            );
+            assert_eq!(got.quote, frame[14..14 + ihl + 8], "{what}: quote");
+            assert_eq!(lb.drops(DropReason::NoBackend), refusals, "{what}");
+        }
+    }
+    assert_eq!(lb.service_stats(SVC_EMPTY_UDP.id), TrafficStats::default());
 }
 
 /// Backends behind two VIPs (every backend's reverse-NAT entry lists both

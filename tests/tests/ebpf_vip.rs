@@ -202,9 +202,42 @@ fn assert_empty_service_refuses(agent: &Agent, topo: &Topology) {
             }
         }
     }
+    // UDP: a connected socket's receive fails with ECONNREFUSED (the ICMP port
+    // unreachable came back) instead of timing out.
+    for vip in [VIP4, VIP6] {
+        let vip = SocketAddr::new(vip.parse().unwrap(), UDP_PORT);
+        let exchange = || -> std::io::Result<usize> {
+            topo.client()
+                .run(|| {
+                    let any: IpAddr = if vip.is_ipv4() {
+                        std::net::Ipv4Addr::UNSPECIFIED.into()
+                    } else {
+                        std::net::Ipv6Addr::UNSPECIFIED.into()
+                    };
+                    let socket = std::net::UdpSocket::bind((any, 0))?;
+                    socket.set_read_timeout(Some(Duration::from_secs(2)))?;
+                    socket.connect(vip)?;
+                    socket.send(b"refused?")?;
+                    socket.recv(&mut [0u8; 64])
+                })
+                .unwrap()
+        };
+        rune_agent_tests::agent::eventually(PATIENCE, "UDP to the VIP is refused", || {
+            exchange()
+                .err()
+                .filter(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+                .map(|_| ())
+        });
+        for i in 0..5 {
+            match exchange() {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+                other => panic!("UDP exchange {i} with {vip}: want ECONNREFUSED, got {other:?}"),
+            }
+        }
+    }
     let drops_after = metric(&agent.metrics_text(), series).unwrap_or(0.0);
     assert!(
-        drops_after >= drops_before + 12.0,
+        drops_after >= drops_before + 24.0,
         "every refusal is counted: {drops_before} → {drops_after}"
     );
 }

@@ -55,15 +55,20 @@ pub enum Verdict {
     /// that refuses it (counted as `DropReason::NoBackend`): the hook trims the frame
     /// to this length and sends it back where it came from.
     Refused(usize),
+    /// A UDP datagram to a frontend without backends (counted as
+    /// `DropReason::NoBackend`), untouched yet: the hook makes `plan.room()` bytes
+    /// after the Ethernet header, trims the frame to `plan.frame_len()`, writes the
+    /// ICMP port unreachable with [`refuse::write_icmp`] and sends it back.
+    Unreachable(refuse::IcmpPlan),
 }
 
-/// The verdict on a refused packet: its reply when one was built, else a drop.
+/// The verdict on a refused packet: its reply when one is due, else a drop.
 #[inline(always)]
-fn refused(reply_len: Option<usize>) -> Result<Verdict, DropReason> {
-    match reply_len {
-        Some(len) => {
+fn refused(reply: Option<Verdict>) -> Result<Verdict, DropReason> {
+    match reply {
+        Some(verdict) => {
             select::count_drop(DropReason::NoBackend);
-            Ok(Verdict::Refused(len))
+            Ok(verdict)
         }
         None => Err(DropReason::NoBackend),
     }
@@ -242,7 +247,14 @@ fn dnat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
             let (id, backend) = match pick(&svc, &[saddr, 0, 0, 0], hash, FAMILY_V4) {
                 Ok(found) => found,
                 Err(DropReason::NoBackend) if pos.proto == PROTO_TCP => {
-                    return refused(refuse::tcp_rst_v4(data, end, &pos, tot_len));
+                    return refused(
+                        refuse::tcp_rst_v4(data, end, &pos, tot_len).map(Verdict::Refused),
+                    );
+                }
+                Err(DropReason::NoBackend) => {
+                    return refused(
+                        refuse::plan_icmp(data, end, &pos, false).map(Verdict::Unreachable),
+                    );
                 }
                 Err(e) => return Err(e),
             };
@@ -324,7 +336,14 @@ fn dnat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
             let (id, backend) = match pick(&svc, &saddr, hash, FAMILY_V6) {
                 Ok(found) => found,
                 Err(DropReason::NoBackend) if pos.proto == PROTO_TCP => {
-                    return refused(refuse::tcp_rst_v6(data, end, &pos, payload));
+                    return refused(
+                        refuse::tcp_rst_v6(data, end, &pos, payload).map(Verdict::Refused),
+                    );
+                }
+                Err(DropReason::NoBackend) => {
+                    return refused(
+                        refuse::plan_icmp(data, end, &pos, true).map(Verdict::Unreachable),
+                    );
                 }
                 Err(e) => return Err(e),
             };

@@ -1,4 +1,6 @@
-//! Refusals: a TCP packet to a frontend without backends is answered with a TCP RST
+//! Refusals: a UDP datagram to a frontend without backends is answered with an
+//! ICMP / ICMPv6 port unreachable quoting its IP header and first 8 bytes (built in
+//! room the hook makes in front of it, see [`IcmpPlan`]); a TCP packet with a TCP RST
 //! built in place of the packet (addresses, ports and MACs swapped, sequence
 //! numbers as RFC 9293 §3.10.7.1 asks of a closed port, the way Linux's
 //! `tcp_v4_send_reset` does it), so the client's connect fails at once with
@@ -202,4 +204,164 @@ pub fn tcp_rst_v6(data: usize, end: usize, pos: &L4Pos, payload_len: usize) -> O
         write_tcp(tcp, &f, pseudo);
     }
     Some(RST_V6_LEN)
+}
+
+/// Bytes an ICMP port unreachable adds in front of the refused IPv4 packet (outer
+/// IPv4 header + ICMP header).
+pub const ICMP_V4_ROOM: usize = IPV4_LEN + 8;
+/// Bytes an ICMPv6 port unreachable adds in front of the refused IPv6 packet.
+pub const ICMP_V6_ROOM: usize = IPV6_LEN + 8;
+/// Bytes of the refused datagram the error quotes after its IP header (RFC 792:
+/// "the first 64 bits of the original datagram's data").
+const QUOTED_L4: usize = 8;
+/// Largest quote: an IPv4 header with all options, or the IPv6 header, plus 8.
+const MAX_QUOTE: usize = 60 + QUOTED_L4;
+
+/// What the ICMP error for a refused UDP datagram needs, read before the hook
+/// makes room in front of it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct IcmpPlan {
+    /// IPv6 (ICMPv6) rather than IPv4.
+    pub v6: bool,
+    /// The datagram's Ethernet destination and source.
+    macs: [u8; 12],
+    /// The datagram's source (the client, network order; IPv4 in word 0).
+    client: [u32; 4],
+    /// The datagram's destination (the VIP).
+    vip: [u32; 4],
+    /// Bytes quoted: the datagram's IP header and the first 8 bytes after it.
+    pub quote: usize,
+}
+
+impl IcmpPlan {
+    /// Bytes to insert between the Ethernet header and the datagram.
+    #[inline(always)]
+    pub fn room(&self) -> usize {
+        if self.v6 { ICMP_V6_ROOM } else { ICMP_V4_ROOM }
+    }
+
+    /// The error's frame length.
+    #[inline(always)]
+    pub fn frame_len(&self) -> usize {
+        ETH_LEN + self.room() + self.quote
+    }
+}
+
+/// Plans the port unreachable for the UDP datagram at `pos`; `None` when its
+/// headers are not all inside the packet.
+#[inline(always)]
+pub fn plan_icmp(data: usize, end: usize, pos: &L4Pos, v6: bool) -> Option<IcmpPlan> {
+    if pos.l4 + QUOTED_L4 > end || data + ETH_LEN + IPV4_LEN > end {
+        return None;
+    }
+    let ip = data + ETH_LEN;
+    // SAFETY: the Ethernet header, the IP header up to `pos.l4` and 8 bytes after it
+    // are inside the packet (checked above and by the parser).
+    unsafe {
+        let macs: [u8; 12] = load(data);
+        let (client, vip) = if v6 {
+            if ip + IPV6_LEN > end {
+                return None;
+            }
+            (load::<[u32; 4]>(ip + 8), load::<[u32; 4]>(ip + 24))
+        } else {
+            (
+                [load::<u32>(ip + 12), 0, 0, 0],
+                [load::<u32>(ip + 16), 0, 0, 0],
+            )
+        };
+        Some(IcmpPlan {
+            v6,
+            macs,
+            client,
+            vip,
+            quote: pos.l4_off - ETH_LEN + QUOTED_L4,
+        })
+    }
+}
+
+/// Writes the port unreachable of `plan` into a frame whose datagram now starts at
+/// `ETH_LEN + plan.room()` (the hook made the room and trimmed the frame to
+/// `plan.frame_len()`): Ethernet addresses swapped, outer IP header from the VIP to
+/// the client, ICMP header, checksums. `false` when the frame is not that long.
+#[inline(always)]
+pub fn write_icmp(data: usize, end: usize, plan: &IcmpPlan) -> bool {
+    let quote = plan.quote;
+    let icmp_len = 8 + quote;
+    if quote > MAX_QUOTE || data + plan.frame_len() > end {
+        return false;
+    }
+    let ip = data + ETH_LEN;
+    // Constant bounds for the verifier (it cannot follow `frame_len`): the headers
+    // and the shortest quote of each family.
+    // SAFETY (all blocks): the headers are inside the packet (checked by each
+    // branch); the checksum loop checks each word again.
+    let icmp = if plan.v6 {
+        if data + ETH_LEN + ICMP_V6_ROOM + IPV6_LEN + QUOTED_L4 > end {
+            return false;
+        }
+        let icmp = ip + IPV6_LEN;
+        unsafe {
+            let mut macs = plan.macs;
+            macs.rotate_left(6);
+            store(data, macs);
+            store::<u16>(data + 12, 0x86ddu16.to_be());
+            store::<u32>(ip, u32::from_ne_bytes([0x60, 0, 0, 0]));
+            store::<u16>(ip + 4, (icmp_len as u16).to_be());
+            store::<u16>(ip + 6, u16::from_ne_bytes([58, 64]));
+            store(ip + 8, plan.vip);
+            store(ip + 24, plan.client);
+            // ICMPv6 destination unreachable, code 4: port unreachable.
+            store::<u32>(icmp, u32::from_ne_bytes([1, 4, 0, 0]));
+            store::<u32>(icmp + 4, 0);
+        }
+        icmp
+    } else {
+        if data + ETH_LEN + ICMP_V4_ROOM + IPV4_LEN + QUOTED_L4 > end {
+            return false;
+        }
+        let icmp = ip + IPV4_LEN;
+        unsafe {
+            let mut macs = plan.macs;
+            macs.rotate_left(6);
+            store(data, macs);
+            store::<u16>(data + 12, 0x0800u16.to_be());
+            store::<u16>(ip, u16::from_ne_bytes([0x45, 0xc0]));
+            store::<u16>(ip + 2, ((IPV4_LEN + icmp_len) as u16).to_be());
+            store::<u32>(ip + 4, 0);
+            store::<u32>(ip + 8, u32::from_ne_bytes([64, 1, 0, 0]));
+            store(ip + 12, plan.vip[0]);
+            store(ip + 16, plan.client[0]);
+            store(
+                ip + 10,
+                !super::csum::fold(sum_words::<{ IPV4_LEN / 2 }>(ip)),
+            );
+            // ICMP destination unreachable, code 3: port unreachable.
+            store::<u32>(icmp, u32::from_ne_bytes([3, 3, 0, 0]));
+            store::<u32>(icmp + 4, 0);
+        }
+        icmp
+    };
+    let mut sum = if plan.v6 {
+        // SAFETY: the IPv6 header is inside the packet (checked above).
+        super::csum::add(
+            unsafe { sum_words::<16>(ip + 8) },
+            u32::from((icmp_len as u16).to_be()) + u32::from(u16::from_ne_bytes([0, 58])),
+        )
+    } else {
+        0
+    };
+    let mut i = 0;
+    while i < (8 + MAX_QUOTE) / 2 {
+        let at = icmp + 2 * i;
+        if 2 * i >= icmp_len || at + 2 > end {
+            break;
+        }
+        // SAFETY: checked just above.
+        sum = super::csum::add(sum, u32::from(unsafe { load::<u16>(at) }));
+        i += 1;
+    }
+    // SAFETY: the ICMP header is inside the packet (checked above).
+    unsafe { store(icmp + 2, !super::csum::fold(sum)) };
+    true
 }
