@@ -950,3 +950,88 @@ fn shared_backend_replies_come_from_the_vip_of_their_flow() {
         );
     }
 }
+
+/// Pins left by an agent whose conntrack had another layout are reported with the
+/// command that fixes them, instead of a verifier error.
+#[test]
+fn pinned_conntrack_of_another_layout_is_reported() {
+    if let Err(e) = require_root() {
+        panic!("{e}");
+    }
+    let pins = PinDir::new();
+    // A hash map with the earlier 32-byte conntrack value, pinned as RUNE_CT_V4.
+    #[repr(C)]
+    #[derive(Default)]
+    struct MapCreate {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+        pad: [u32; 27],
+    }
+    #[repr(C)]
+    #[derive(Default)]
+    struct ObjPin {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        pad: [u32; 27],
+    }
+    let create = MapCreate {
+        map_type: 1, // BPF_MAP_TYPE_HASH
+        key_size: 16,
+        value_size: 32,
+        max_entries: 16,
+        ..MapCreate::default()
+    };
+    // SAFETY: a valid BPF_MAP_CREATE attribute of the size passed.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            0,
+            &create as *const MapCreate,
+            size_of::<MapCreate>(),
+        )
+    };
+    assert!(
+        fd >= 0,
+        "BPF_MAP_CREATE: {}",
+        std::io::Error::last_os_error()
+    );
+    let path = std::ffi::CString::new(
+        pins.0
+            .join(lb::CONNTRACK_V4)
+            .to_str()
+            .expect("a UTF-8 path"),
+    )
+    .unwrap();
+    let pin = ObjPin {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: fd as u32,
+        ..ObjPin::default()
+    };
+    // SAFETY: a valid BPF_OBJ_PIN attribute; `path` outlives the call.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, 6, &pin as *const ObjPin, size_of::<ObjPin>()) };
+    assert_eq!(rc, 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
+    // SAFETY: the descriptor came from BPF_MAP_CREATE above and is not used again.
+    unsafe { libc::close(fd as i32) };
+
+    let sizes = rune_agent::dataplane::ebpf::MapSizes {
+        frontends: 4,
+        backends: 16,
+        table_size: 7,
+        flows: 16,
+        affinity: 16,
+    };
+    let err = match rune_agent::dataplane::ebpf::load_lb(&pins.0, &sizes) {
+        Ok(_) => panic!("loading over a pinned map of another layout must fail"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains(lb::CONNTRACK_V4) && err.contains("(16, 32)") && err.contains("(16, 8)"),
+        "{err}"
+    );
+    assert!(err.contains("rune-agent cleanup --bpf-pin-dir"), "{err}");
+}
