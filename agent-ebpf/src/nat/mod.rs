@@ -10,6 +10,8 @@
 //!   `RUNE_REVNAT` index, which lists the frontends leading to it) whose conntrack
 //!   entry, looked up as (client, candidate VIP, client port, candidate port), names
 //!   that backend gets the VIP and service port back as its source.
+//! * A new flow to a frontend without backends is refused ([`refuse`]): TCP with a
+//!   RST, UDP with an ICMP/ICMPv6 port unreachable, sent back by the hook.
 //!
 //! Which packets are "for a VIP": those whose frontend key can be read, i.e. the
 //! Ethernet, IP (IPv4 with any IHL ≥ 5, not a non-first fragment; IPv6 with TCP/UDP
