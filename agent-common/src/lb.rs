@@ -1,5 +1,5 @@
 //! The load balancer's maps: service frontends, backends, Maglev tables, conntrack,
-//! session affinity, the socket-LB reverse map and the counters.
+//! the reverse-NAT index, session affinity, the socket-LB reverse map and the counters.
 //!
 //! Byte order: addresses and ports are stored exactly as they appear on the wire and
 //! in `struct bpf_sock_addr` (network order), so the programs compare and copy them
@@ -79,8 +79,8 @@ pub struct ServiceKeyV6 {
 /// What a frontend leads to. Value of [`SERVICES_V4`] and [`SERVICES_V6`].
 ///
 /// `maglev_size == 0` means the service is known but has no backend for new flows:
-/// the programs refuse (TCP RST / ICMP unreachable / `EHOSTUNREACH`) and count
-/// [`DropReason::NoBackend`].
+/// the programs refuse and count [`DropReason::NoBackend`] (tc/XDP: a TCP RST or an
+/// ICMP/ICMPv6 port unreachable goes back; socket LB: the connect fails).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ServiceValue {
@@ -115,60 +115,50 @@ pub const BACKEND_ACTIVE: u8 = 1;
 /// has (through conntrack) but session affinity no longer leads to it.
 pub const BACKEND_DRAINING: u8 = 2;
 
-/// A conntrack entry's key, IPv4: the packet's addresses and ports as seen at the
-/// hook, plus the direction. Key of [`CONNTRACK_V4`].
+/// A conntrack entry's key, IPv4: the client's packet as it reached the hook
+/// (client → VIP). Key of [`CONNTRACK_V4`].
 ///
-/// A forward entry (`dir == CT_FORWARD`) is keyed client → VIP as the client sent it;
-/// a reverse entry (`dir == CT_REVERSE`) is keyed backend → client as the reply
-/// leaves the backend.
+/// One entry per flow: a backend's reply finds it again through [`REVNAT`] (the
+/// frontends that lead to the backend), keyed with the reply's addresses and ports
+/// swapped and the candidate VIP and port as destination.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct CtKeyV4 {
-    /// Source address (network order).
+    /// Source address: the client (network order).
     pub saddr: u32,
-    /// Destination address (network order).
+    /// Destination address: the VIP (network order).
     pub daddr: u32,
-    /// Source port (network order).
+    /// Source port: the client's (network order).
     pub sport: u16,
-    /// Destination port (network order).
+    /// Destination port: the service port (network order).
     pub dport: u16,
     /// [`PROTO_TCP`] or [`PROTO_UDP`].
     pub proto: u8,
-    /// [`CT_FORWARD`] or [`CT_REVERSE`].
-    pub dir: u8,
     /// Always zero.
-    pub pad: [u8; 2],
+    pub pad: [u8; 3],
 }
 
 /// A conntrack entry's key, IPv6; see [`CtKeyV4`]. Key of [`CONNTRACK_V6`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct CtKeyV6 {
-    /// Source address (network order).
+    /// Source address: the client (network order).
     pub saddr: Addr,
-    /// Destination address (network order).
+    /// Destination address: the VIP (network order).
     pub daddr: Addr,
-    /// Source port (network order).
+    /// Source port: the client's (network order).
     pub sport: u16,
-    /// Destination port (network order).
+    /// Destination port: the service port (network order).
     pub dport: u16,
     /// [`PROTO_TCP`] or [`PROTO_UDP`].
     pub proto: u8,
-    /// [`CT_FORWARD`] or [`CT_REVERSE`].
-    pub dir: u8,
     /// Always zero.
-    pub pad: [u8; 2],
+    pub pad: [u8; 3],
 }
 
-/// [`CtKeyV4::dir`] of an entry keyed as the client sent the packet.
-pub const CT_FORWARD: u8 = 0;
-/// [`CtKeyV4::dir`] of an entry keyed as the backend's reply leaves it.
-pub const CT_REVERSE: u8 = 1;
-
-/// A conntrack entry's value (both families and directions).
-///
-/// Forward: `backend_id` is where the flow goes. Reverse: `nat_addr`/`nat_port` are
-/// the VIP and service port the reply must appear to come from.
+/// A conntrack entry's value (both families): where the flow goes. Small on
+/// purpose: a new flow writes one entry, and the whole element should sit in as
+/// few cache lines as possible.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct CtValue {
@@ -176,12 +166,55 @@ pub struct CtValue {
     pub backend_id: u32,
     /// The frontend's id ([`ServiceValue::id`]).
     pub service_id: u32,
-    /// Reverse entries: the VIP (network order). Zero in forward entries.
-    pub nat_addr: Addr,
-    /// Reverse entries: the service port (network order). Zero in forward entries.
-    pub nat_port: u16,
+}
+
+/// Key of [`REVNAT`]: a backend's address and port, as the backend's replies carry
+/// them as source.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RevNatKey {
+    /// The backend's address (network order).
+    pub addr: Addr,
+    /// The backend's port (network order).
+    pub port: u16,
+    /// [`FAMILY_V4`] or [`FAMILY_V6`].
+    pub family: u8,
     /// Always zero.
-    pub pad: [u8; 6],
+    pub pad: u8,
+}
+
+/// One frontend a backend can be reached through: the source a reply must get.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RevNatFrontend {
+    /// The VIP (network order).
+    pub addr: Addr,
+    /// The service port (network order).
+    pub port: u16,
+    /// [`PROTO_TCP`] or [`PROTO_UDP`].
+    pub proto: u8,
+    /// Always zero.
+    pub pad: u8,
+}
+
+/// Most frontends one backend's [`RevNatValue`] lists (per family). More are
+/// refused by the agent with a warning: replies of flows through the others would
+/// not be reverse-translated.
+pub const REVNAT_MAX_FRONTENDS: usize = 8;
+
+/// Value of [`REVNAT`]: the backend's id and the frontends (VIP, port, protocol)
+/// that lead to it. The egress program tries them in order, looking up the
+/// conntrack entry (client, candidate VIP, client port, candidate port), and takes
+/// the first whose backend is this one.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RevNatValue {
+    /// The backend's id in [`BACKENDS`].
+    pub backend_id: u32,
+    /// How many of `frontends` are used.
+    pub count: u32,
+    /// The frontends, the first `count` used, the rest zero.
+    pub frontends: [RevNatFrontend; REVNAT_MAX_FRONTENDS],
 }
 
 /// Session affinity key: frontend and client address. Key of [`AFFINITY`].
@@ -326,6 +359,9 @@ pub const MAGLEV_SLOTS_PER_ENTRY: u32 = 2;
 pub const CONNTRACK_V4: &str = "RUNE_CT_V4";
 /// `LruHashMap<CtKeyV6, CtValue>`: IPv6 conntrack of the tc/XDP path.
 pub const CONNTRACK_V6: &str = "RUNE_CT_V6";
+/// `HashMap<RevNatKey, RevNatValue>`: backend address → the frontends that lead to
+/// it, for reverse NAT of replies (filled by the agent, one entry per backend).
+pub const REVNAT: &str = "RUNE_REVNAT";
 /// `LruHashMap<AffinityKey, AffinityValue>`: ClientIP session affinity.
 pub const AFFINITY: &str = "RUNE_AFFINITY";
 /// `LruHashMap<SockRevKey, SockRevValue>`: unconnected-UDP reverse translation.
@@ -368,7 +404,10 @@ const _: () = assert!(size_of::<ServiceValue>() == 16);
 const _: () = assert!(size_of::<Backend>() == 20);
 const _: () = assert!(size_of::<CtKeyV4>() == 16);
 const _: () = assert!(size_of::<CtKeyV6>() == 40);
-const _: () = assert!(size_of::<CtValue>() == 32);
+const _: () = assert!(size_of::<CtValue>() == 8);
+const _: () = assert!(size_of::<RevNatKey>() == 20);
+const _: () = assert!(size_of::<RevNatFrontend>() == 20);
+const _: () = assert!(size_of::<RevNatValue>() == 8 + 20 * REVNAT_MAX_FRONTENDS);
 const _: () = assert!(size_of::<AffinityKey>() == 20);
 const _: () = assert!(size_of::<AffinityValue>() == 16);
 const _: () = assert!(size_of::<SockRevKey>() == 32);
@@ -388,6 +427,8 @@ mod pod {
     unsafe impl aya::Pod for CtKeyV4 {}
     unsafe impl aya::Pod for CtKeyV6 {}
     unsafe impl aya::Pod for CtValue {}
+    unsafe impl aya::Pod for RevNatKey {}
+    unsafe impl aya::Pod for RevNatValue {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for SockRevKey {}

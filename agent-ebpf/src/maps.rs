@@ -6,11 +6,11 @@
 //! sets every map's capacity at load time from its configuration.
 
 use agent_common::lb::{
-    AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, ServiceKeyV4, ServiceKeyV6,
-    ServiceValue, SockRevKey, SockRevValue, TrafficStats,
+    AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, RevNatKey, RevNatValue,
+    ServiceKeyV4, ServiceKeyV6, ServiceValue, SockRevKey, SockRevValue, TrafficStats,
 };
 use aya_ebpf::{
-    bindings::{BPF_F_MMAPABLE, BPF_F_NO_COMMON_LRU},
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_COMMON_LRU, BPF_F_NO_PREALLOC},
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
@@ -44,6 +44,12 @@ pub static RUNE_CT_V4: LruHashMap<CtKeyV4, CtValue> =
 #[map]
 pub static RUNE_CT_V6: LruHashMap<CtKeyV6, CtValue> =
     LruHashMap::pinned(262_144, BPF_F_NO_COMMON_LRU);
+
+/// Backend address → the frontends leading to it, for reverse NAT of replies
+/// (`agent_common::lb::REVNAT`). Written by the agent only, so not preallocated:
+/// memory follows the backends in use.
+#[map]
+pub static RUNE_REVNAT: HashMap<RevNatKey, RevNatValue> = HashMap::pinned(65536, BPF_F_NO_PREALLOC);
 
 /// ClientIP session affinity (`agent_common::lb::AFFINITY`).
 #[map]

@@ -3,13 +3,17 @@
 
 use agent_common::lb::DropReason;
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{
+        BPF_CSUM_LEVEL_RESET, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT,
+        bpf_adj_room_mode,
+    },
+    helpers::{bpf_csum_level, bpf_redirect, bpf_skb_change_tail},
     macros::classifier,
     programs::TcContext,
 };
 
 use crate::{
-    nat::{self, CsumFix, IPV4_CHECK_OFF, NatCtx},
+    nat::{self, CsumFix, IPV4_CHECK_OFF, NatCtx, refuse},
     select,
 };
 
@@ -82,7 +86,9 @@ fn pull_headers(ctx: &TcContext) {
     }
 }
 
-/// tc ingress: DNAT VIP → backend, then on to the stack. Named as
+/// tc ingress: DNAT VIP → backend, then on to the stack; a packet to a service
+/// without backends goes back out of the interface it came in on as a TCP RST or an
+/// ICMP port unreachable. Named as
 /// `agent_common::lb::PROG_TC_INGRESS`.
 #[classifier]
 pub fn rune_tc_ingress(ctx: TcContext) -> i32 {
@@ -98,7 +104,43 @@ pub fn rune_tc_ingress(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn try_rune_tc_ingress(ctx: &TcContext) -> Result<i32, DropReason> {
     pull_headers(ctx);
-    nat::dnat(ctx).map(|_| TC_ACT_OK as i32)
+    match nat::dnat(ctx)? {
+        nat::Verdict::Refused(len) => send_back(ctx, len),
+        nat::Verdict::Unreachable(plan) => {
+            ctx.adjust_room(plan.room() as i32, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, 0)
+                .map_err(|_| DropReason::NoBackend)?;
+            let len = plan.frame_len();
+            // SAFETY: `ctx.skb.skb` is this program's context; packet pointers are
+            // read again below.
+            if unsafe { bpf_skb_change_tail(ctx.skb.skb, len as u32, 0) } != 0 {
+                return Err(DropReason::NoBackend);
+            }
+            ctx.pull_data(len as u32)
+                .map_err(|_| DropReason::NoBackend)?;
+            if !refuse::write_icmp(ctx.data(), ctx.data_end(), &plan) {
+                return Err(DropReason::NoBackend);
+            }
+            send_back(ctx, len)
+        }
+        _ => Ok(TC_ACT_OK as i32),
+    }
+}
+
+/// Trims the reply built in place to `len` bytes and redirects it to the egress of
+/// the interface it arrived on.
+#[inline(always)]
+fn send_back(ctx: &TcContext, len: usize) -> Result<i32, DropReason> {
+    let skb = ctx.skb.skb;
+    // SAFETY: `skb` is this program's context; the helpers only invalidate packet
+    // pointers, and none is used afterwards.
+    unsafe {
+        if bpf_skb_change_tail(skb, len as u32, 0) != 0 {
+            return Err(DropReason::NoBackend);
+        }
+        // The checksums are complete: no offload state of the original may apply.
+        bpf_csum_level(skb, u64::from(BPF_CSUM_LEVEL_RESET));
+        Ok(bpf_redirect((*skb).ifindex, 0) as i32)
+    }
 }
 
 /// tc egress of the client-facing interface: a backend's reply gets the VIP and

@@ -1,10 +1,15 @@
 //! `rune_xdp_lb`: VIP DNAT on the uplink's XDP hook (see [`crate::nat`]).
 
 use agent_common::lb::DropReason;
-use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
+use aya_ebpf::{
+    bindings::xdp_action,
+    helpers::{bpf_xdp_adjust_head, bpf_xdp_adjust_tail, bpf_xdp_get_buff_len},
+    macros::xdp,
+    programs::XdpContext,
+};
 
 use crate::{
-    nat::{self, CsumFix, NatCtx},
+    nat::{self, CsumFix, NatCtx, refuse},
     select,
 };
 
@@ -34,7 +39,8 @@ impl NatCtx for XdpContext {
 }
 
 /// XDP load balancer: DNAT VIP → backend, then `XDP_PASS` to the stack, which routes
-/// the packet to the backend. Named as `agent_common::lb::PROG_XDP_LB`.
+/// the packet to the backend; a packet to a service without backends goes back out
+/// as a TCP RST or an ICMP port unreachable (`XDP_TX`). Named as `agent_common::lb::PROG_XDP_LB`.
 #[xdp]
 pub fn rune_xdp_lb(ctx: XdpContext) -> u32 {
     match try_rune_xdp_lb(&ctx) {
@@ -48,5 +54,38 @@ pub fn rune_xdp_lb(ctx: XdpContext) -> u32 {
 
 #[inline(always)]
 fn try_rune_xdp_lb(ctx: &XdpContext) -> Result<u32, DropReason> {
-    nat::dnat(ctx).map(|_| xdp_action::XDP_PASS)
+    match nat::dnat(ctx)? {
+        nat::Verdict::Refused(len) => {
+            trim(ctx, len)?;
+            Ok(xdp_action::XDP_TX)
+        }
+        nat::Verdict::Unreachable(plan) => {
+            // SAFETY: `ctx` is this program's context; growing the head only
+            // invalidates packet pointers, which are read again below.
+            if unsafe { bpf_xdp_adjust_head(ctx.ctx, -(plan.room() as i32)) } != 0 {
+                return Err(DropReason::NoBackend);
+            }
+            trim(ctx, plan.frame_len())?;
+            if !refuse::write_icmp(ctx.data(), ctx.data_end(), &plan) {
+                return Err(DropReason::NoBackend);
+            }
+            Ok(xdp_action::XDP_TX)
+        }
+        _ => Ok(xdp_action::XDP_PASS),
+    }
+}
+
+/// Trims the frame to `len` bytes.
+#[inline(always)]
+fn trim(ctx: &XdpContext, len: usize) -> Result<(), DropReason> {
+    // The length from the helper: computed from the packet pointers, the compiler
+    // turns it into arithmetic on `data_end`, which the verifier refuses.
+    // SAFETY: `ctx` is this program's context; shrinking the tail only invalidates
+    // packet pointers, which are read again afterwards.
+    let delta = len as i32 - unsafe { bpf_xdp_get_buff_len(ctx.ctx) } as i32;
+    // SAFETY: as above.
+    if unsafe { bpf_xdp_adjust_tail(ctx.ctx, delta) } != 0 {
+        return Err(DropReason::NoBackend);
+    }
+    Ok(())
 }

@@ -30,7 +30,22 @@ pub struct PacketSpec {
     pub ip_options: Vec<u8>,
     /// UDP over IPv4 only: send checksum 0 ("no checksum").
     pub udp_zero_checksum: bool,
+    /// TCP only: the flags byte ([`TCP_SYN`] by default).
+    pub tcp_flags: u8,
+    /// TCP only: the sequence number.
+    pub seq: u32,
+    /// TCP only: the acknowledgment number.
+    pub ack: u32,
 }
+
+/// TCP flag FIN.
+pub const TCP_FIN: u8 = 0x01;
+/// TCP flag SYN.
+pub const TCP_SYN: u8 = 0x02;
+/// TCP flag RST.
+pub const TCP_RST: u8 = 0x04;
+/// TCP flag ACK.
+pub const TCP_ACK: u8 = 0x10;
 
 impl PacketSpec {
     /// A TCP SYN-like packet with a small payload.
@@ -44,6 +59,9 @@ impl PacketSpec {
             payload: b"rune tcp payload".to_vec(),
             ip_options: Vec::new(),
             udp_zero_checksum: false,
+            tcp_flags: TCP_SYN,
+            seq: 0x0102_0304,
+            ack: 0,
         }
     }
 
@@ -117,9 +135,9 @@ impl PacketSpec {
         l4.extend_from_slice(&self.sport.to_be_bytes());
         l4.extend_from_slice(&self.dport.to_be_bytes());
         if self.proto == TCP {
-            l4.extend_from_slice(&0x0102_0304u32.to_be_bytes()); // seq
-            l4.extend_from_slice(&0u32.to_be_bytes()); // ack
-            l4.extend_from_slice(&[0x50, 0x02]); // data offset 5, SYN
+            l4.extend_from_slice(&self.seq.to_be_bytes());
+            l4.extend_from_slice(&self.ack.to_be_bytes());
+            l4.extend_from_slice(&[0x50, self.tcp_flags]); // data offset 5
             l4.extend_from_slice(&64240u16.to_be_bytes()); // window
             l4.extend_from_slice(&[0, 0, 0, 0]); // checksum, urgent
         } else {
@@ -147,6 +165,14 @@ pub struct Parsed {
     pub proto: u8,
     /// The TCP/UDP checksum field as found.
     pub l4_checksum: u16,
+    /// TCP: the flags byte (0 for UDP).
+    pub tcp_flags: u8,
+    /// TCP: the sequence number (0 for UDP).
+    pub seq: u32,
+    /// TCP: the acknowledgment number (0 for UDP).
+    pub ack: u32,
+    /// Bytes after the transport header (TCP: after its options).
+    pub payload_len: usize,
 }
 
 /// Parses `frame` and checks that the IPv4 header checksum and the TCP/UDP
@@ -213,6 +239,12 @@ pub fn parse_and_verify(frame: &[u8]) -> anyhow::Result<Parsed> {
             "L4 checksum {found:#06x}, recomputed {want:#06x}"
         );
     }
+    let (tcp_flags, seq, ack, header) = if proto == TCP {
+        let word = |i: usize| u32::from_be_bytes([l4[i], l4[i + 1], l4[i + 2], l4[i + 3]]);
+        (l4[13], word(4), word(8), usize::from(l4[12] >> 4) * 4)
+    } else {
+        (0, 0, 0, 8)
+    };
     Ok(Parsed {
         src,
         dst,
@@ -220,6 +252,10 @@ pub fn parse_and_verify(frame: &[u8]) -> anyhow::Result<Parsed> {
         dport: u16::from_be_bytes([l4[2], l4[3]]),
         proto,
         l4_checksum: found,
+        tcp_flags,
+        seq,
+        ack,
+        payload_len: l4.len().saturating_sub(header),
     })
 }
 
@@ -257,4 +293,87 @@ pub fn checksum(bytes: &[u8]) -> u16 {
         sum = (sum & 0xffff) + (sum >> 16);
     }
     !(sum as u16)
+}
+
+/// An ICMP or ICMPv6 error read back, its checksums verified by recomputing them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IcmpError {
+    /// Source of the error (outer IP header).
+    pub src: IpAddr,
+    /// Destination of the error.
+    pub dst: IpAddr,
+    /// ICMP type.
+    pub icmp_type: u8,
+    /// ICMP code.
+    pub code: u8,
+    /// The quoted datagram (its IP header and what follows, as carried).
+    pub quote: Vec<u8>,
+}
+
+/// Parses an Ethernet frame carrying an ICMP (IPv4) or ICMPv6 message, checking the
+/// IPv4 header checksum, the lengths and the ICMP checksum (ICMPv6: with the
+/// pseudo header).
+pub fn parse_icmp_error(frame: &[u8]) -> anyhow::Result<IcmpError> {
+    ensure!(frame.len() >= 14, "short frame");
+    let ethertype = u16::from_be_bytes([frame[12], frame[13]]);
+    let ip = &frame[14..];
+    let (src, dst, msg, pseudo): (IpAddr, IpAddr, &[u8], Vec<u8>) = match ethertype {
+        0x0800 => {
+            ensure!(
+                ip.len() >= 20 && ip[0] == 0x45,
+                "IPv4 header {:02x?}",
+                &ip[..1]
+            );
+            ensure!(ip[9] == 1, "protocol {}, not ICMP", ip[9]);
+            let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+            ensure!(
+                total == ip.len(),
+                "IP total length {total}, frame has {}",
+                ip.len()
+            );
+            let mut hdr = ip[..20].to_vec();
+            hdr[10..12].fill(0);
+            let want = checksum(&hdr);
+            let found = u16::from_be_bytes([ip[10], ip[11]]);
+            ensure!(
+                found == want,
+                "IPv4 checksum {found:#06x}, recomputed {want:#06x}"
+            );
+            let s: [u8; 4] = ip[12..16].try_into()?;
+            let d: [u8; 4] = ip[16..20].try_into()?;
+            (s.into(), d.into(), &ip[20..], Vec::new())
+        }
+        0x86dd => {
+            ensure!(ip.len() >= 40 && ip[0] >> 4 == 6, "IPv6 header");
+            ensure!(ip[6] == 58, "next header {}, not ICMPv6", ip[6]);
+            let len = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+            ensure!(
+                len == ip.len() - 40,
+                "payload length {len}, frame has {}",
+                ip.len() - 40
+            );
+            let s: [u8; 16] = ip[8..24].try_into()?;
+            let d: [u8; 16] = ip[24..40].try_into()?;
+            (s.into(), d.into(), &ip[40..], pseudo_v6(&s, &d, 58, len))
+        }
+        other => bail!("ethertype {other:#06x}"),
+    };
+    ensure!(msg.len() >= 8, "short ICMP message");
+    let mut all = pseudo;
+    let at = all.len();
+    all.extend_from_slice(msg);
+    all[at + 2..at + 4].fill(0);
+    let want = checksum(&all);
+    let found = u16::from_be_bytes([msg[2], msg[3]]);
+    ensure!(
+        found == want,
+        "ICMP checksum {found:#06x}, recomputed {want:#06x}"
+    );
+    Ok(IcmpError {
+        src,
+        dst,
+        icmp_type: msg[0],
+        code: msg[1],
+        quote: msg[8..].to_vec(),
+    })
 }

@@ -16,8 +16,8 @@ use std::{
 use agent_common::{
     hash::{FLOW_HASH_SEED, flow_hash_v4, flow_hash_v6},
     lb::{
-        self, BACKEND_ACTIVE, Backend, CT_FORWARD, CT_REVERSE, CtKeyV4, CtKeyV6, CtValue,
-        DropReason, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, ServiceKeyV4, ServiceKeyV6,
+        self, BACKEND_ACTIVE, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, FAMILY_V4, FAMILY_V6,
+        PROTO_TCP, PROTO_UDP, RevNatFrontend, RevNatKey, RevNatValue, ServiceKeyV4, ServiceKeyV6,
         ServiceValue, TrafficStats, addr_from_octets,
     },
 };
@@ -29,12 +29,14 @@ use aya::{
 use rune_agent::dataplane::ebpf::EMBEDDED_OBJECT;
 use rune_agent_tests::{
     netns::require_root,
-    packet::{PacketSpec, parse_and_verify},
+    packet::{PacketSpec, TCP_ACK, TCP_RST, TCP_SYN, parse_and_verify, parse_icmp_error},
     prog_test_run::{TestRun, test_run},
 };
 
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
+const TC_ACT_REDIRECT: u32 = 7;
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 
@@ -45,6 +47,8 @@ const TABLE: u32 = 7;
 
 const VIP4: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 1);
 const VIP4_EMPTY: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 2);
+/// A second IPv4 VIP whose backends are those of [`SVC_TCP4`] (shared backends).
+const VIP4_SHARED: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 3);
 const VIP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x100);
 const CLIENT4: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
 const CLIENT6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0xc, 0, 0, 0, 0, 10);
@@ -94,7 +98,45 @@ const SVC_EMPTY: Svc = Svc {
     proto: PROTO_TCP,
     backends: &[],
 };
-const ALL_SVCS: [&Svc; 5] = [&SVC_TCP4, &SVC_UDP4, &SVC_TCP6, &SVC_UDP6, &SVC_EMPTY];
+const SVC_SHARED: Svc = Svc {
+    id: 6,
+    vip: IpAddr::V4(VIP4_SHARED),
+    port: 8080,
+    proto: PROTO_TCP,
+    backends: &[1, 2, 3],
+};
+const SVC_EMPTY6: Svc = Svc {
+    id: 7,
+    vip: IpAddr::V6(VIP6),
+    port: 8443,
+    proto: PROTO_TCP,
+    backends: &[],
+};
+const SVC_EMPTY_UDP: Svc = Svc {
+    id: 8,
+    vip: IpAddr::V4(VIP4_EMPTY),
+    port: 53,
+    proto: PROTO_UDP,
+    backends: &[],
+};
+const SVC_EMPTY_UDP6: Svc = Svc {
+    id: 9,
+    vip: IpAddr::V6(VIP6),
+    port: 5353,
+    proto: PROTO_UDP,
+    backends: &[],
+};
+const ALL_SVCS: [&Svc; 9] = [
+    &SVC_TCP4,
+    &SVC_UDP4,
+    &SVC_TCP6,
+    &SVC_UDP6,
+    &SVC_EMPTY,
+    &SVC_SHARED,
+    &SVC_EMPTY6,
+    &SVC_EMPTY_UDP,
+    &SVC_EMPTY_UDP6,
+];
 
 /// Backend `id`'s address and port: 198.18.1.id / 2001:db8:1::id, port 8000 + id.
 fn backend_of(id: u32) -> (IpAddr, u16) {
@@ -229,6 +271,7 @@ impl Lb {
         }
         for &id in svc.backends {
             self.set_backend(id, true);
+            self.add_revnat(id, svc);
         }
         if !svc.backends.is_empty() {
             let mut maglev: Array<_, [u32; 2]> =
@@ -238,6 +281,32 @@ impl Lb {
                 rune_agent_tests::bpf::set_maglev_slot(&mut maglev, base + slot, id);
             }
         }
+    }
+
+    /// Adds `svc`'s frontend to backend `id`'s reverse-NAT entry, as the agent does
+    /// for every frontend that leads to a backend.
+    fn add_revnat(&mut self, id: u32, svc: &Svc) {
+        let (addr, port) = backend_of(id);
+        let key = RevNatKey {
+            addr: addr_from_octets(&octets(addr)),
+            port: port.to_be(),
+            family: if addr.is_ipv4() { FAMILY_V4 } else { FAMILY_V6 },
+            pad: 0,
+        };
+        let mut m: HashMap<_, RevNatKey, RevNatValue> =
+            HashMap::try_from(self.ebpf.map_mut(lb::REVNAT).unwrap()).unwrap();
+        let mut value = m.get(&key, 0).unwrap_or(RevNatValue {
+            backend_id: id,
+            ..RevNatValue::default()
+        });
+        value.frontends[value.count as usize] = RevNatFrontend {
+            addr: addr_from_octets(&octets(svc.vip)),
+            port: svc.port.to_be(),
+            proto: svc.proto,
+            pad: 0,
+        };
+        value.count += 1;
+        m.insert(key, value, 0).unwrap();
     }
 
     /// Fills (or, with `present` false, empties) backend slot `id`.
@@ -319,6 +388,15 @@ impl Lb {
         m.get(key, 0).ok()
     }
 
+    /// Conntrack entries of both families.
+    fn ct_len(&self) -> usize {
+        let v4: HashMap<&MapData, CtKeyV4, CtValue> =
+            HashMap::try_from(self.ebpf.map(lb::CONNTRACK_V4).unwrap()).unwrap();
+        let v6: HashMap<&MapData, CtKeyV6, CtValue> =
+            HashMap::try_from(self.ebpf.map(lb::CONNTRACK_V6).unwrap()).unwrap();
+        v4.keys().count() + v6.keys().count()
+    }
+
     fn ct_v6(&self, key: &CtKeyV6) -> Option<CtValue> {
         let m: HashMap<&MapData, CtKeyV6, CtValue> =
             HashMap::try_from(self.ebpf.map(lb::CONNTRACK_V6).unwrap()).unwrap();
@@ -398,31 +476,18 @@ fn xdp_vip_hit_translates_and_conntrack_keeps_the_backend() {
     let client = IpAddr::V4(CLIENT4);
     let spec = vip_packet(&SVC_TCP4, client, 40000);
     let id = expect_dnat(&lb, lb::PROG_XDP_LB, &spec, &SVC_TCP4);
-    // Forward and reverse conntrack entries.
+    // One conntrack entry per flow, keyed as the client sent the packet.
     let fwd = CtKeyV4 {
         saddr: u32::from_ne_bytes(CLIENT4.octets()),
         daddr: u32::from_ne_bytes(VIP4.octets()),
         sport: 40000u16.to_be(),
         dport: 80u16.to_be(),
         proto: PROTO_TCP,
-        dir: CT_FORWARD,
-        pad: [0; 2],
+        pad: [0; 3],
     };
-    let ct = lb.ct_v4(&fwd).expect("forward entry");
+    let ct = lb.ct_v4(&fwd).expect("conntrack entry");
     assert_eq!((ct.backend_id, ct.service_id), (id, SVC_TCP4.id));
-    let (addr, port) = backend_of(id);
-    let rev = CtKeyV4 {
-        saddr: addr_from_octets(&octets(addr))[0],
-        daddr: fwd.saddr,
-        sport: port.to_be(),
-        dport: fwd.sport,
-        proto: PROTO_TCP,
-        dir: CT_REVERSE,
-        pad: [0; 2],
-    };
-    let ct = lb.ct_v4(&rev).expect("reverse entry");
-    assert_eq!(ct.nat_addr[0], fwd.daddr);
-    assert_eq!(ct.nat_port, fwd.dport);
+    assert_eq!(lb.ct_len(), 1, "exactly one entry for the new flow");
 
     // The second packet of the flow: conntrack hit, same backend, no new flow.
     assert_eq!(expect_dnat(&lb, lb::PROG_XDP_LB, &spec, &SVC_TCP4), id);
@@ -506,10 +571,9 @@ fn ipv6_vip_hit_and_reply() {
         sport: 42000u16.to_be(),
         dport: 443u16.to_be(),
         proto: PROTO_TCP,
-        dir: CT_FORWARD,
-        pad: [0; 2],
+        pad: [0; 3],
     };
-    assert_eq!(lb.ct_v6(&fwd).expect("forward entry").backend_id, id);
+    assert_eq!(lb.ct_v6(&fwd).expect("conntrack entry").backend_id, id);
 
     let udp = vip_packet(&SVC_UDP6, client, 42001);
     let uid = expect_dnat(&lb, lb::PROG_TC_INGRESS, &udp, &SVC_UDP6);
@@ -701,15 +765,273 @@ fn malformed_headers_never_crash() {
     assert_eq!(lb.service_stats(SVC_TCP4.id), TrafficStats::default());
 }
 
+/// A TCP packet to a service without backends comes back as the RST that refuses
+/// it (XDP_TX in XDP, redirected back out of the ingress interface in tc): MACs,
+/// addresses and ports swapped, no options or payload, valid checksums, sequence
+/// numbers as RFC 9293 asks of a closed port. Counted as `no_backend`; a RST is
+/// never answered (dropped, counted).
 #[test]
-fn no_backend_service_is_refused_and_counted() {
+fn no_backend_tcp_is_refused_with_a_rst_and_counted() {
     let lb = Lb::new();
-    let tcp = PacketSpec::tcp(IpAddr::V4(CLIENT4), 46000, SVC_EMPTY.vip, SVC_EMPTY.port).build();
-    let out = lb.run(lb::PROG_XDP_LB, &tcp).unwrap();
-    assert_eq!(out.retval, XDP_DROP);
-    assert_eq!(lb.drops(DropReason::NoBackend), 1);
-    let out = lb.run(lb::PROG_TC_INGRESS, &tcp).unwrap();
-    assert_eq!(out.retval, TC_ACT_SHOT);
-    assert_eq!(lb.drops(DropReason::NoBackend), 2);
-    assert_eq!(lb.service_stats(SVC_EMPTY.id), TrafficStats::default());
+    let mut refusals = 0;
+    for (svc, client) in [
+        (&SVC_EMPTY, IpAddr::V4(CLIENT4)),
+        (&SVC_EMPTY6, IpAddr::V6(CLIENT6)),
+    ] {
+        let syn = PacketSpec::tcp(client, 46000, svc.vip, svc.port);
+        let mut ack = syn.clone();
+        ack.tcp_flags = TCP_ACK;
+        ack.ack = 0xdead_beef;
+        let mut ack_opts = ack.clone();
+        // IP options: the reply is built without them.
+        ack_opts.ip_options = vec![1, 1, 1, 0];
+        let want_len = if client.is_ipv4() {
+            14 + 20 + 20
+        } else {
+            14 + 40 + 20
+        };
+        for (prog, tx) in [
+            (lb::PROG_XDP_LB, XDP_TX),
+            (lb::PROG_TC_INGRESS, TC_ACT_REDIRECT),
+        ] {
+            for (what, spec) in [
+                ("SYN", &syn),
+                ("ACK", &ack),
+                ("ACK + IP options", &ack_opts),
+            ] {
+                if client.is_ipv6() && what == "ACK + IP options" {
+                    continue;
+                }
+                let frame = spec.build();
+                let out = lb.run(prog, &frame).unwrap();
+                refusals += 1;
+                assert_eq!(out.retval, tx, "{prog} {what}: return code");
+                assert_eq!(out.data.len(), want_len, "{prog} {what}: length");
+                assert_eq!(&out.data[0..6], &frame[6..12], "{prog} {what}: dst MAC");
+                assert_eq!(&out.data[6..12], &frame[0..6], "{prog} {what}: src MAC");
+                let got =
+                    parse_and_verify(&out.data).unwrap_or_else(|e| panic!("{prog} {what}: {e:#}"));
+                assert_eq!(
+                    (got.src, got.sport, got.dst, got.dport, got.payload_len),
+                    (svc.vip, svc.port, client, 46000, 0),
+                    "{prog} {what}"
+                );
+                if spec.tcp_flags & TCP_ACK != 0 {
+                    // <SEQ=SEG.ACK><CTL=RST>
+                    assert_eq!(
+                        (got.tcp_flags, got.seq),
+                        (TCP_RST, spec.ack),
+                        "{prog} {what}"
+                    );
+                } else {
+                    // <SEQ=0><ACK=SEG.SEQ+SEG.LEN (+1 for the SYN)><CTL=RST,ACK>
+                    let len = spec.payload.len() as u32 + u32::from(spec.tcp_flags & TCP_SYN != 0);
+                    assert_eq!(
+                        (got.tcp_flags, got.seq, got.ack),
+                        (TCP_RST | TCP_ACK, 0, spec.seq.wrapping_add(len)),
+                        "{prog} {what}"
+                    );
+                }
+                assert_eq!(lb.drops(DropReason::NoBackend), refusals, "{prog} {what}");
+            }
+            // A RST to the empty service is not answered: dropped and counted.
+            let mut rst = syn.clone();
+            rst.tcp_flags = TCP_RST;
+            let out = lb.run(prog, &rst.build()).unwrap();
+            refusals += 1;
+            let drop = if prog == lb::PROG_XDP_LB {
+                XDP_DROP
+            } else {
+                TC_ACT_SHOT
+            };
+            assert_eq!(out.retval, drop, "{prog}: RST");
+            assert_eq!(lb.drops(DropReason::NoBackend), refusals);
+        }
+        assert_eq!(lb.service_stats(svc.id), TrafficStats::default());
+    }
+}
+
+/// A UDP datagram to a service without backends comes back as an ICMP (IPv4: type
+/// 3 code 3) or ICMPv6 (type 1 code 4) port unreachable from the VIP to the client,
+/// quoting the datagram's IP header and first 8 bytes unchanged, with valid
+/// checksums; XDP_TX in XDP, redirected back out in tc; counted as `no_backend`.
+#[test]
+fn no_backend_udp_is_refused_with_port_unreachable_and_counted() {
+    let lb = Lb::new();
+    let mut refusals = 0;
+    let mut with_options = PacketSpec::udp(IpAddr::V4(CLIENT4), 48001, SVC_EMPTY_UDP.vip, 53);
+    with_options.ip_options = vec![1, 1, 1, 0];
+    let cases = [
+        (
+            PacketSpec::udp(IpAddr::V4(CLIENT4), 48000, SVC_EMPTY_UDP.vip, 53),
+            (3, 3),
+        ),
+        (with_options, (3, 3)),
+        (
+            PacketSpec::udp(IpAddr::V6(CLIENT6), 48002, SVC_EMPTY_UDP6.vip, 5353),
+            (1, 4),
+        ),
+    ];
+    for (spec, (icmp_type, code)) in &cases {
+        let frame = spec.build();
+        let ihl = if spec.src.is_ipv4() {
+            20 + spec.ip_options.len()
+        } else {
+            40
+        };
+        for (prog, tx) in [
+            (lb::PROG_XDP_LB, XDP_TX),
+            (lb::PROG_TC_INGRESS, TC_ACT_REDIRECT),
+        ] {
+            let out = lb.run(prog, &frame).unwrap();
+            refusals += 1;
+            let what = format!("{prog} {}:{}", spec.src, spec.sport);
+            assert_eq!(out.retval, tx, "{what}: return code");
+            assert_eq!(&out.data[0..6], &frame[6..12], "{what}: dst MAC");
+            assert_eq!(&out.data[6..12], &frame[0..6], "{what}: src MAC");
+            let got = parse_icmp_error(&out.data).unwrap_or_else(|e| panic!("{what}: {e:#}"));
+            assert_eq!(
+                (got.src, got.dst, got.icmp_type, got.code),
+                (spec.dst, spec.src, *icmp_type, *code),
+                "{what}"
+            );
+            assert_eq!(got.quote, frame[14..14 + ihl + 8], "{what}: quote");
+            assert_eq!(lb.drops(DropReason::NoBackend), refusals, "{what}");
+        }
+    }
+    assert_eq!(lb.service_stats(SVC_EMPTY_UDP.id), TrafficStats::default());
+}
+
+/// Backends behind two VIPs (every backend's reverse-NAT entry lists both
+/// frontends): each reply from a shared backend goes back from the VIP and port
+/// its own flow used, whichever candidate comes first; another backend of the
+/// service writing to the client's port is not a reply of the flow and passes
+/// untouched. One conntrack entry per flow.
+#[test]
+fn shared_backend_replies_come_from_the_vip_of_their_flow() {
+    let lb = Lb::new();
+    let client = IpAddr::V4(CLIENT4);
+    for (n, (svc, sport)) in [(&SVC_TCP4, 47010), (&SVC_SHARED, 47011)]
+        .into_iter()
+        .enumerate()
+    {
+        let id = expect_dnat(
+            &lb,
+            lb::PROG_TC_INGRESS,
+            &vip_packet(svc, client, sport),
+            svc,
+        );
+        assert_eq!(lb.ct_len(), n + 1, "one conntrack entry per flow");
+        let (addr, port) = backend_of(id);
+        let out = lb
+            .run(
+                lb::PROG_TC_EGRESS,
+                &PacketSpec::tcp(addr, port, client, sport).build(),
+            )
+            .unwrap();
+        assert_eq!(out.retval, TC_ACT_OK);
+        let got = parse_and_verify(&out.data).unwrap();
+        assert_eq!(
+            (got.src, got.sport),
+            (svc.vip, svc.port),
+            "reply of {sport}"
+        );
+        assert_eq!((got.dst, got.dport), (client, sport));
+        assert_eq!(lb.service_stats(svc.id).packets, 2, "the reply is counted");
+        // Another backend of the service writing to that client port: untouched.
+        let other = svc.backends.iter().copied().find(|&o| o != id).unwrap();
+        let (oaddr, oport) = backend_of(other);
+        let stray = PacketSpec::tcp(oaddr, oport, client, sport).build();
+        let out = lb.run(lb::PROG_TC_EGRESS, &stray).unwrap();
+        assert_eq!(
+            (out.retval, &out.data),
+            (TC_ACT_OK, &stray),
+            "stray from {other}"
+        );
+    }
+}
+
+/// Pins left by an agent whose conntrack had another layout are reported with the
+/// command that fixes them, instead of a verifier error.
+#[test]
+fn pinned_conntrack_of_another_layout_is_reported() {
+    if let Err(e) = require_root() {
+        panic!("{e}");
+    }
+    let pins = PinDir::new();
+    // A hash map with the earlier 32-byte conntrack value, pinned as RUNE_CT_V4.
+    #[repr(C)]
+    #[derive(Default)]
+    struct MapCreate {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+        pad: [u32; 27],
+    }
+    #[repr(C)]
+    #[derive(Default)]
+    struct ObjPin {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        pad: [u32; 27],
+    }
+    let create = MapCreate {
+        map_type: 1, // BPF_MAP_TYPE_HASH
+        key_size: 16,
+        value_size: 32,
+        max_entries: 16,
+        ..MapCreate::default()
+    };
+    // SAFETY: a valid BPF_MAP_CREATE attribute of the size passed.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            0,
+            &create as *const MapCreate,
+            size_of::<MapCreate>(),
+        )
+    };
+    assert!(
+        fd >= 0,
+        "BPF_MAP_CREATE: {}",
+        std::io::Error::last_os_error()
+    );
+    let path = std::ffi::CString::new(
+        pins.0
+            .join(lb::CONNTRACK_V4)
+            .to_str()
+            .expect("a UTF-8 path"),
+    )
+    .unwrap();
+    let pin = ObjPin {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: fd as u32,
+        ..ObjPin::default()
+    };
+    // SAFETY: a valid BPF_OBJ_PIN attribute; `path` outlives the call.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, 6, &pin as *const ObjPin, size_of::<ObjPin>()) };
+    assert_eq!(rc, 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
+    // SAFETY: the descriptor came from BPF_MAP_CREATE above and is not used again.
+    unsafe { libc::close(fd as i32) };
+
+    let sizes = rune_agent::dataplane::ebpf::MapSizes {
+        frontends: 4,
+        backends: 16,
+        table_size: 7,
+        flows: 16,
+        affinity: 16,
+    };
+    let err = match rune_agent::dataplane::ebpf::load_lb(&pins.0, &sizes) {
+        Ok(_) => panic!("loading over a pinned map of another layout must fail"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains(lb::CONNTRACK_V4) && err.contains("(16, 32)") && err.contains("(16, 8)"),
+        "{err}"
+    );
+    assert!(err.contains("rune-agent cleanup --bpf-pin-dir"), "{err}");
 }

@@ -173,6 +173,75 @@ fn tcp_spread(topo: &Topology, vip: SocketAddr, n: usize) -> BTreeMap<String, us
     per
 }
 
+/// Whether `e` is a refused connect (the RST of a service without backends), as
+/// opposed to a timeout or anything else.
+fn is_refused(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+    })
+}
+
+/// Empties the service's endpoint list and checks that connects to both VIPs are
+/// refused at once (ECONNREFUSED: a RST came back, no timeout) and counted.
+fn assert_empty_service_refuses(agent: &Agent, topo: &Topology) {
+    apply(agent, &service_yaml(&[], 30));
+    let series = "rune_dataplane_drops_total{reason=\"no_backend\"}";
+    let drops_before = metric(&agent.metrics_text(), series).unwrap_or(0.0);
+    for vip in [VIP4, VIP6] {
+        let vip = SocketAddr::new(vip.parse().unwrap(), TCP_PORT);
+        // The apply reaches the maps shortly after it returns.
+        rune_agent_tests::agent::eventually(PATIENCE, "connects to the VIP are refused", || {
+            let r = topo.tcp_request(vip, "refused?");
+            r.err().filter(is_refused).map(|_| ())
+        });
+        for i in 0..5 {
+            match topo.tcp_request(vip, "refused?") {
+                Err(e) if is_refused(&e) => {}
+                other => panic!("connect {i} to {vip}: want ECONNREFUSED, got {other:?}"),
+            }
+        }
+    }
+    // UDP: a connected socket's receive fails with ECONNREFUSED (the ICMP port
+    // unreachable came back) instead of timing out.
+    for vip in [VIP4, VIP6] {
+        let vip = SocketAddr::new(vip.parse().unwrap(), UDP_PORT);
+        let exchange = || -> std::io::Result<usize> {
+            topo.client()
+                .run(|| {
+                    let any: IpAddr = if vip.is_ipv4() {
+                        std::net::Ipv4Addr::UNSPECIFIED.into()
+                    } else {
+                        std::net::Ipv6Addr::UNSPECIFIED.into()
+                    };
+                    let socket = std::net::UdpSocket::bind((any, 0))?;
+                    socket.set_read_timeout(Some(Duration::from_secs(2)))?;
+                    socket.connect(vip)?;
+                    socket.send(b"refused?")?;
+                    socket.recv(&mut [0u8; 64])
+                })
+                .unwrap()
+        };
+        rune_agent_tests::agent::eventually(PATIENCE, "UDP to the VIP is refused", || {
+            exchange()
+                .err()
+                .filter(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+                .map(|_| ())
+        });
+        for i in 0..5 {
+            match exchange() {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+                other => panic!("UDP exchange {i} with {vip}: want ECONNREFUSED, got {other:?}"),
+            }
+        }
+    }
+    let drops_after = metric(&agent.metrics_text(), series).unwrap_or(0.0);
+    assert!(
+        drops_after >= drops_before + 24.0,
+        "every refusal is counted: {drops_before} → {drops_after}"
+    );
+}
+
 fn assert_balanced(per: &BTreeMap<String, usize>, n: usize, backends: usize) {
     assert_eq!(per.len(), backends, "every backend gets flows: {per:?}");
     for (name, count) in per {
@@ -210,6 +279,26 @@ fn balanced_for_tcp_udp_and_ipv6(xdp: bool) {
         Vec::new()
     };
     let agent = start_agent_with(&topo, state.path(), &pins, None, &extra);
+    // A veth delivers XDP_TX frames to its peer at once only when the peer runs an
+    // XDP program itself (otherwise they wait in the peer's ring for its next
+    // packet, and a refusal's RST arrives after the connect gave up): the client's
+    // veth gets the counting pass program, as a NIC needs nothing of the kind.
+    let peer_pins = PinDir::new("vip-peer");
+    let _peer_xdp = xdp.then(|| {
+        let mut bpf = rune_agent::dataplane::ebpf::load_embedded(peer_pins.path())
+            .unwrap_or_else(|e| panic!("{e}"));
+        topo.client()
+            .run(|| {
+                rune_agent::dataplane::ebpf::attach_xdp_pass(
+                    &mut bpf,
+                    rune_agent_tests::topology::CLIENT_IF,
+                    rune_agent::dataplane::ebpf::XdpMode::Driver,
+                )
+            })
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{:#}", anyhow::Error::from(e)));
+        bpf
+    });
     apply(&agent, &service_yaml(&all_ready(&topo), 30));
 
     let vip4 = SocketAddr::new(VIP4.parse().unwrap(), TCP_PORT);
@@ -267,6 +356,10 @@ fn balanced_for_tcp_udp_and_ipv6(xdp: bool) {
         "{text}"
     );
     assert_eq!(text.contains("rune_xdp_lb on xdp n-client"), xdp, "{text}");
+
+    // Without endpoints, connects are refused by a RST (and UDP by an ICMP port
+    // unreachable) from the same hook that balanced them.
+    assert_empty_service_refuses(&agent, &topo);
 }
 
 #[test]
@@ -341,14 +434,7 @@ fn terminating_backend_gets_no_new_flows_and_established_flows_stay() {
     }
 
     // An empty endpoint list refuses new flows, and the refusal is counted.
-    apply(&agent, &service_yaml(&[], 30));
-    let series = "rune_dataplane_drops_total{reason=\"no_backend\"}";
-    let drops_before = metric(&agent.metrics_text(), series).unwrap_or(0.0);
-    rune_agent_tests::agent::eventually(PATIENCE, "connections to the VIP are refused", || {
-        topo.tcp_request(vip, "refused?").is_err().then_some(())
-    });
-    let drops_after = metric(&agent.metrics_text(), series).unwrap_or(0.0);
-    assert!(drops_after > drops_before, "refusals are counted");
+    assert_empty_service_refuses(&agent, &topo);
 }
 
 #[test]

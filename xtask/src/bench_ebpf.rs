@@ -19,7 +19,8 @@ use std::{
 };
 
 use agent_common::lb::{
-    self, BACKEND_ACTIVE, Backend, FAMILY_V4, PROTO_TCP, ServiceKeyV4, ServiceValue, TrafficStats,
+    self, BACKEND_ACTIVE, Backend, CtKeyV4, CtValue, FAMILY_V4, PROTO_TCP, RevNatFrontend,
+    RevNatKey, RevNatValue, ServiceKeyV4, ServiceValue, TrafficStats,
 };
 use anyhow::{Context as _, Result, bail, ensure};
 use aya::{
@@ -123,6 +124,7 @@ fn measure(object: PathBuf) -> Result<String> {
     }
     for name in [
         lb::PROG_TC_INGRESS,
+        lb::PROG_TC_EGRESS,
         "rune_bench_tc_driver",
         "rune_bench_tc_noop",
     ] {
@@ -156,13 +158,13 @@ fn measure(object: PathBuf) -> Result<String> {
     );
 
     // New flows: every iteration another source address. First into a conntrack
-    // that still has free entries: few enough flows (two entries each) that even if
+    // that still has free entries: few enough flows (one entry each) that even if
     // every run lands on one CPU, that CPU's share of the per-CPU LRU lists
     // (`BPF_F_NO_COMMON_LRU` splits the entries over the possible CPUs) holds them
     // all, so nothing is evicted. Then the full run, which fills the table and from
     // then on evicts on every insert, as a node at capacity does.
     let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?;
-    let fresh = (u64::from(ct_entries()) / (2 * RUNS as u64 * cpus as u64) * 9 / 10)
+    let fresh = (u64::from(ct_entries()) / (RUNS as u64 * cpus as u64) * 9 / 10)
         .min(u64::from(repeat())) as u32;
     ensure!(fresh > 0, "conntrack too small for the not-full run");
     b.set_vary(true)?;
@@ -199,6 +201,28 @@ fn measure(object: PathBuf) -> Result<String> {
         "tc established-flow runs did not all hit conntrack: {before:?} → {after:?}"
     );
 
+    // tc egress, the backend's reply to the established flow: the reverse-NAT index
+    // names the VIP, the conntrack entry (found with the reply's tuple) the backend.
+    let backend_id = b.flow_backend(CLIENT, 40000)?;
+    let backend = backend_of(backend_id);
+    let reply = tcp_frame(backend.0, backend.1, CLIENT, 40000);
+    b.set_saved(&reply)?;
+    b.set_jump("RUNE_BENCH_TC_JMP", "rune_bench_tc_noop")?;
+    let tc_reply_driver = b.median("rune_bench_tc_driver", &reply, TC_ACT_OK)?;
+    b.set_jump("RUNE_BENCH_TC_JMP", lb::PROG_TC_EGRESS)?;
+    let before = b.stats()?;
+    let tc_reply = b.median("rune_bench_tc_driver", &reply, TC_ACT_OK)?;
+    let after = b.stats()?;
+    ensure!(
+        after.packets - before.packets == runs && after.flows == before.flows,
+        "tc egress runs did not all reverse-translate: {before:?} → {after:?}"
+    );
+    let out = test_run(b.fd(lb::PROG_TC_EGRESS)?, &reply, 1)?;
+    ensure!(
+        out.data[26..30] == VIP && out.data[34..36] == 80u16.to_be_bytes(),
+        "the reply did not leave from the VIP"
+    );
+
     let rows = [
         ("XDP_PASS floor (rune_xdp_pass)", floor, "", None),
         ("XDP non-VIP miss (rune_xdp_lb)", miss, "", Some(31.0)),
@@ -210,7 +234,7 @@ fn measure(object: PathBuf) -> Result<String> {
             None,
         ),
         (
-            "XDP VIP hit, new flow, conntrack not full (miss, Maglev, 2 inserts)",
+            "XDP VIP hit, new flow, conntrack not full (miss, Maglev, 1 insert)",
             xdp_new_fresh - xdp_driver_fresh,
             "driver subtracted",
             None,
@@ -224,6 +248,12 @@ fn measure(object: PathBuf) -> Result<String> {
         (
             "tc VIP hit, established flow",
             tc_hit - tc_driver,
+            "driver subtracted",
+            None,
+        ),
+        (
+            "tc egress reply, reverse NAT (index + conntrack lookup)",
+            tc_reply - tc_reply_driver,
             "driver subtracted",
             None,
         ),
@@ -254,7 +284,30 @@ fn measure(object: PathBuf) -> Result<String> {
     Ok(t)
 }
 
+/// Backend `id`'s address and port, as `Bench::fill_maps` writes them.
+fn backend_of(id: u32) -> ([u8; 4], u16) {
+    ([198, 18, 1, id as u8], 8000 + id as u16)
+}
+
 impl Bench {
+    /// The backend id conntrack holds for the flow `client:sport` → VIP:80.
+    fn flow_backend(&self, client: [u8; 4], sport: u16) -> Result<u32> {
+        let ct: HashMap<&MapData, CtKeyV4, CtValue> =
+            HashMap::try_from(self.ebpf.map(lb::CONNTRACK_V4).context("conntrack")?)?;
+        let key = CtKeyV4 {
+            saddr: u32::from_ne_bytes(client),
+            daddr: u32::from_ne_bytes(VIP),
+            sport: sport.to_be(),
+            dport: 80u16.to_be(),
+            proto: PROTO_TCP,
+            pad: [0; 3],
+        };
+        Ok(ct
+            .get(&key, 0)
+            .context("no conntrack entry for the flow")?
+            .backend_id)
+    }
+
     fn fill_maps(&mut self) -> Result<()> {
         let mut svc: HashMap<_, ServiceKeyV4, ServiceValue> =
             HashMap::try_from(self.ebpf.map_mut(lb::SERVICES_V4).context("services")?)?;
@@ -276,16 +329,40 @@ impl Bench {
         let mut backends: Array<_, Backend> =
             Array::try_from(self.ebpf.map_mut(lb::BACKENDS).context("backends")?)?;
         for id in 1..=3u32 {
+            let (addr, port) = backend_of(id);
             backends.set(
                 id,
                 Backend {
-                    addr: [u32::from_ne_bytes([198, 18, 1, id as u8]), 0, 0, 0],
-                    port: (8000 + id as u16).to_be(),
+                    addr: [u32::from_ne_bytes(addr), 0, 0, 0],
+                    port: port.to_be(),
                     family: FAMILY_V4,
                     state: BACKEND_ACTIVE,
                 },
                 0,
             )?;
+        }
+        let mut revnat: HashMap<_, RevNatKey, RevNatValue> =
+            HashMap::try_from(self.ebpf.map_mut(lb::REVNAT).context("revnat")?)?;
+        for id in 1..=3u32 {
+            let (addr, port) = backend_of(id);
+            let mut value = RevNatValue {
+                backend_id: id,
+                count: 1,
+                ..RevNatValue::default()
+            };
+            value.frontends[0] = RevNatFrontend {
+                addr: [u32::from_ne_bytes(VIP), 0, 0, 0],
+                port: 80u16.to_be(),
+                proto: PROTO_TCP,
+                pad: 0,
+            };
+            let key = RevNatKey {
+                addr: [u32::from_ne_bytes(addr), 0, 0, 0],
+                port: port.to_be(),
+                family: FAMILY_V4,
+                pad: 0,
+            };
+            revnat.insert(key, value, 0)?;
         }
         // Two slots per entry (agent_common::lb::MAGLEV): slots 0..8.
         let mut maglev: Array<_, [u32; 2]> =

@@ -3,10 +3,15 @@
 //!
 //! * [`dnat`] (tc ingress, XDP): a TCP/UDP packet whose (daddr, dport, proto) is a
 //!   frontend goes to the backend its conntrack entry names, else to a new one from
-//!   `select::pick_backend` (forward and reverse conntrack entries are stored); its
-//!   daddr/dport are rewritten to the backend's and the checksums updated.
-//! * [`snat`] (tc egress): a backend's reply with a reverse conntrack entry gets the
-//!   VIP and service port back as its source.
+//!   `select::pick_backend` (one conntrack entry is stored, keyed as the client
+//!   sent the packet); its daddr/dport are rewritten to the backend's and the
+//!   checksums updated.
+//! * [`snat`] (tc egress): a packet from a backend (found in the agent-filled
+//!   `RUNE_REVNAT` index, which lists the frontends leading to it) whose conntrack
+//!   entry, looked up as (client, candidate VIP, client port, candidate port), names
+//!   that backend gets the VIP and service port back as its source.
+//! * A new flow to a frontend without backends is refused ([`refuse`]): TCP with a
+//!   RST, UDP with an ICMP/ICMPv6 port unreachable, sent back by the hook.
 //!
 //! Which packets are "for a VIP": those whose frontend key can be read, i.e. the
 //! Ethernet, IP (IPv4 with any IHL ≥ 5, not a non-first fragment; IPv6 with TCP/UDP
@@ -24,17 +29,18 @@
 
 pub mod csum;
 pub mod parse;
+pub mod refuse;
 
 use agent_common::{
     hash::{FLOW_HASH_SEED, flow_hash_v4, flow_hash_v6},
     lb::{
-        Backend, CT_FORWARD, CT_REVERSE, CtKeyV4, CtKeyV6, CtValue, DropReason, FAMILY_V4,
-        FAMILY_V6, PROTO_TCP, ServiceKeyV4, ServiceKeyV6, ServiceValue,
+        Addr, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, FAMILY_V4, FAMILY_V6, PROTO_TCP,
+        REVNAT_MAX_FRONTENDS, RevNatKey, RevNatValue, ServiceKeyV4, ServiceKeyV6, ServiceValue,
     },
 };
 
 use crate::{
-    maps::{RUNE_BACKENDS, RUNE_CT_V4, RUNE_CT_V6, RUNE_SVC_V4, RUNE_SVC_V6},
+    maps::{RUNE_BACKENDS, RUNE_CT_V4, RUNE_CT_V6, RUNE_REVNAT, RUNE_SVC_V4, RUNE_SVC_V6},
     select,
 };
 use parse::{ETH_LEN, ETH_P_IP, ETH_P_IPV6, L4Pos, TCP_LEN, UDP_LEN, load, store};
@@ -47,6 +53,27 @@ pub enum Verdict {
     Untouched,
     /// Addresses and ports rewritten, checksums updated.
     Translated,
+    /// A TCP packet to a frontend without backends, rewritten in place into the RST
+    /// that refuses it (counted as `DropReason::NoBackend`): the hook trims the frame
+    /// to this length and sends it back where it came from.
+    Refused(usize),
+    /// A UDP datagram to a frontend without backends (counted as
+    /// `DropReason::NoBackend`), untouched yet: the hook makes `plan.room()` bytes
+    /// after the Ethernet header, trims the frame to `plan.frame_len()`, writes the
+    /// ICMP port unreachable with [`refuse::write_icmp`] and sends it back.
+    Unreachable(refuse::IcmpPlan),
+}
+
+/// The verdict on a refused packet: its reply when one is due, else a drop.
+#[inline(always)]
+fn refused(reply: Option<Verdict>) -> Result<Verdict, DropReason> {
+    match reply {
+        Some(verdict) => {
+            select::count_drop(DropReason::NoBackend);
+            Ok(verdict)
+        }
+        None => Err(DropReason::NoBackend),
+    }
 }
 
 /// The hook the core runs in: packet bounds and how checksums are fixed.
@@ -211,8 +238,7 @@ fn dnat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
         sport,
         dport,
         proto: pos.proto,
-        dir: CT_FORWARD,
-        pad: [0; 2],
+        pad: [0; 3],
     };
     // SAFETY: the value is read at once.
     let existing = unsafe { RUNE_CT_V4.get(&key) }.map(|ct| ct.backend_id);
@@ -220,33 +246,27 @@ fn dnat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
         Some((id, backend)) => (id, backend, false),
         None => {
             let hash = flow_hash_v4(u32::from_be(saddr), u16::from_be(sport), FLOW_HASH_SEED);
-            let (id, backend) = pick(&svc, &[saddr, 0, 0, 0], hash, FAMILY_V4)?;
-            let forward = CtValue {
+            let (id, backend) = match pick(&svc, &[saddr, 0, 0, 0], hash, FAMILY_V4) {
+                Ok(found) => found,
+                Err(DropReason::NoBackend) if pos.proto == PROTO_TCP => {
+                    return refused(
+                        refuse::tcp_rst_v4(data, end, &pos, tot_len).map(Verdict::Refused),
+                    );
+                }
+                Err(DropReason::NoBackend) => {
+                    return refused(
+                        refuse::plan_icmp(data, end, &pos, false).map(Verdict::Unreachable),
+                    );
+                }
+                Err(e) => return Err(e),
+            };
+            let value = CtValue {
                 backend_id: id,
                 service_id: svc.id,
-                ..CtValue::default()
-            };
-            let reverse_key = CtKeyV4 {
-                saddr: backend.addr[0],
-                daddr: saddr,
-                sport: backend.port,
-                dport: sport,
-                proto: pos.proto,
-                dir: CT_REVERSE,
-                pad: [0; 2],
-            };
-            let reverse = CtValue {
-                backend_id: id,
-                service_id: svc.id,
-                nat_addr: [daddr, 0, 0, 0],
-                nat_port: dport,
-                pad: [0; 6],
             };
             // A full LRU map is rare (it evicts); the flow still goes to its backend,
             // whose Maglev slot is stable, and the failure is counted.
-            if RUNE_CT_V4.insert(&key, &forward, 0).is_err()
-                || RUNE_CT_V4.insert(&reverse_key, &reverse, 0).is_err()
-            {
+            if RUNE_CT_V4.insert(&key, &value, 0).is_err() {
                 select::count_drop(DropReason::MapFull);
             }
             (id, backend, true)
@@ -301,8 +321,7 @@ fn dnat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
         sport,
         dport,
         proto: pos.proto,
-        dir: CT_FORWARD,
-        pad: [0; 2],
+        pad: [0; 3],
     };
     // SAFETY: the value is read at once.
     let existing = unsafe { RUNE_CT_V6.get(&key) }.map(|ct| ct.backend_id);
@@ -316,31 +335,25 @@ fn dnat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
                 u32::from_be(saddr[3]),
             ];
             let hash = flow_hash_v6(words, u16::from_be(sport), FLOW_HASH_SEED);
-            let (id, backend) = pick(&svc, &saddr, hash, FAMILY_V6)?;
-            let forward = CtValue {
+            let (id, backend) = match pick(&svc, &saddr, hash, FAMILY_V6) {
+                Ok(found) => found,
+                Err(DropReason::NoBackend) if pos.proto == PROTO_TCP => {
+                    return refused(
+                        refuse::tcp_rst_v6(data, end, &pos, payload).map(Verdict::Refused),
+                    );
+                }
+                Err(DropReason::NoBackend) => {
+                    return refused(
+                        refuse::plan_icmp(data, end, &pos, true).map(Verdict::Unreachable),
+                    );
+                }
+                Err(e) => return Err(e),
+            };
+            let value = CtValue {
                 backend_id: id,
                 service_id: svc.id,
-                ..CtValue::default()
             };
-            let reverse_key = CtKeyV6 {
-                saddr: backend.addr,
-                daddr: saddr,
-                sport: backend.port,
-                dport: sport,
-                proto: pos.proto,
-                dir: CT_REVERSE,
-                pad: [0; 2],
-            };
-            let reverse = CtValue {
-                backend_id: id,
-                service_id: svc.id,
-                nat_addr: daddr,
-                nat_port: dport,
-                pad: [0; 6],
-            };
-            if RUNE_CT_V6.insert(&key, &forward, 0).is_err()
-                || RUNE_CT_V6.insert(&reverse_key, &reverse, 0).is_err()
-            {
+            if RUNE_CT_V6.insert(&key, &value, 0).is_err() {
                 select::count_drop(DropReason::MapFull);
             }
             (id, backend, true)
@@ -381,25 +394,74 @@ fn pick(
     Ok((id, backend))
 }
 
+/// The frontend a backend's reply belongs to: the backend's [`RevNatValue`] lists
+/// the candidates, and the first whose conntrack entry (built by `ct_key` from the
+/// candidate's VIP and port) names this backend wins. Returns the VIP, the service
+/// port and the conntrack entry.
+#[inline(always)]
+fn reply_frontend<K>(
+    revnat: &RevNatValue,
+    proto: u8,
+    ct_key: impl Fn(&Addr, u16) -> K,
+    lookup: impl Fn(&K) -> Option<CtValue>,
+) -> Option<(Addr, u16, CtValue)> {
+    let count = revnat.count as usize;
+    for i in 0..REVNAT_MAX_FRONTENDS {
+        if i >= count {
+            break;
+        }
+        let f = &revnat.frontends[i];
+        if f.proto != proto {
+            continue;
+        }
+        if let Some(ct) = lookup(&ct_key(&f.addr, f.port))
+            && ct.backend_id == revnat.backend_id
+        {
+            return Some((f.addr, f.port, ct));
+        }
+    }
+    None
+}
+
 #[inline(always)]
 fn snat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropReason> {
     let Some(pos) = parse::ipv4(data, end) else {
         return Ok(Verdict::Untouched);
     };
     // SAFETY: the IPv4 fixed header and the ports are inside the packet.
-    let key = unsafe {
-        CtKeyV4 {
-            saddr: load(pos.ip + 12),
-            daddr: load(pos.ip + 16),
-            sport: load(pos.l4),
-            dport: load(pos.l4 + 2),
-            proto: pos.proto,
-            dir: CT_REVERSE,
-            pad: [0; 2],
-        }
+    let (saddr, daddr, sport, dport) = unsafe {
+        (
+            load::<u32>(pos.ip + 12),
+            load::<u32>(pos.ip + 16),
+            load::<u16>(pos.l4),
+            load::<u16>(pos.l4 + 2),
+        )
     };
-    // SAFETY: the value is copied out at once.
-    let Some(ct) = (unsafe { RUNE_CT_V4.get(&key) }).copied() else {
+    let rkey = RevNatKey {
+        addr: [saddr, 0, 0, 0],
+        port: sport,
+        family: FAMILY_V4,
+        pad: 0,
+    };
+    // SAFETY: the value is only read during this run.
+    let Some(revnat) = (unsafe { RUNE_REVNAT.get(&rkey) }) else {
+        return Ok(Verdict::Untouched);
+    };
+    let found = reply_frontend(
+        revnat,
+        pos.proto,
+        |vip, vport| CtKeyV4 {
+            saddr: daddr,
+            daddr: vip[0],
+            sport: dport,
+            dport: vport,
+            proto: pos.proto,
+            pad: [0; 3],
+        },
+        // SAFETY: the value is copied out at once.
+        |key| unsafe { RUNE_CT_V4.get(key) }.copied(),
+    );
+    let Some((vip, vport, ct)) = found else {
         return Ok(Verdict::Untouched);
     };
     let ihl = pos.l4_off - ETH_LEN;
@@ -408,16 +470,16 @@ fn snat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
     let check_off = full_l4(ctx, &pos, end, tot_len.checked_sub(ihl))?;
     // SAFETY: the fields were bounds-checked above.
     unsafe {
-        store(pos.ip + 12, ct.nat_addr[0]);
-        store(pos.l4, ct.nat_port);
+        store(pos.ip + 12, vip[0]);
+        store(pos.l4, vport);
     }
     ctx.fix_csums(&CsumFix {
         ip_check: pos.ip + 10,
         l4_check: pos.l4 + check_off,
         l4_check_off: pos.l4_off + check_off,
-        addr_diff: csum::diff32(key.saddr, ct.nat_addr[0]),
-        old_port: key.sport,
-        new_port: ct.nat_port,
+        addr_diff: csum::diff32(saddr, vip[0]),
+        old_port: sport,
+        new_port: vport,
         udp: pos.proto != PROTO_TCP,
         v6: false,
     })?;
@@ -436,19 +498,39 @@ fn snat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
         return Ok(Verdict::Untouched);
     };
     // SAFETY: the IPv6 fixed header and the ports are inside the packet.
-    let key = unsafe {
-        CtKeyV6 {
-            saddr: load(pos.ip + 8),
-            daddr: load(pos.ip + 24),
-            sport: load(pos.l4),
-            dport: load(pos.l4 + 2),
-            proto: pos.proto,
-            dir: CT_REVERSE,
-            pad: [0; 2],
-        }
+    let (saddr, daddr, sport, dport) = unsafe {
+        (
+            load::<[u32; 4]>(pos.ip + 8),
+            load::<[u32; 4]>(pos.ip + 24),
+            load::<u16>(pos.l4),
+            load::<u16>(pos.l4 + 2),
+        )
     };
-    // SAFETY: the value is copied out at once.
-    let Some(ct) = (unsafe { RUNE_CT_V6.get(&key) }).copied() else {
+    let rkey = RevNatKey {
+        addr: saddr,
+        port: sport,
+        family: FAMILY_V6,
+        pad: 0,
+    };
+    // SAFETY: the value is only read during this run.
+    let Some(revnat) = (unsafe { RUNE_REVNAT.get(&rkey) }) else {
+        return Ok(Verdict::Untouched);
+    };
+    let found = reply_frontend(
+        revnat,
+        pos.proto,
+        |vip, vport| CtKeyV6 {
+            saddr: daddr,
+            daddr: *vip,
+            sport: dport,
+            dport: vport,
+            proto: pos.proto,
+            pad: [0; 3],
+        },
+        // SAFETY: the value is copied out at once.
+        |key| unsafe { RUNE_CT_V6.get(key) }.copied(),
+    );
+    let Some((vip, vport, ct)) = found else {
         return Ok(Verdict::Untouched);
     };
     // SAFETY: as above.
@@ -456,16 +538,16 @@ fn snat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
     let check_off = full_l4(ctx, &pos, end, Some(payload))?;
     // SAFETY: the fields were bounds-checked above.
     unsafe {
-        store(pos.ip + 8, ct.nat_addr);
-        store(pos.l4, ct.nat_port);
+        store(pos.ip + 8, vip);
+        store(pos.l4, vport);
     }
     ctx.fix_csums(&CsumFix {
         ip_check: 0,
         l4_check: pos.l4 + check_off,
         l4_check_off: pos.l4_off + check_off,
-        addr_diff: csum::diff128(&key.saddr, &ct.nat_addr),
-        old_port: key.sport,
-        new_port: ct.nat_port,
+        addr_diff: csum::diff128(&saddr, &vip),
+        old_port: sport,
+        new_port: vport,
         udp: pos.proto != PROTO_TCP,
         v6: true,
     })?;

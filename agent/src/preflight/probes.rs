@@ -66,6 +66,12 @@ const HELPERS: [(&str, ProgramType, &[BpfHelper]); 3] = {
                 BpfHelper::BPF_FUNC_l3_csum_replace,
                 BpfHelper::BPF_FUNC_l4_csum_replace,
                 BpfHelper::BPF_FUNC_skb_pull_data,
+                // The refusal of a service without backends: the RST / ICMP error is
+                // resized, its checksum state reset, and sent back out.
+                BpfHelper::BPF_FUNC_redirect,
+                BpfHelper::BPF_FUNC_skb_change_tail,
+                BpfHelper::BPF_FUNC_skb_adjust_room,
+                BpfHelper::BPF_FUNC_csum_level,
             ],
         ),
         (

@@ -115,6 +115,24 @@ pub enum EbpfError {
     #[error(transparent)]
     Maps(super::maps::MapsError),
 
+    /// A map pinned by an earlier agent has another key or value size than this
+    /// agent's programs use (an upgrade changed its layout); loading would fail.
+    #[error(
+        "eBPF map {name} pinned in {dir} has (key, value) sizes {found:?}, this agent \
+         needs {want:?}: stop the agent and run `rune-agent cleanup --bpf-pin-dir {dir}` \
+         (established flows through the node are reset once)"
+    )]
+    PinnedLayout {
+        /// The map's name.
+        name: &'static str,
+        /// The pin directory.
+        dir: String,
+        /// Key and value sizes of the pinned map.
+        found: (u32, u32),
+        /// Key and value sizes this agent needs.
+        want: (u32, u32),
+    },
+
     /// The object has no map of this name.
     #[error("eBPF map {name} not found in the embedded object")]
     MapNotFound {
@@ -248,6 +266,7 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
         return Err(EbpfError::NotEmbedded);
     }
     ensure_pin_dir(pin_dir)?;
+    check_pinned_layouts(pin_dir)?;
     let slots = sizes.frontends.saturating_mul(sizes.table_size);
     let mut loader = EbpfLoader::new();
     loader
@@ -258,6 +277,7 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
         .map_max_entries(lb::MAGLEV, slots.div_ceil(lb::MAGLEV_SLOTS_PER_ENTRY))
         .map_max_entries(lb::BACKENDS, sizes.backends)
         .map_max_entries(lb::BACKEND_STATS, sizes.backends)
+        .map_max_entries(lb::REVNAT, sizes.backends)
         .map_max_entries(lb::CONNTRACK_V4, sizes.flows)
         .map_max_entries(lb::CONNTRACK_V6, sizes.flows)
         .map_max_entries(lb::SOCK_REVERSE, sizes.flows)
@@ -268,6 +288,55 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
             size: EMBEDDED_OBJECT.len(),
             source: Box::new(source),
         })
+}
+
+/// Fails with [`EbpfError::PinnedLayout`] when a pinned map whose layout changed
+/// between releases (conntrack, reverse-NAT index) has other key or value sizes
+/// than this agent's, instead of a verifier error at load.
+fn check_pinned_layouts(pin_dir: &Path) -> Result<(), EbpfError> {
+    let size = |n: usize| n as u32;
+    for (name, want) in [
+        (
+            lb::CONNTRACK_V4,
+            (
+                size(size_of::<lb::CtKeyV4>()),
+                size(size_of::<lb::CtValue>()),
+            ),
+        ),
+        (
+            lb::CONNTRACK_V6,
+            (
+                size(size_of::<lb::CtKeyV6>()),
+                size(size_of::<lb::CtValue>()),
+            ),
+        ),
+        (
+            lb::REVNAT,
+            (
+                size(size_of::<lb::RevNatKey>()),
+                size(size_of::<lb::RevNatValue>()),
+            ),
+        ),
+    ] {
+        let path = pin_dir.join(name);
+        if !path.exists() {
+            continue;
+        }
+        // Anything else wrong with the pin is the loader's to report.
+        let Ok(info) = aya::maps::MapInfo::from_pin(&path) else {
+            continue;
+        };
+        let found = (info.key_size(), info.value_size());
+        if found != want {
+            return Err(EbpfError::PinnedLayout {
+                name,
+                dir: pin_dir.display().to_string(),
+                found,
+                want,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Loads `rune_xdp_pass` (once) and attaches it to `interface` in `mode`.

@@ -7,8 +7,8 @@
 //! map write that fails is tested without a broken kernel.
 
 use agent_common::lb::{
-    self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, ServiceKeyV4,
-    ServiceKeyV6, ServiceValue, TrafficStats,
+    self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, RevNatKey,
+    RevNatValue, ServiceKeyV4, ServiceKeyV6, ServiceValue, TrafficStats,
 };
 use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, MapError, PerCpuArray};
 use std::{
@@ -76,6 +76,12 @@ pub trait LbMaps: Send {
     fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), MapsError>;
     /// Writes backend slot `id` (a zeroed backend frees it).
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<(), MapsError>;
+    /// Every reverse-NAT index entry (backend address → frontends leading to it).
+    fn revnats(&self) -> Result<Vec<(RevNatKey, RevNatValue)>, MapsError>;
+    /// Inserts or replaces a backend's reverse-NAT index entry.
+    fn put_revnat(&mut self, key: &RevNatKey, value: &RevNatValue) -> Result<(), MapsError>;
+    /// Removes a backend's reverse-NAT index entry (absent is fine).
+    fn delete_revnat(&mut self, key: &RevNatKey) -> Result<(), MapsError>;
     /// Frontend `id`'s Maglev table, for reading.
     fn table(&self, id: u32) -> Result<&[u32], MapsError>;
     /// Stores `(slot, backend id)` pairs into frontend `id`'s table (only the slots
@@ -104,6 +110,7 @@ pub struct KernelMaps {
     backends: Array<MapData, Backend>,
     ct_v4: HashMap<MapData, CtKeyV4, CtValue>,
     ct_v6: HashMap<MapData, CtKeyV6, CtValue>,
+    revnat: HashMap<MapData, RevNatKey, RevNatValue>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     svc_stats: PerCpuArray<MapData, TrafficStats>,
     backend_stats: PerCpuArray<MapData, TrafficStats>,
@@ -315,6 +322,7 @@ impl KernelMaps {
             backends,
             ct_v4,
             ct_v6: typed(maps, lb::CONNTRACK_V6)?,
+            revnat: typed(maps, lb::REVNAT)?,
             affinity: typed(maps, lb::AFFINITY)?,
             svc_stats,
             backend_stats: typed(maps, lb::BACKEND_STATS)?,
@@ -384,6 +392,29 @@ impl LbMaps for KernelMaps {
                 Ok(())
             }
             Err(e) => Err(MapsError::new(name, "delete", e)),
+        }
+    }
+
+    fn revnats(&self) -> Result<Vec<(RevNatKey, RevNatValue)>, MapsError> {
+        self.revnat
+            .iter()
+            .map(|entry| entry.map_err(|e| MapsError::new(lb::REVNAT, "read", e)))
+            .collect()
+    }
+
+    fn put_revnat(&mut self, key: &RevNatKey, value: &RevNatValue) -> Result<(), MapsError> {
+        self.revnat
+            .insert(key, value, 0)
+            .map_err(|e| MapsError::new(lb::REVNAT, "insert", e))
+    }
+
+    fn delete_revnat(&mut self, key: &RevNatKey) -> Result<(), MapsError> {
+        match self.revnat.remove(key) {
+            Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+                Ok(())
+            }
+            Err(e) => Err(MapsError::new(lb::REVNAT, "delete", e)),
         }
     }
 
@@ -499,6 +530,8 @@ pub struct FakeMaps {
     pub maglev: Vec<u32>,
     /// Backend ids of the "conntrack" entries (one per flow).
     pub flows: Vec<u32>,
+    /// The reverse-NAT index.
+    pub revnat: BTreeMap<RevNatKey, RevNatValue>,
     /// Every write made, in order (`put_frontend …`, `table {id}` when slots of that
     /// table change; reads are not writes), so tests can see what changed.
     pub writes: Vec<String>,
@@ -514,6 +547,7 @@ impl FakeMaps {
             backends: vec![Backend::default(); capacity.backends as usize],
             maglev: vec![0; capacity.frontends as usize * capacity.table_size as usize],
             flows: Vec::new(),
+            revnat: BTreeMap::new(),
             writes: Vec::new(),
             capacity,
         }
@@ -553,6 +587,25 @@ impl LbMaps for FakeMaps {
     fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), MapsError> {
         self.writes.push(format!("delete_frontend {key:?}"));
         self.frontends.remove(key);
+        Ok(())
+    }
+
+    fn revnats(&self) -> Result<Vec<(RevNatKey, RevNatValue)>, MapsError> {
+        Ok(self.revnat.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+
+    fn put_revnat(&mut self, key: &RevNatKey, value: &RevNatValue) -> Result<(), MapsError> {
+        if !self.revnat.contains_key(key) && self.revnat.len() >= self.capacity.backends as usize {
+            return Err(MapsError::new(lb::REVNAT, "insert", "map full"));
+        }
+        self.writes.push(format!("put_revnat {key:?}"));
+        self.revnat.insert(*key, *value);
+        Ok(())
+    }
+
+    fn delete_revnat(&mut self, key: &RevNatKey) -> Result<(), MapsError> {
+        self.writes.push(format!("delete_revnat {key:?}"));
+        self.revnat.remove(key);
         Ok(())
     }
 
@@ -652,6 +705,17 @@ impl<M: LbMaps> LbMaps for FaultyMaps<M> {
     fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), MapsError> {
         self.write(lb::SERVICES_V4)?;
         self.inner.delete_frontend(key)
+    }
+    fn revnats(&self) -> Result<Vec<(RevNatKey, RevNatValue)>, MapsError> {
+        self.inner.revnats()
+    }
+    fn put_revnat(&mut self, key: &RevNatKey, value: &RevNatValue) -> Result<(), MapsError> {
+        self.write(lb::REVNAT)?;
+        self.inner.put_revnat(key, value)
+    }
+    fn delete_revnat(&mut self, key: &RevNatKey) -> Result<(), MapsError> {
+        self.write(lb::REVNAT)?;
+        self.inner.delete_revnat(key)
     }
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<(), MapsError> {
         self.write(lb::BACKENDS)?;

@@ -7,7 +7,9 @@
 //! stored (as Katran does), so an endpoint change rewrites about `1/N` of a table.
 //!
 //! Order of writes, so that a packet never meets a half-built service: backends
-//! first, then table slots, then the frontend entry, and only then the removal of
+//! first, then their reverse-NAT index entries (the frontends each backend can be
+//! reached through, so that replies of a new flow are translated back from its
+//! first packet on; entries only grow until the end of the apply), then table slots, then the frontend entry, and only then the removal of
 //! backends nothing uses any more (with their conntrack and affinity entries).
 //!
 //! A full delta first adopts what the maps hold (a previous agent's pinned maps, or
@@ -23,8 +25,9 @@ use crate::{
     model::{Endpoint, LocalityPreference, Protocol, ServiceKey, SessionAffinity},
 };
 use agent_common::lb::{
-    self, BACKEND_ACTIVE, BACKEND_DRAINING, Backend, FAMILY_V4, FAMILY_V6, ServiceKeyV4,
-    ServiceKeyV6, ServiceValue, addr_from_octets,
+    self, BACKEND_ACTIVE, BACKEND_DRAINING, Backend, FAMILY_V4, FAMILY_V6, REVNAT_MAX_FRONTENDS,
+    RevNatFrontend, RevNatKey, RevNatValue, ServiceKeyV4, ServiceKeyV6, ServiceValue,
+    addr_from_octets,
 };
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
@@ -79,20 +82,14 @@ enum Use {
 /// of a few services without growing.
 const SCRATCH_CAPACITY: usize = 1024;
 
-/// How many services use one backend.
-#[derive(Clone, Copy, Debug, Default)]
-struct Refs {
-    /// In any way (active or draining): the backend stays in the maps while > 0.
-    uses: u32,
-    /// With [`Use::Active`]: the backend's state is active exactly when > 0.
-    active: u32,
-}
-
 /// What the sync engine remembers of a service.
 #[derive(Clone, Debug, Default)]
 struct ServiceState {
     frontends: BTreeSet<FrontendKey>,
     uses: HashMap<SocketAddr, Use>,
+    /// For each backend in `uses`, the frontends of this service that lead (or led,
+    /// while the use lasts) to it: what replies from it may need as source.
+    reach: HashMap<SocketAddr, BTreeSet<FrontendKey>>,
     /// The service as last applied: `status` is derived from it when asked (it
     /// shares the cache's objects; a copy per service would cost ~1.4 KB each).
     view: Option<ServiceView>,
@@ -113,10 +110,14 @@ pub struct LbSync<M> {
     frontends: BTreeMap<FrontendKey, Frontend>,
     backends: HashMap<SocketAddr, BackendSlot>,
     services: BTreeMap<ServiceKey, ServiceState>,
-    /// How many services use each backend, and how many of them have it in their
-    /// tables. Kept equal to the services' `uses`, so that one service's change does
-    /// not rescan every service; a backend with no entry is unused.
-    refs: HashMap<SocketAddr, Refs>,
+    /// How many services have each backend in their tables ([`Use::Active`]): a
+    /// backend's state is active exactly when it is counted here. Kept equal to the
+    /// services' `uses`, so that one service's change does not rescan every service.
+    active_refs: HashMap<SocketAddr, u32>,
+    /// The services that use each backend in any way (active or draining).
+    users: HashMap<SocketAddr, BTreeSet<ServiceKey>>,
+    /// The reverse-NAT index as the maps hold it: backend → (id, frontends).
+    revnat: HashMap<SocketAddr, (u32, Vec<FrontendKey>)>,
     /// Drain deadlines, earliest first; an entry whose use changed since is stale
     /// and skipped when it comes due.
     drains: BTreeSet<(Instant, ServiceKey, SocketAddr)>,
@@ -144,7 +145,9 @@ impl<M: LbMaps> LbSync<M> {
             frontends: BTreeMap::new(),
             backends: HashMap::new(),
             services: BTreeMap::new(),
-            refs: HashMap::new(),
+            active_refs: HashMap::new(),
+            users: HashMap::new(),
+            revnat: HashMap::new(),
             drains: BTreeSet::new(),
             unused: HashSet::new(),
             touched: HashSet::new(),
@@ -325,6 +328,23 @@ impl<M: LbMaps> LbSync<M> {
                 _ => self.maps.put_backend(id, &Backend::default())?,
             }
         }
+        self.revnat.clear();
+        for (key, value) in self.maps.revnats()? {
+            let addr = revnat_addr(&key);
+            let owned = addr.and_then(|a| self.backends.get(&a)).map(|b| b.id);
+            match addr {
+                Some(addr) if owned == Some(value.backend_id) => {
+                    let count = (value.count as usize).min(REVNAT_MAX_FRONTENDS);
+                    let frontends = value.frontends[..count]
+                        .iter()
+                        .map(|f| revnat_frontend_key(key.family, f))
+                        .collect();
+                    self.revnat.insert(addr, (value.backend_id, frontends));
+                }
+                // For a backend slot that is gone or was reused: unusable.
+                _ => self.maps.delete_revnat(&key)?,
+            }
+        }
         let used_f: HashSet<u32> = self.frontends.values().map(|f| f.value.id).collect();
         self.free_frontends = (0..self.capacity.frontends)
             .filter(|id| !used_f.contains(id))
@@ -410,15 +430,34 @@ impl<M: LbMaps> LbSync<M> {
             }
         }
 
-        // 1. Backends, before any table names them.
+        // Which frontends lead to each backend: from the listed endpoints, plus what
+        // led there before while the use lasts (flows through a frontend that no
+        // longer leads to a backend still get their replies translated).
+        let mut reach = reach_of(view);
+        if let Some(old) = self.services.get(&key) {
+            for (addr, frontends) in &old.reach {
+                if uses.contains_key(addr) {
+                    reach.entry(*addr).or_default().extend(frontends);
+                }
+            }
+        }
+        reach.retain(|addr, _| uses.contains_key(addr));
+
+        // 1. Backends and their reverse-NAT entries, before any table names them.
         self.services.entry(key.clone()).or_default();
         self.set_uses(&key, uses.clone());
+        if let Some(state) = self.services.get_mut(&key) {
+            state.reach = reach;
+        }
         // In address order: ids must not depend on hash order (same maps for the
         // same input, on every run).
         let mut addrs: Vec<SocketAddr> = uses.keys().copied().collect();
         addrs.sort_unstable();
-        for addr in addrs {
-            self.ensure_backend(addr)?;
+        for addr in &addrs {
+            self.ensure_backend(*addr)?;
+        }
+        for addr in &addrs {
+            self.write_revnat(*addr, true)?;
         }
         // Only this service's backends can have changed state (the rest are brought
         // up to date by `release_unused` at the end of every apply).
@@ -497,6 +536,58 @@ impl<M: LbMaps> LbSync<M> {
         out
     }
 
+    /// Writes backend `addr`'s reverse-NAT entry when it differs from the maps: the
+    /// frontends of every service using it that lead to it. With `grow`, frontends
+    /// the entry already lists are kept (mid-apply, tables may still name them).
+    /// Entries of backends without a slot are left to `release_unused`.
+    fn write_revnat(&mut self, addr: SocketAddr, grow: bool) -> Result<(), SyncError> {
+        let Some(id) = self.backends.get(&addr).map(|b| b.id) else {
+            return Ok(());
+        };
+        let key = revnat_key(addr);
+        let mut want: BTreeSet<FrontendKey> = BTreeSet::new();
+        for service in self.users.get(&addr).into_iter().flatten() {
+            if let Some(frontends) = self.services.get(service).and_then(|s| s.reach.get(&addr)) {
+                want.extend(frontends);
+            }
+        }
+        let have = self.revnat.get(&addr);
+        if grow && let Some((_, frontends)) = have.filter(|(i, _)| *i == id) {
+            want.extend(frontends);
+        }
+        let mut want: Vec<FrontendKey> = want.into_iter().collect();
+        if want.len() > REVNAT_MAX_FRONTENDS {
+            tracing::warn!(
+                backend = %addr,
+                frontends = want.len(),
+                max = REVNAT_MAX_FRONTENDS,
+                "backend reached through too many frontends: replies of flows through the rest are not translated back"
+            );
+            want.truncate(REVNAT_MAX_FRONTENDS);
+        }
+        if have == Some(&(id, want.clone())) {
+            return Ok(());
+        }
+        if want.is_empty() {
+            if have.is_some() {
+                self.maps.delete_revnat(&key)?;
+                self.revnat.remove(&addr);
+            }
+            return Ok(());
+        }
+        let mut value = RevNatValue {
+            backend_id: id,
+            count: want.len() as u32,
+            ..RevNatValue::default()
+        };
+        for (slot, fk) in value.frontends.iter_mut().zip(&want) {
+            *slot = revnat_frontend(fk);
+        }
+        self.maps.put_revnat(&key, &value)?;
+        self.revnat.insert(addr, (id, want));
+        Ok(())
+    }
+
     fn ensure_backend(&mut self, addr: SocketAddr) -> Result<(), SyncError> {
         if self.backends.contains_key(&addr) {
             return Ok(());
@@ -529,7 +620,7 @@ impl<M: LbMaps> LbSync<M> {
     ) -> Result<(), SyncError> {
         for addr in addrs {
             if let Some(slot) = self.backends.get_mut(addr) {
-                refresh_backend_state(&mut self.maps, &self.refs, addr, slot)?;
+                refresh_backend_state(&mut self.maps, &self.active_refs, addr, slot)?;
             }
         }
         Ok(())
@@ -650,7 +741,7 @@ impl<M: LbMaps> LbSync<M> {
         let unused: Vec<SocketAddr> = self
             .unused
             .iter()
-            .filter(|a| !self.refs.contains_key(*a) && self.backends.contains_key(*a))
+            .filter(|a| !self.users.contains_key(*a) && self.backends.contains_key(*a))
             .copied()
             .collect();
         if !unused.is_empty() {
@@ -662,6 +753,12 @@ impl<M: LbMaps> LbSync<M> {
                 .collect();
             let purged = self.maps.purge_flows(&ids)?;
             for addr in &unused {
+                if self.revnat.contains_key(addr) {
+                    self.maps.delete_revnat(&revnat_key(*addr))?;
+                    self.revnat.remove(addr);
+                }
+            }
+            for addr in &unused {
                 if let Some(slot) = self.backends.get(addr) {
                     let id = slot.id;
                     self.maps.put_backend(id, &Backend::default())?;
@@ -672,11 +769,15 @@ impl<M: LbMaps> LbSync<M> {
             tracing::debug!(backends = ids.len(), flows = purged, "backends released");
         }
         self.unused.clear();
-        let touched: Vec<SocketAddr> = self.touched.drain().collect();
+        let mut touched: Vec<SocketAddr> = self.touched.drain().collect();
         // A full sync fills these with every backend: give that memory back (a few
         // MB at 100,000 backends) instead of keeping it for the next full sync.
         self.unused.shrink_to(SCRATCH_CAPACITY);
         self.touched.shrink_to(SCRATCH_CAPACITY);
+        touched.sort_unstable();
+        for addr in &touched {
+            self.write_revnat(*addr, false)?;
+        }
         self.refresh_backend_states_of(touched.iter())
     }
 
@@ -687,22 +788,21 @@ impl<M: LbMaps> LbSync<M> {
             return;
         };
         let old = std::mem::take(&mut state.uses);
-        for (addr, u) in &old {
+        count_active(&mut self.active_refs, &old, false);
+        count_active(&mut self.active_refs, &uses, true);
+        for addr in old.keys() {
             self.touched.insert(*addr);
-            if let Some(r) = self.refs.get_mut(addr) {
-                r.uses -= 1;
-                r.active -= u32::from(*u == Use::Active);
-                if r.uses == 0 {
-                    self.refs.remove(addr);
+            if let Some(users) = self.users.get_mut(addr) {
+                users.remove(key);
+                if users.is_empty() {
+                    self.users.remove(addr);
                     self.unused.insert(*addr);
                 }
             }
         }
         for (addr, u) in &uses {
             self.touched.insert(*addr);
-            let r = self.refs.entry(*addr).or_default();
-            r.uses += 1;
-            r.active += u32::from(*u == Use::Active);
+            self.users.entry(*addr).or_default().insert(key.clone());
             if let Use::Draining { until } = u
                 && old.get(addr) != Some(u)
             {
@@ -760,14 +860,31 @@ fn port_status(view: &ServiceView) -> Vec<ServicePortStatus> {
     out
 }
 
+/// Adds (`add`) or removes the [`Use::Active`] entries of `uses` to or from `refs`.
+fn count_active(refs: &mut HashMap<SocketAddr, u32>, uses: &HashMap<SocketAddr, Use>, add: bool) {
+    for (addr, u) in uses {
+        if *u != Use::Active {
+            continue;
+        }
+        if add {
+            *refs.entry(*addr).or_default() += 1;
+        } else if let Some(n) = refs.get_mut(addr) {
+            *n -= 1;
+            if *n == 0 {
+                refs.remove(addr);
+            }
+        }
+    }
+}
+
 /// Writes backend `addr`'s state when it differs from what `refs` asks for.
 fn refresh_backend_state<M: LbMaps>(
     maps: &mut M,
-    refs: &HashMap<SocketAddr, Refs>,
+    refs: &HashMap<SocketAddr, u32>,
     addr: &SocketAddr,
     slot: &mut BackendSlot,
 ) -> Result<(), SyncError> {
-    let want = if refs.get(addr).is_some_and(|r| r.active > 0) {
+    let want = if refs.contains_key(addr) {
         BACKEND_ACTIVE
     } else {
         BACKEND_DRAINING
@@ -800,6 +917,97 @@ fn listed_backends(view: &ServiceView) -> HashSet<SocketAddr> {
                 .map(move |e| SocketAddr::new(e.address, endpoint_port(e, p)))
         })
         .collect()
+}
+
+/// For every endpoint address × port of `view`, the frontends (VIP of the same
+/// family × service port) that lead to it.
+fn reach_of(view: &ServiceView) -> HashMap<SocketAddr, BTreeSet<FrontendKey>> {
+    let mut reach: HashMap<SocketAddr, BTreeSet<FrontendKey>> = HashMap::new();
+    let spec = &view.service.spec;
+    let Some(endpoints) = &view.endpoints else {
+        return reach;
+    };
+    if spec.discovery.headless {
+        return reach;
+    }
+    for port in &spec.ports {
+        let proto = proto_number(port.protocol);
+        for vip in &spec.discovery.vips {
+            let fk = frontend_key(*vip, port.port, proto);
+            for e in endpoints
+                .spec
+                .endpoints
+                .iter()
+                .filter(|e| e.address.is_ipv4() == vip.is_ipv4())
+            {
+                reach
+                    .entry(SocketAddr::new(e.address, endpoint_port(e, port)))
+                    .or_default()
+                    .insert(fk);
+            }
+        }
+    }
+    reach
+}
+
+/// The reverse-NAT index key of backend `addr`.
+#[must_use]
+pub fn revnat_key(addr: SocketAddr) -> RevNatKey {
+    let b = backend_value(addr, 0);
+    RevNatKey {
+        addr: b.addr,
+        port: b.port,
+        family: b.family,
+        pad: 0,
+    }
+}
+
+/// The backend address a reverse-NAT index key describes.
+#[must_use]
+pub fn revnat_addr(key: &RevNatKey) -> Option<SocketAddr> {
+    backend_addr(&Backend {
+        addr: key.addr,
+        port: key.port,
+        family: key.family,
+        state: 0,
+    })
+}
+
+/// A frontend as a reverse-NAT candidate.
+fn revnat_frontend(fk: &FrontendKey) -> RevNatFrontend {
+    match fk {
+        FrontendKey::V4(k) => RevNatFrontend {
+            addr: [k.addr, 0, 0, 0],
+            port: k.port,
+            proto: k.proto,
+            pad: 0,
+        },
+        FrontendKey::V6(k) => RevNatFrontend {
+            addr: k.addr,
+            port: k.port,
+            proto: k.proto,
+            pad: 0,
+        },
+    }
+}
+
+/// The frontend key of a reverse-NAT candidate of a backend of `family`.
+fn revnat_frontend_key(family: u8, f: &RevNatFrontend) -> FrontendKey {
+    if family == FAMILY_V6 {
+        FrontendKey::V6(ServiceKeyV6 {
+            addr: f.addr,
+            port: f.port,
+            proto: f.proto,
+            pad: 0,
+        })
+    } else {
+        FrontendKey::V4(ServiceKeyV4 {
+            addr: f.addr[0],
+            port: f.port,
+            proto: f.proto,
+            pad: 0,
+        })
+    }
 }
 
 /// The IP protocol number of `protocol`, as the maps store it.
