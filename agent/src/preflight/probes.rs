@@ -53,6 +53,11 @@ const HELPERS: [(&str, ProgramType, &[BpfHelper]); 3] = {
                 BpfHelper::BPF_FUNC_map_update_elem,
                 BpfHelper::BPF_FUNC_ktime_get_ns,
                 BpfHelper::BPF_FUNC_get_smp_processor_id,
+                // The refusal of a service without backends (RST / ICMP error,
+                // resized in place and sent back with XDP_TX).
+                BpfHelper::BPF_FUNC_xdp_adjust_head,
+                BpfHelper::BPF_FUNC_xdp_adjust_tail,
+                BpfHelper::BPF_FUNC_xdp_get_buff_len,
             ],
         ),
         (
