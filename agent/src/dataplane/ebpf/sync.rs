@@ -29,9 +29,11 @@ use agent_common::lb::{
     RevNatFrontend, RevNatKey, RevNatValue, ServiceKeyV4, ServiceKeyV6, ServiceValue,
     addr_from_octets,
 };
+use smallvec::SmallVec;
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     net::{IpAddr, SocketAddr},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -78,6 +80,38 @@ enum Use {
     Draining { until: Instant },
 }
 
+/// The services using one backend: one, nearly always, kept inline (a set per
+/// backend cost ~600 B each, 60 MB at 100,000 backends).
+type Users = SmallVec<[Arc<ServiceKey>; 1]>;
+
+/// The frontends leading to one backend, as its reverse-NAT entry lists them.
+type Frontends = SmallVec<[FrontendKey; 1]>;
+
+/// Which of a service's frontends lead to which backend: (backend, frontend) pairs,
+/// sorted and without duplicates (compact; a map of sets per service cost ~50 B per
+/// pair more).
+#[derive(Clone, Debug, Default)]
+struct Reach(Vec<(SocketAddr, FrontendKey)>);
+
+impl Reach {
+    /// The frontends that lead to `addr`.
+    fn of(&self, addr: SocketAddr) -> impl Iterator<Item = &FrontendKey> {
+        let start = self.0.partition_point(|(a, _)| *a < addr);
+        self.0[start..]
+            .iter()
+            .take_while(move |(a, _)| *a == addr)
+            .map(|(_, fk)| fk)
+    }
+
+    /// Sorts, removes duplicates and pairs of backends `keep` rejects.
+    fn normalize(&mut self, keep: impl Fn(&SocketAddr) -> bool) {
+        self.0.retain(|(a, _)| keep(a));
+        self.0.sort_unstable();
+        self.0.dedup();
+        self.0.shrink_to_fit();
+    }
+}
+
 /// What the per-apply scratch sets keep between applies: enough for any change
 /// of a few services without growing.
 const SCRATCH_CAPACITY: usize = 1024;
@@ -89,7 +123,9 @@ struct ServiceState {
     uses: HashMap<SocketAddr, Use>,
     /// For each backend in `uses`, the frontends of this service that lead (or led,
     /// while the use lasts) to it: what replies from it may need as source.
-    reach: HashMap<SocketAddr, BTreeSet<FrontendKey>>,
+    reach: Reach,
+    /// The service's key, shared by every backend's list of users.
+    shared_key: Option<Arc<ServiceKey>>,
     /// The service as last applied: `status` is derived from it when asked (it
     /// shares the cache's objects; a copy per service would cost ~1.4 KB each).
     view: Option<ServiceView>,
@@ -115,9 +151,9 @@ pub struct LbSync<M> {
     /// services' `uses`, so that one service's change does not rescan every service.
     active_refs: HashMap<SocketAddr, u32>,
     /// The services that use each backend in any way (active or draining).
-    users: HashMap<SocketAddr, BTreeSet<ServiceKey>>,
+    users: HashMap<SocketAddr, Users>,
     /// The reverse-NAT index as the maps hold it: backend → (id, frontends).
-    revnat: HashMap<SocketAddr, (u32, Vec<FrontendKey>)>,
+    revnat: HashMap<SocketAddr, (u32, Frontends)>,
     /// Drain deadlines, earliest first; an entry whose use changed since is stale
     /// and skipped when it comes due.
     drains: BTreeSet<(Instant, ServiceKey, SocketAddr)>,
@@ -435,13 +471,9 @@ impl<M: LbMaps> LbSync<M> {
         // longer leads to a backend still get their replies translated).
         let mut reach = reach_of(view);
         if let Some(old) = self.services.get(&key) {
-            for (addr, frontends) in &old.reach {
-                if uses.contains_key(addr) {
-                    reach.entry(*addr).or_default().extend(frontends);
-                }
-            }
+            reach.0.extend(old.reach.0.iter().copied());
         }
-        reach.retain(|addr, _| uses.contains_key(addr));
+        reach.normalize(|addr| uses.contains_key(addr));
 
         // 1. Backends and their reverse-NAT entries, before any table names them.
         self.services.entry(key.clone()).or_default();
@@ -547,15 +579,15 @@ impl<M: LbMaps> LbSync<M> {
         let key = revnat_key(addr);
         let mut want: BTreeSet<FrontendKey> = BTreeSet::new();
         for service in self.users.get(&addr).into_iter().flatten() {
-            if let Some(frontends) = self.services.get(service).and_then(|s| s.reach.get(&addr)) {
-                want.extend(frontends);
+            if let Some(state) = self.services.get(&**service) {
+                want.extend(state.reach.of(addr));
             }
         }
         let have = self.revnat.get(&addr);
         if grow && let Some((_, frontends)) = have.filter(|(i, _)| *i == id) {
             want.extend(frontends);
         }
-        let mut want: Vec<FrontendKey> = want.into_iter().collect();
+        let mut want: Frontends = want.into_iter().collect();
         if want.len() > REVNAT_MAX_FRONTENDS {
             tracing::warn!(
                 backend = %addr,
@@ -788,12 +820,16 @@ impl<M: LbMaps> LbSync<M> {
             return;
         };
         let old = std::mem::take(&mut state.uses);
+        let shared = state
+            .shared_key
+            .get_or_insert_with(|| Arc::new(key.clone()))
+            .clone();
         count_active(&mut self.active_refs, &old, false);
         count_active(&mut self.active_refs, &uses, true);
         for addr in old.keys() {
             self.touched.insert(*addr);
             if let Some(users) = self.users.get_mut(addr) {
-                users.remove(key);
+                users.retain(|k| **k != *key);
                 if users.is_empty() {
                     self.users.remove(addr);
                     self.unused.insert(*addr);
@@ -802,7 +838,10 @@ impl<M: LbMaps> LbSync<M> {
         }
         for (addr, u) in &uses {
             self.touched.insert(*addr);
-            self.users.entry(*addr).or_default().insert(key.clone());
+            let users = self.users.entry(*addr).or_default();
+            if !users.iter().any(|k| **k == *key) {
+                users.push(shared.clone());
+            }
             if let Use::Draining { until } = u
                 && old.get(addr) != Some(u)
             {
@@ -921,8 +960,8 @@ fn listed_backends(view: &ServiceView) -> HashSet<SocketAddr> {
 
 /// For every endpoint address × port of `view`, the frontends (VIP of the same
 /// family × service port) that lead to it.
-fn reach_of(view: &ServiceView) -> HashMap<SocketAddr, BTreeSet<FrontendKey>> {
-    let mut reach: HashMap<SocketAddr, BTreeSet<FrontendKey>> = HashMap::new();
+fn reach_of(view: &ServiceView) -> Reach {
+    let mut reach = Reach::default();
     let spec = &view.service.spec;
     let Some(endpoints) = &view.endpoints else {
         return reach;
@@ -941,9 +980,8 @@ fn reach_of(view: &ServiceView) -> HashMap<SocketAddr, BTreeSet<FrontendKey>> {
                 .filter(|e| e.address.is_ipv4() == vip.is_ipv4())
             {
                 reach
-                    .entry(SocketAddr::new(e.address, endpoint_port(e, port)))
-                    .or_default()
-                    .insert(fk);
+                    .0
+                    .push((SocketAddr::new(e.address, endpoint_port(e, port)), fk));
             }
         }
     }
