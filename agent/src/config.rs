@@ -73,6 +73,9 @@ pub enum DataplaneChoice {
     Auto,
     /// The eBPF data plane; the start fails when it cannot be loaded.
     Ebpf,
+    /// TCP/UDP proxies listening on the VIPs themselves (added to `lo`): the last
+    /// resort, for kernels that run neither eBPF nor nftables.
+    Userspace,
 }
 
 /// Everything `rune-agent run` needs, resolved and checked.

@@ -6,7 +6,7 @@
 
 use crate::{
     agent::{Agent, AgentConfig, Mode},
-    config::Config,
+    config::{Config, DataplaneChoice},
     dataplane::{
         DataPlane, PortState,
         ebpf::{EbpfConfig, EbpfDataPlane, Hooks, MapSizes, attach},
@@ -57,6 +57,18 @@ pub async fn run(config: Config) -> Result<()> {
             },
             metrics.clone(),
         )?),
+        Mode::Production if config.dataplane == DataplaneChoice::Userspace => {
+            Arc::new(UserspaceProxy::new(
+                ProxyConfig {
+                    listen: ListenOn::Vips,
+                    node_name: identity.hostname.clone(),
+                    maglev_table_size: config.maglev_table_size,
+                    udp_idle_timeout: config.udp_idle_timeout,
+                    ..ProxyConfig::default()
+                },
+                metrics.clone(),
+            )?)
+        }
         Mode::Production => {
             let ebpf = EbpfDataPlane::new(&ebpf_config(&config, &identity)).context(
                 "starting the eBPF data plane (production mode needs root and a kernel with \
