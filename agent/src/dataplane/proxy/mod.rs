@@ -2,10 +2,11 @@
 //! to a backend chosen by Maglev over the service's ready endpoints.
 //!
 //! Used in dev mode (on 127.0.0.1, ports shifted by `--dev-port-offset`) and as the
-//! last-resort fallback in production, where it listens on the VIPs themselves (added
-//! to `lo` by [`vip_addrs`]) on the real service ports. Applies swap each port's backend set in place:
-//! listeners keep running, connections already open are never cut by an apply, and
-//! a port that cannot be bound is reported (and retried) without stopping the others.
+//! last-resort fallback in production, where it listens on the VIPs themselves
+//! (added to `lo` by [`vip_addrs`]) on the real service ports. Applies swap each
+//! port's backend set in place: listeners keep running, connections already open
+//! are never cut by an apply, and a port that cannot be bound is reported (and
+//! retried) without stopping the others.
 
 mod backends;
 mod tcp;

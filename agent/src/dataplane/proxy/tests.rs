@@ -764,3 +764,38 @@ async fn a_service_without_vip_fails_alone_in_production() {
     );
     p.shutdown().await;
 }
+
+/// A client that aborts (RST) makes the proxy abort its backend connection too,
+/// rather than close it with a FIN (which would leave it in TIME_WAIT on the node).
+#[tokio::test]
+async fn a_client_reset_is_passed_on_to_the_backend() {
+    let (p, _) = proxy();
+    let l = TcpListener::bind("127.0.0.2:0").await.unwrap();
+    let bport = l.local_addr().unwrap().port();
+    let port = free_port();
+    let svc = service("rst", port, Protocol::Tcp);
+    p.apply(&upsert(vec![view(
+        &svc,
+        Some(vec![ep([127, 0, 0, 2], bport)]),
+    )]))
+    .await
+    .unwrap();
+    let c = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let (mut b, _) = timeout(PATIENCE, l.accept()).await.unwrap().unwrap();
+    let mut c = c;
+    c.write_all(b"x").await.unwrap();
+    let mut buf = [0u8; 1];
+    timeout(PATIENCE, b.read_exact(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    c.set_zero_linger().unwrap();
+    drop(c);
+    let r = timeout(PATIENCE, b.read(&mut buf)).await.unwrap();
+    assert_eq!(
+        r.map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::ConnectionReset),
+        "the backend sees a reset, not an orderly close"
+    );
+    p.shutdown().await;
+}
