@@ -74,9 +74,16 @@ pub async fn run(config: Config) -> Result<()> {
         Some(DataplaneMode::Nftables) => {
             anyhow::bail!("the nftables data plane is not wired yet")
         }
-        Some(DataplaneMode::Userspace) => {
-            anyhow::bail!("the userspace data plane on the VIPs is not wired yet")
-        }
+        Some(DataplaneMode::Userspace) => Arc::new(UserspaceProxy::new(
+            ProxyConfig {
+                listen: ListenOn::Vips,
+                node_name: identity.hostname.clone(),
+                maglev_table_size: config.maglev_table_size,
+                udp_idle_timeout: config.udp_idle_timeout,
+                ..ProxyConfig::default()
+            },
+            metrics.clone(),
+        )?),
     };
     let agent = Arc::new(Agent::new(AgentConfig {
         identity: identity.clone(),

@@ -1,9 +1,13 @@
-//! `cargo xtask bench e2e` (root): TCP through the eBPF VIP vs straight to the
-//! backend, end to end through network namespaces.
+//! `cargo xtask bench e2e` (root): TCP through the VIP, in each production data plane
+//! mode ([`Mode`]), vs straight to the backend, end to end through network namespaces.
 //!
 //! ```text
-//! client ns ──veth── node ns (production agent, tc on n-client) ──veth── backend ns
+//! client ns ──veth── node ns (production agent) ──veth── backend ns
 //! ```
+//!
+//! The modes run one after the other, each with a fresh agent and state, and leave
+//! nothing behind for the next (userspace: the agent removes its VIP addresses on
+//! stop; eBPF: its pins are removed, which detaches its programs).
 //!
 //! The client (a one-thread tokio runtime whose thread entered the client namespace)
 //! runs the same two scenarios as the dev-proxy benchmark: new connections per second
@@ -14,15 +18,15 @@
 //! namespaces, which are deleted on drop; every run is bounded in time.
 
 use crate::bench::{Scenario, load, median, start_backend_on};
-use crate::bench_sync::{Agent, Netns, PinDir, TempDir};
+use crate::bench_sync::{Netns, PinDir, TempDir};
 use anyhow::{Context as _, Result, bail};
 use std::{
     fmt::Write as _,
     fs::File,
     net::{Ipv4Addr, SocketAddr},
-    os::fd::AsRawFd as _,
-    path::Path,
-    process::Command,
+    os::{fd::AsRawFd as _, unix::process::CommandExt as _},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
     sync::mpsc,
     time::{Duration, Instant},
 };
@@ -32,6 +36,74 @@ const ROUNDS: u8 = 7;
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 10);
 const VIP_PORT: u16 = 80;
 const BACKEND: Ipv4Addr = Ipv4Addr::new(198, 18, 10, 2);
+
+/// Client source addresses per mode (198.18.1.x blocks; see [`src_addr`]).
+const ADDRS_PER_MODE: u8 = 4 * ROUNDS + 2;
+
+/// A production data plane measured through the VIP. Add a mode here (its label,
+/// its agent flags, its targets) and to [`Mode::ALL`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// eBPF: tc DNAT on the node's client-facing veth.
+    Ebpf,
+    /// Userspace proxies listening on the VIPs themselves (added to the node's lo).
+    Userspace,
+}
+
+impl Mode {
+    /// Every mode, in the order they run.
+    const ALL: [Mode; 2] = [Mode::Ebpf, Mode::Userspace];
+
+    fn label(self) -> &'static str {
+        match self {
+            Mode::Ebpf => "eBPF (tc)",
+            Mode::Userspace => "userspace proxy on the VIP",
+        }
+    }
+
+    /// `rune-agent run` flags beyond the state dir, metrics and DNS addresses.
+    fn flags(self, pins: &Path) -> Vec<String> {
+        match self {
+            Mode::Ebpf => vec![
+                "--dataplane".into(),
+                "ebpf".into(),
+                "--cgroup".into(),
+                "none".into(),
+                "--interfaces".into(),
+                "n-client".into(),
+                "--bpf-pin-dir".into(),
+                pins.display().to_string(),
+            ],
+            Mode::Userspace => vec!["--dataplane".into(), "userspace".into()],
+        }
+    }
+
+    /// The target ratio for `scenario` (issues #3 and #4), if any.
+    fn target(self, scenario: Scenario) -> &'static str {
+        match (self, scenario) {
+            (Mode::Ebpf, _) => ">= 0.95x",
+            (Mode::Userspace, Scenario::RoundTrips) => ">= 0.6x",
+            (Mode::Userspace, Scenario::Connections) => "",
+        }
+    }
+}
+
+/// The client source address of one run: a block of [`ADDRS_PER_MODE`] per mode,
+/// never shared between direct and VIP runs, scenarios or modes (TIME_WAIT,
+/// FACTS.md). `run` is the round, or `ROUNDS` for the warm-up.
+fn src_addr(mode: usize, scenario: Scenario, via_vip: bool, run: u8) -> Ipv4Addr {
+    let scenario = match scenario {
+        Scenario::Connections => 0,
+        Scenario::RoundTrips => 1,
+    };
+    // Rounds take 0..4*ROUNDS of the block, the two warm-ups the last two.
+    let offset = if run >= ROUNDS {
+        4 * ROUNDS + u8::from(via_vip)
+    } else {
+        (scenario * 2 + u8::from(via_vip)) * ROUNDS + run
+    };
+    Ipv4Addr::new(198, 18, 1, 10 + ADDRS_PER_MODE * mode as u8 + offset)
+}
 
 /// Runs the section alone.
 pub fn run_alone() -> Result<()> {
@@ -46,7 +118,7 @@ pub fn run_alone() -> Result<()> {
 
 /// The section of the report (a note when not root).
 pub fn section(bin: &Path) -> Result<String> {
-    const TITLE: &str = "## End to end through the eBPF VIP (netns, tc)";
+    const TITLE: &str = "## End to end through the VIP per data plane mode (netns)";
     if !crate::util::is_root() {
         return Ok(format!("\n{TITLE}\n\nskipped: needs root\n"));
     }
@@ -81,22 +153,66 @@ pub fn section(bin: &Path) -> Result<String> {
         .recv_timeout(Duration::from_secs(10))
         .context("the backend did not start")??;
 
-    let state = TempDir::new(&format!("rune-bench-e2e-{pid}"))?;
-    let pins = PinDir(format!("/sys/fs/bpf/rune-bench-e2e-{pid}").into());
     let yaml = format!(
         "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: bench}}\nspec: {{ports: [{{port: {VIP_PORT}, targetPort: {}}}], discovery: {{vips: [\"{VIP}\"]}}}}\n---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: bench}}\nspec: {{endpoints: [{{address: \"{BACKEND}\"}}]}}\n",
         backend_addr.port()
     );
-    // Written into the store before the agent starts (no agent: the CLI writes the
-    // store directly), so the two never race for it.
-    let mut apply = Command::new(bin);
-    apply
+    let mut rows = Vec::new();
+    for (m, mode) in Mode::ALL.into_iter().enumerate() {
+        let state = TempDir::new(&format!("rune-bench-e2e-{pid}-{m}"))?;
+        let pins = PinDir(format!("/sys/fs/bpf/rune-bench-e2e-{pid}-{m}").into());
+        apply_offline(bin, &state.0, &yaml)?;
+        let agent = ModeAgent::start(bin, &node, &state.0, &mode.flags(&pins.0))?;
+        let measured = measure(&client, backend_addr, m).with_context(|| {
+            format!(
+                "measuring the {} mode (agent log: {})",
+                mode.label(),
+                agent.log.display()
+            )
+        })?;
+        // Stops the agent; then the pins go (detaching the eBPF programs).
+        drop(agent);
+        drop(pins);
+        rows.extend(measured.into_iter().map(|(s, d, v)| (mode, s, d, v)));
+    }
+
+    let mut t = String::new();
+    writeln!(t, "\n{TITLE}\n")?;
+    writeln!(
+        t,
+        "One TCP backend in its own namespace, the production agent in the node namespace (one mode after the other, each with its own direct runs); {ROUNDS} interleaved rounds of 2 s, 16 concurrent clients, medians.\n"
+    )?;
+    writeln!(
+        t,
+        "| scenario | mode | direct | via the VIP | ratio | target |"
+    )?;
+    writeln!(t, "|---|---|---:|---:|---:|---:|")?;
+    for (mode, scenario, direct, via) in rows {
+        let name = match scenario {
+            Scenario::Connections => "TCP connections/s (connect, 1 B echo, close)",
+            Scenario::RoundTrips => "1 KiB request/response round trips/s (keepalive)",
+        };
+        writeln!(
+            t,
+            "| {name} | {} | {direct:.0}/s | {via:.0}/s | {:.2}x | {} |",
+            mode.label(),
+            via / direct,
+            mode.target(scenario)
+        )?;
+    }
+    Ok(t)
+}
+
+/// Writes the bench service into the store of a stopped agent (the CLI writes the
+/// store directly), so that agent and CLI never race for it.
+fn apply_offline(bin: &Path, state: &Path, yaml: &str) -> Result<()> {
+    let mut child = Command::new(bin)
         .arg("--state-dir")
-        .arg(&state.0)
+        .arg(state)
         .args(["apply", "-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null());
-    let mut child = apply.spawn()?;
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()?;
     if let Some(mut stdin) = child.stdin.take() {
         use std::io::Write as _;
         stdin.write_all(yaml.as_bytes())?;
@@ -104,18 +220,25 @@ pub fn section(bin: &Path) -> Result<String> {
     if !child.wait()?.success() {
         bail!("applying the bench service failed");
     }
-    let agent = Agent::start(bin, &node, &state.0, &pins.0, "n-client")?;
-    let vip = SocketAddr::from((VIP, VIP_PORT));
+    Ok(())
+}
 
-    // The client: one thread in the client namespace runs every load.
+/// The scenarios against the VIP and straight to the backend, interleaved, from a
+/// thread in the client namespace. Returns (scenario, direct median, VIP median).
+fn measure(
+    client: &Netns,
+    backend_addr: SocketAddr,
+    mode: usize,
+) -> Result<Vec<(Scenario, f64, f64)>> {
+    let vip = SocketAddr::from((VIP, VIP_PORT));
     let client_path = client.path();
-    let rows = std::thread::spawn(move || -> Result<Vec<(Scenario, f64, f64)>> {
+    std::thread::spawn(move || -> Result<Vec<(Scenario, f64, f64)>> {
         enter(&client_path)?;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
         rt.block_on(async {
-            // Wait until the VIP answers (maps programmed).
+            // Wait until the VIP answers (maps programmed, or proxies listening).
             let until = Instant::now() + Duration::from_secs(20);
             while load_once(vip).await.is_err() {
                 if Instant::now() > until {
@@ -126,16 +249,17 @@ pub fn section(bin: &Path) -> Result<String> {
             let mut rows = Vec::new();
             for scenario in [Scenario::Connections, Scenario::RoundTrips] {
                 let (mut direct, mut via) = (Vec::new(), Vec::new());
-                load(scenario, backend_addr, Ipv4Addr::new(198, 18, 1, 100)).await?;
-                load(scenario, vip, Ipv4Addr::new(198, 18, 1, 200)).await?;
+                // Warm-up (both scenarios share the two warm-up addresses).
+                load(
+                    scenario,
+                    backend_addr,
+                    src_addr(mode, scenario, false, ROUNDS),
+                )
+                .await?;
+                load(scenario, vip, src_addr(mode, scenario, true, ROUNDS)).await?;
                 for round in 0..ROUNDS {
-                    let base = if matches!(scenario, Scenario::Connections) {
-                        10
-                    } else {
-                        50
-                    };
-                    let d_src = Ipv4Addr::new(198, 18, 1, base + round);
-                    let v_src = Ipv4Addr::new(198, 18, 1, base + 20 + round);
+                    let d_src = src_addr(mode, scenario, false, round);
+                    let v_src = src_addr(mode, scenario, true, round);
                     direct.push(load(scenario, backend_addr, d_src).await?);
                     via.push(load(scenario, vip, v_src).await?);
                 }
@@ -145,29 +269,68 @@ pub fn section(bin: &Path) -> Result<String> {
         })
     })
     .join()
-    .map_err(|_| anyhow::anyhow!("the client thread panicked"))??;
-    drop(agent);
+    .map_err(|_| anyhow::anyhow!("the client thread panicked"))?
+}
 
-    let mut t = String::new();
-    writeln!(t, "\n{TITLE}\n")?;
-    writeln!(
-        t,
-        "One TCP backend in its own namespace, the production agent (tc on the node's client-facing veth) in the node namespace; {ROUNDS} interleaved rounds of 2 s, 16 concurrent clients, medians.\n"
-    )?;
-    writeln!(t, "| scenario | direct | via eBPF VIP | ratio | target |")?;
-    writeln!(t, "|---|---:|---:|---:|---:|")?;
-    for (scenario, direct, via) in rows {
-        let name = match scenario {
-            Scenario::Connections => "TCP connections/s (connect, 1 B echo, close)",
-            Scenario::RoundTrips => "1 KiB request/response round trips/s (keepalive)",
-        };
-        writeln!(
-            t,
-            "| {name} | {direct:.0}/s | {via:.0}/s | {:.2}x | >= 0.95x |",
-            via / direct
-        )?;
+/// A production agent started in the node namespace; SIGTERM and reaped on drop.
+struct ModeAgent {
+    child: Child,
+    log: PathBuf,
+}
+
+impl ModeAgent {
+    fn start(bin: &Path, node: &Netns, state: &Path, flags: &[String]) -> Result<Self> {
+        let ns = File::open(node.path())
+            .with_context(|| format!("opening {}", node.path().display()))?;
+        let log = state.with_extension("log");
+        let mut cmd = Command::new(bin);
+        cmd.arg("--state-dir")
+            .arg(state)
+            .arg("run")
+            .args(flags)
+            // A fresh namespace: every port on its loopback is free.
+            .args(["--metrics-addr", "127.0.0.1:9464"])
+            .args(["--dns-addr", "127.0.0.1:15353"])
+            // Never forward DNS to this machine's resolvers.
+            .env("RUNE_DNS_RESOLV_CONF", "/dev/null")
+            .env("RUST_LOG", "warn")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(File::create(&log)?);
+        let fd = ns.as_raw_fd();
+        // SAFETY: between fork and exec only async-signal-safe calls (setns, prctl) on
+        // a descriptor that stays open in the child until exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // Never outlive the bench.
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().context("starting the agent")?;
+        drop(ns);
+        Ok(Self { child, log })
     }
-    Ok(t)
+}
+
+impl Drop for ModeAgent {
+    fn drop(&mut self) {
+        // SAFETY: kill with our own child's pid (not reaped yet, so not reused).
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// One short connection to `target` (readiness probe).
@@ -216,12 +379,7 @@ fn wire(client: &Netns, node: &Netns, backend: &Netns) -> Result<()> {
         "link", "add", "b-node", "netns", b, "type", "veth", "peer", "n-back", "netns", n,
     ])?;
     ip(&["-n", c, "addr", "add", "198.18.1.2/24", "dev", "c-node"])?;
-    for host in (10..10 + ROUNDS)
-        .chain(30..30 + ROUNDS)
-        .chain(50..50 + ROUNDS)
-        .chain(70..70 + ROUNDS)
-        .chain([100, 200])
-    {
+    for host in 10..10 + ADDRS_PER_MODE * Mode::ALL.len() as u8 {
         ip(&[
             "-n",
             c,

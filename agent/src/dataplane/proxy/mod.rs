@@ -2,18 +2,24 @@
 //! to a backend chosen by Maglev over the service's ready endpoints.
 //!
 //! Used in dev mode (on 127.0.0.1, ports shifted by `--dev-port-offset`) and as the
-//! last-resort fallback in production. Applies swap each port's backend set in place:
-//! listeners keep running, connections already open are never cut by an apply, and
-//! a port that cannot be bound is reported (and retried) without stopping the others.
+//! last-resort fallback in production, where it listens on the VIPs themselves
+//! (added to `lo` by [`vip_addrs`]) on the real service ports. Applies swap each
+//! port's backend set in place: listeners keep running, connections already open
+//! are never cut by an apply, and a port that cannot be bound is reported (and
+//! retried) without stopping the others.
 
 mod backends;
 mod tcp;
 mod udp;
+pub mod vip_addrs;
 
 #[cfg(test)]
 mod tests;
 
-use self::backends::{Backends, PortShared};
+use self::{
+    backends::{Backends, PortShared},
+    vip_addrs::{AddressOps, NetlinkAddressOps, VipAddrs},
+};
 use crate::{
     dataplane::{DataPlane, DataPlaneError, PortState, ServicePortStatus},
     endpoints::{Delta, ServiceView},
@@ -44,15 +50,9 @@ pub enum ListenOn {
     Loopback,
     /// One given address (e.g. another loopback address, or a node address).
     Address(IpAddr),
-}
-
-impl ListenOn {
-    fn ip(&self) -> IpAddr {
-        match self {
-            ListenOn::Loopback => IpAddr::V4(Ipv4Addr::LOCALHOST),
-            ListenOn::Address(a) => *a,
-        }
-    }
+    /// Each service's own VIPs (production): the proxy adds them to `lo` while a
+    /// service port listens on them (see [`vip_addrs`]).
+    Vips,
 }
 
 /// How the userspace proxy runs.
@@ -100,6 +100,10 @@ struct Inner {
     config: ProxyConfig,
     metrics: Arc<Metrics>,
     state: Mutex<State>,
+    /// The VIP addresses (with [`ListenOn::Vips`] only).
+    vips: Option<VipAddrs>,
+    /// One apply at a time: VIP addresses are added before binding and removed after.
+    apply_serial: tokio::sync::Mutex<()>,
     /// Cancelled on shutdown: ends every task (listeners are children of it).
     cancel: CancellationToken,
     /// Wakes the bind retry loop early (a port was freed).
@@ -116,10 +120,34 @@ struct State {
 
 struct PortEntry {
     shared: Arc<PortShared>,
-    /// `None` when port + offset is above 65535.
-    listen: Option<SocketAddr>,
-    listener: Listener,
+    /// One per listen address (one per VIP in production).
+    listeners: Vec<Bound>,
+    /// Why the port has no listen address at all (port + offset above 65535, a
+    /// service without VIPs).
+    unlistenable: Option<String>,
     labels: ServicePortLabels,
+}
+
+struct Bound {
+    addr: SocketAddr,
+    listener: Listener,
+}
+
+impl PortEntry {
+    fn addrs(&self) -> Vec<SocketAddr> {
+        self.listeners.iter().map(|b| b.addr).collect()
+    }
+
+    fn any_failed(&self) -> bool {
+        self.listeners
+            .iter()
+            .any(|b| matches!(b.listener, Listener::Failed(_)))
+    }
+}
+
+/// The key a service port holds its VIPs by.
+fn holder(service: &str, port: u16, protocol: Protocol) -> String {
+    format!("{service}/{port}/{protocol}")
 }
 
 enum Listener {
@@ -131,6 +159,16 @@ impl UserspaceProxy {
     /// A proxy with nothing to serve yet; listeners start on the first
     /// [`apply`](DataPlane::apply).
     pub fn new(config: ProxyConfig, metrics: Arc<Metrics>) -> Result<Self, DataPlaneError> {
+        Self::with_address_ops(config, metrics, Box::new(NetlinkAddressOps))
+    }
+
+    /// Like [`new`](Self::new), with VIP addresses managed through `ops` (tests
+    /// use a fake); `ops` is unused unless `config.listen` is [`ListenOn::Vips`].
+    pub fn with_address_ops(
+        config: ProxyConfig,
+        metrics: Arc<Metrics>,
+        ops: Box<dyn AddressOps>,
+    ) -> Result<Self, DataPlaneError> {
         if let Err(e) = Maglev::new(&[], config.maglev_table_size) {
             return Err(DataPlaneError::InvalidConfig {
                 field: "maglev_table_size",
@@ -149,10 +187,13 @@ impl UserspaceProxy {
                 reason: "must be longer than zero".into(),
             });
         }
+        let vips = (config.listen == ListenOn::Vips).then(|| VipAddrs::new(ops));
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
                 metrics,
+                vips,
+                apply_serial: tokio::sync::Mutex::new(()),
                 state: Mutex::new(State::default()),
                 cancel: CancellationToken::new(),
                 retry_soon: tokio::sync::Notify::new(),
@@ -163,10 +204,34 @@ impl UserspaceProxy {
 }
 
 impl Inner {
-    fn upsert(&self, st: &mut State, view: &ServiceView) {
+    /// Where a service port listens, or why it cannot.
+    fn listen_addrs(&self, view: &ServiceView, p: &ServicePort) -> Result<Vec<SocketAddr>, String> {
+        let offset = u32::from(p.port) + u32::from(self.config.port_offset);
+        let port = u16::try_from(offset).map_err(|_| {
+            format!(
+                "port {} + offset {} = {offset} is above 65535",
+                p.port, self.config.port_offset
+            )
+        })?;
+        let ips = match &self.config.listen {
+            ListenOn::Loopback => vec![IpAddr::V4(Ipv4Addr::LOCALHOST)],
+            ListenOn::Address(a) => vec![*a],
+            ListenOn::Vips => view.service.spec.discovery.vips.clone(),
+        };
+        if ips.is_empty() {
+            return Err("the service has no VIP to listen on".to_owned());
+        }
+        Ok(ips
+            .into_iter()
+            .map(|ip| SocketAddr::new(ip, port))
+            .collect())
+    }
+
+    fn upsert(&self, st: &mut State, view: &ServiceView) -> bool {
         let key = view.key();
         let service = key.to_string();
         let spec = &view.service.spec;
+        let mut freed = false;
         let wanted: BTreeMap<(u16, Protocol), &ServicePort> = if spec.discovery.headless {
             BTreeMap::new()
         } else {
@@ -183,16 +248,23 @@ impl Inner {
             .collect();
         for k in gone {
             if let Some(e) = ports.remove(&k) {
-                self.stop(e);
+                freed |= self.stop(e);
             }
         }
         let (node, size) = (&self.config.node_name, self.config.maglev_table_size);
         for (k, p) in wanted {
+            let listen = self.listen_addrs(view, p);
             if let Some(e) = ports.get_mut(&k) {
                 let prev = e.shared.backends();
                 e.shared
                     .set_backends(Backends::build(view, p, node, size, Some(&prev)));
-                if matches!(e.listener, Listener::Failed(_)) {
+                let addrs = listen.as_ref().map_or_else(|_| Vec::new(), Clone::clone);
+                if addrs != e.addrs() {
+                    // The VIPs changed: listen on the new ones (open connections stay).
+                    freed |= self.close_listeners(e);
+                    set_listen(e, listen);
+                    self.start(e, p.protocol);
+                } else if e.any_failed() {
                     self.start(e, p.protocol);
                 }
                 continue;
@@ -206,93 +278,108 @@ impl Inner {
                 self.tracker.clone(),
                 self.cancel.clone(),
             ));
-            let offset = u32::from(p.port) + u32::from(self.config.port_offset);
-            let listen = u16::try_from(offset)
-                .ok()
-                .map(|port| SocketAddr::new(self.config.listen.ip(), port));
             let mut e = PortEntry {
                 shared,
-                listen,
-                listener: Listener::Failed(format!(
-                    "port {} + offset {} = {offset} is above 65535",
-                    p.port, self.config.port_offset
-                )),
+                listeners: Vec::new(),
+                unlistenable: None,
                 labels: ServicePortLabels {
                     service: service.clone(),
                     port: p.port,
                     protocol: p.protocol.as_str().to_owned(),
                 },
             };
+            set_listen(&mut e, listen);
             self.start(&mut e, p.protocol);
             ports.insert(k, e);
         }
         if ports.is_empty() {
             st.services.remove(&key);
         }
+        freed
     }
 
-    /// Binds the port's listener and starts its task; on failure records why.
+    /// Binds the port's failed listeners and starts their tasks; on failure records
+    /// why.
     fn start(&self, e: &mut PortEntry, protocol: Protocol) {
-        let Some(addr) = e.listen else {
-            self.metrics
-                .proxy_listener_up
-                .get_or_create(&e.labels)
-                .set(0);
-            return;
-        };
-        let stop = self.cancel.child_token();
-        let started = match protocol {
-            Protocol::Tcp => bind_tcp(addr).map(|l| {
-                self.tracker.spawn(tcp::serve(
-                    l,
-                    e.shared.clone(),
-                    stop.clone(),
-                    self.cancel.clone(),
-                    self.tracker.clone(),
-                ));
-            }),
-            Protocol::Udp => bind_udp(addr).map(|s| {
-                let limits = udp::UdpLimits {
-                    idle: self.config.udp_idle_timeout,
-                    max_flows: self.config.max_udp_flows,
-                };
-                self.tracker.spawn(udp::serve(
-                    s,
-                    e.shared.clone(),
-                    limits,
-                    stop.clone(),
-                    self.tracker.clone(),
-                ));
-            }),
-        };
-        let gauge = self.metrics.proxy_listener_up.get_or_create(&e.labels);
-        match started {
-            Ok(()) => {
-                gauge.set(1);
-                if matches!(e.listener, Listener::Failed(_)) {
-                    tracing::info!(service = %e.shared.service, %addr, %protocol, "listening");
-                }
-                e.listener = Listener::Running(stop);
+        for b in &mut e.listeners {
+            if matches!(b.listener, Listener::Running(_)) {
+                continue;
             }
-            Err(err) => {
-                gauge.set(0);
-                let reason = format!("cannot listen on {addr}/{protocol}: {err}");
-                if !matches!(&e.listener, Listener::Failed(r) if *r == reason) {
-                    tracing::warn!(service = %e.shared.service, %reason, "service port down");
+            let addr = b.addr;
+            let stop = self.cancel.child_token();
+            let started = match protocol {
+                Protocol::Tcp => bind_tcp(addr).map(|l| {
+                    self.tracker.spawn(tcp::serve(
+                        l,
+                        e.shared.clone(),
+                        stop.clone(),
+                        self.cancel.clone(),
+                        self.tracker.clone(),
+                    ));
+                }),
+                Protocol::Udp => bind_udp(addr).map(|s| {
+                    let limits = udp::UdpLimits {
+                        idle: self.config.udp_idle_timeout,
+                        max_flows: self.config.max_udp_flows,
+                    };
+                    self.tracker.spawn(udp::serve(
+                        s,
+                        e.shared.clone(),
+                        limits,
+                        stop.clone(),
+                        self.tracker.clone(),
+                    ));
+                }),
+            };
+            match started {
+                Ok(()) => {
+                    if matches!(b.listener, Listener::Failed(_)) {
+                        tracing::info!(service = %e.shared.service, %addr, %protocol, "listening");
+                    }
+                    b.listener = Listener::Running(stop);
                 }
-                e.listener = Listener::Failed(reason);
+                Err(err) => {
+                    let vip_failure = self.vips.as_ref().and_then(|v| v.failure(addr.ip()));
+                    let reason = match vip_failure {
+                        Some(why) => format!(
+                            "cannot listen on {addr}/{protocol}: the VIP address could not be added: {why}"
+                        ),
+                        None => format!("cannot listen on {addr}/{protocol}: {err}"),
+                    };
+                    if !matches!(&b.listener, Listener::Failed(r) if *r == reason) {
+                        tracing::warn!(service = %e.shared.service, %reason, "service port down");
+                    }
+                    b.listener = Listener::Failed(reason);
+                }
             }
         }
+        let up = !e.listeners.is_empty() && !e.any_failed();
+        self.metrics
+            .proxy_listener_up
+            .get_or_create(&e.labels)
+            .set(i64::from(up));
     }
 
-    /// Closes the port's listener; open TCP connections are left to finish within
-    /// the service's drain time.
-    fn stop(&self, e: PortEntry) {
-        if let Listener::Running(stop) = e.listener {
-            stop.cancel();
+    /// Closes the port's listeners (open connections stay); true when one was
+    /// running.
+    fn close_listeners(&self, e: &mut PortEntry) -> bool {
+        let mut freed = false;
+        for b in e.listeners.drain(..) {
+            if let Listener::Running(stop) = b.listener {
+                stop.cancel();
+                freed = true;
+            }
         }
+        freed
+    }
+
+    /// Closes the port's listeners; open TCP connections are left to finish within
+    /// the service's drain time. True when a listener was running.
+    fn stop(&self, mut e: PortEntry) -> bool {
+        let freed = self.close_listeners(&mut e);
         e.shared.retire();
         self.metrics.proxy_listener_up.remove(&e.labels);
+        freed
     }
 
     fn retry_failed(&self) {
@@ -302,10 +389,43 @@ impl Inner {
         }
         for ports in st.services.values_mut() {
             for ((_, protocol), e) in ports.iter_mut() {
-                if matches!(e.listener, Listener::Failed(_)) && e.listen.is_some() {
+                if e.any_failed() {
                     self.start(e, *protocol);
                 }
             }
+        }
+    }
+
+    /// Every (holder, VIP) a listener of the current state needs.
+    fn held_vips(&self) -> BTreeSet<(String, IpAddr)> {
+        let st = lock(&self.state);
+        st.services
+            .values()
+            .flat_map(|ports| ports.iter())
+            .flat_map(|(&(port, protocol), e)| {
+                let h = holder(&e.shared.service, port, protocol);
+                e.listeners.iter().map(move |b| (h.clone(), b.addr.ip()))
+            })
+            .collect()
+    }
+}
+
+/// Sets the port's listen addresses (all not yet bound), or why it has none.
+fn set_listen(e: &mut PortEntry, listen: Result<Vec<SocketAddr>, String>) {
+    match listen {
+        Ok(addrs) => {
+            e.unlistenable = None;
+            e.listeners = addrs
+                .into_iter()
+                .map(|addr| Bound {
+                    addr,
+                    listener: Listener::Failed("not bound yet".to_owned()),
+                })
+                .collect();
+        }
+        Err(reason) => {
+            e.unlistenable = Some(reason);
+            e.listeners = Vec::new();
         }
     }
 }
@@ -336,10 +456,98 @@ impl DataPlane for UserspaceProxy {
 
     async fn apply(&self, delta: &Delta) -> Result<(), DataPlaneError> {
         let inner = &self.inner;
-        let mut st = lock(&inner.state);
-        if st.shut_down {
+        let _serial = inner.apply_serial.lock().await;
+        if lock(&inner.state).shut_down {
             return Err(DataPlaneError::ShutDown { mode: self.mode() });
         }
+        // VIP addresses first, so that the binds below find them.
+        if let Some(vips) = &inner.vips {
+            for view in delta
+                .upserted
+                .iter()
+                .filter(|v| !v.service.spec.discovery.headless)
+            {
+                let spec = &view.service.spec;
+                let service = view.key().to_string();
+                for p in &spec.ports {
+                    vips.acquire(&holder(&service, p.port, p.protocol), &spec.discovery.vips)
+                        .await;
+                }
+            }
+        }
+        self.apply_listeners(delta);
+        // Then drop the addresses no listener needs any more (and stale adopted ones).
+        if let Some(vips) = &inner.vips {
+            let held = inner.held_vips();
+            vips.retain(|h, ip| held.contains(&(h.to_owned(), ip)))
+                .await;
+        }
+        Ok(())
+    }
+
+    fn status(&self) -> Vec<ServicePortStatus> {
+        let st = lock(&self.inner.state);
+        let mut out = Vec::new();
+        for (key, ports) in &st.services {
+            for (&(port, protocol), e) in ports {
+                let b = e.shared.backends();
+                let failures: Vec<&str> = e
+                    .listeners
+                    .iter()
+                    .filter_map(|b| match &b.listener {
+                        Listener::Failed(r) => Some(r.as_str()),
+                        Listener::Running(_) => None,
+                    })
+                    .chain(e.unlistenable.as_deref())
+                    .collect();
+                out.push(ServicePortStatus {
+                    service: key.to_string(),
+                    port,
+                    protocol,
+                    listen: e.listeners.first().map(|b| b.addr),
+                    state: if failures.is_empty() {
+                        PortState::Listening
+                    } else {
+                        PortState::Failed {
+                            reason: failures.join("; "),
+                        }
+                    },
+                    endpoints_known: b.known,
+                    backends: b.status.clone(),
+                    counters: None,
+                });
+            }
+        }
+        out
+    }
+
+    async fn shutdown(&self) {
+        let inner = &self.inner;
+        let _serial = inner.apply_serial.lock().await;
+        {
+            let mut st = lock(&inner.state);
+            st.shut_down = true;
+            for e in std::mem::take(&mut st.services)
+                .into_values()
+                .flat_map(|p| p.into_values())
+            {
+                inner.stop(e);
+            }
+        }
+        inner.cancel.cancel();
+        inner.tracker.close();
+        inner.tracker.wait().await;
+        if let Some(vips) = &inner.vips {
+            vips.release_all().await;
+        }
+    }
+}
+
+impl UserspaceProxy {
+    /// The synchronous part of an apply: services and their listeners.
+    fn apply_listeners(&self, delta: &Delta) {
+        let inner = &self.inner;
+        let mut st = lock(&inner.state);
         let mut gone: Vec<ServiceKey> = delta.removed.clone();
         if delta.full {
             let keep: BTreeSet<ServiceKey> = delta.upserted.iter().map(|v| v.key()).collect();
@@ -353,12 +561,11 @@ impl DataPlane for UserspaceProxy {
                 .into_iter()
                 .flat_map(|p| p.into_values())
             {
-                freed |= matches!(e.listener, Listener::Running(_));
-                inner.stop(e);
+                freed |= inner.stop(e);
             }
         }
         for view in &delta.upserted {
-            inner.upsert(&mut st, view);
+            freed |= inner.upsert(&mut st, view);
         }
         // A port freed by this delta may be wanted by another service in it: its
         // listener closes as its task ends, so retry failed binds shortly.
@@ -383,56 +590,17 @@ impl DataPlane for UserspaceProxy {
                         _ = soon => {}
                     }
                     match me.upgrade() {
-                        Some(inner) => inner.retry_failed(),
+                        Some(inner) => {
+                            if let Some(vips) = &inner.vips {
+                                vips.retry().await;
+                            }
+                            inner.retry_failed();
+                        }
                         None => return,
                     }
                 }
             });
         }
-        Ok(())
-    }
-
-    fn status(&self) -> Vec<ServicePortStatus> {
-        let st = lock(&self.inner.state);
-        let mut out = Vec::new();
-        for (key, ports) in &st.services {
-            for (&(port, protocol), e) in ports {
-                let b = e.shared.backends();
-                out.push(ServicePortStatus {
-                    service: key.to_string(),
-                    port,
-                    protocol,
-                    listen: e.listen,
-                    state: match &e.listener {
-                        Listener::Running(_) => PortState::Listening,
-                        Listener::Failed(reason) => PortState::Failed {
-                            reason: reason.clone(),
-                        },
-                    },
-                    endpoints_known: b.known,
-                    backends: b.status.clone(),
-                    counters: None,
-                });
-            }
-        }
-        out
-    }
-
-    async fn shutdown(&self) {
-        let inner = &self.inner;
-        {
-            let mut st = lock(&inner.state);
-            st.shut_down = true;
-            for e in std::mem::take(&mut st.services)
-                .into_values()
-                .flat_map(|p| p.into_values())
-            {
-                inner.stop(e);
-            }
-        }
-        inner.cancel.cancel();
-        inner.tracker.close();
-        inner.tracker.wait().await;
     }
 }
 

@@ -93,12 +93,21 @@ async fn connection(
     // connection lives and nothing is lost when it ends in an error.
     let mut client = Counted::new(client, port.m.to_backend.clone());
     let mut server = Counted::new(server, port.m.to_client.clone());
-    tokio::select! {
-        _ = cancel.cancelled() => {}
+    let relayed = tokio::select! {
+        _ = cancel.cancelled() => Ok((0, 0)),
         _ = drained.cancelled() => {
             tracing::debug!(service = %port.service, %backend, "drain time over: closing");
+            Ok((0, 0))
         }
-        _ = copy_bidirectional(&mut client, &mut server) => {}
+        r = copy_bidirectional(&mut client, &mut server) => r,
+    };
+    // One side aborted (a reset): abort the other too instead of closing it with a
+    // FIN. Besides passing on what happened, this keeps the proxy's connections to
+    // the backend out of TIME_WAIT, which would otherwise exhaust the node's
+    // ephemeral ports towards one backend under many short connections.
+    if relayed.is_err() {
+        let _ = client.inner.set_zero_linger();
+        let _ = server.inner.set_zero_linger();
     }
 }
 

@@ -659,3 +659,143 @@ fn client_ip_affinity_sticks_across_ports_and_backend_changes() {
     assert_ne!(second, first);
     assert_eq!(shared.pick(client(3001)), Some(second));
 }
+
+/// Production mode with a fake address manager: listeners on each service's VIP
+/// (127.0.0.0/8 addresses, bindable without adding them), VIPs held by the ports on
+/// them, stale addresses of an earlier agent removed, others' never touched.
+#[tokio::test]
+async fn vips_are_held_by_their_ports_and_released_with_the_last() {
+    use super::vip_addrs::fake::FakeOps;
+    let fake = FakeOps::default();
+    let (vip, moved, stale, theirs): (IpAddr, IpAddr, IpAddr, IpAddr) = (
+        [127, 0, 0, 77].into(),
+        [127, 0, 0, 79].into(),
+        [127, 0, 0, 99].into(),
+        [127, 0, 0, 98].into(),
+    );
+    fake.addrs
+        .lock()
+        .unwrap()
+        .extend([(stale, true), (theirs, false)]);
+    let metrics = Arc::new(Metrics::new());
+    let config = ProxyConfig {
+        listen: ListenOn::Vips,
+        node_name: "node-a".into(),
+        bind_retry_interval: Duration::from_millis(100),
+        ..ProxyConfig::default()
+    };
+    let p = UserspaceProxy::with_address_ops(config, metrics, Box::new(fake.clone())).unwrap();
+    let (tport, uport) = (free_port(), free_port());
+    let backend = ep([127, 0, 0, 2], tcp_backend([127, 0, 0, 2], 7).await);
+    let mut a = service("a", tport, Protocol::Tcp);
+    a.spec.discovery.vips = vec![vip];
+    let mut b = service("b", uport, Protocol::Udp);
+    b.spec.discovery.vips = vec![vip];
+    p.apply(&Delta {
+        full: true,
+        ..upsert(vec![
+            view(&a, Some(vec![backend.clone()])),
+            view(&b, Some(vec![])),
+        ])
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        fake.on_interface(),
+        BTreeMap::from([(vip, true), (theirs, false)]),
+        "the VIP added, the stale address of ours removed, the other left"
+    );
+    let st = p.status();
+    assert_eq!(st[0].listen, Some(SocketAddr::new(vip, tport)));
+    assert_eq!(st[0].state, PortState::Listening);
+    let mut s = TcpStream::connect((vip, tport)).await.unwrap();
+    let mut id = [0u8];
+    s.read_exact(&mut id).await.unwrap();
+    assert_eq!(id[0], 7);
+
+    // b goes: a still holds the VIP.
+    p.apply(&Delta {
+        removed: vec![b.key()],
+        ..Delta::default()
+    })
+    .await
+    .unwrap();
+    assert!(fake.on_interface().contains_key(&vip));
+
+    // a moves to another VIP: the old one goes, the connection open on it stays.
+    a.spec.discovery.vips = vec![moved];
+    p.apply(&upsert(vec![view(&a, Some(vec![backend]))]))
+        .await
+        .unwrap();
+    assert_eq!(
+        fake.on_interface(),
+        BTreeMap::from([(moved, true), (theirs, false)])
+    );
+    echo(&mut s, b"still").await;
+    let mut s2 = TcpStream::connect((moved, tport)).await.unwrap();
+    s2.read_exact(&mut id).await.unwrap();
+    assert_eq!(id[0], 7);
+
+    timeout(PATIENCE, p.shutdown()).await.unwrap();
+    assert_eq!(fake.on_interface(), BTreeMap::from([(theirs, false)]));
+}
+
+#[tokio::test]
+async fn a_service_without_vip_fails_alone_in_production() {
+    use super::vip_addrs::fake::FakeOps;
+    let config = ProxyConfig {
+        listen: ListenOn::Vips,
+        ..ProxyConfig::default()
+    };
+    let p = UserspaceProxy::with_address_ops(
+        config,
+        Arc::new(Metrics::new()),
+        Box::new(FakeOps::default()),
+    )
+    .unwrap();
+    let svc = service("novip", free_port(), Protocol::Tcp);
+    p.apply(&upsert(vec![view(&svc, None)])).await.unwrap();
+    let st = p.status();
+    assert_eq!(st[0].listen, None);
+    assert!(
+        matches!(&st[0].state, PortState::Failed { reason } if reason.contains("no VIP")),
+        "{:?}",
+        st[0].state
+    );
+    p.shutdown().await;
+}
+
+/// A client that aborts (RST) makes the proxy abort its backend connection too,
+/// rather than close it with a FIN (which would leave it in TIME_WAIT on the node).
+#[tokio::test]
+async fn a_client_reset_is_passed_on_to_the_backend() {
+    let (p, _) = proxy();
+    let l = TcpListener::bind("127.0.0.2:0").await.unwrap();
+    let bport = l.local_addr().unwrap().port();
+    let port = free_port();
+    let svc = service("rst", port, Protocol::Tcp);
+    p.apply(&upsert(vec![view(
+        &svc,
+        Some(vec![ep([127, 0, 0, 2], bport)]),
+    )]))
+    .await
+    .unwrap();
+    let c = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let (mut b, _) = timeout(PATIENCE, l.accept()).await.unwrap().unwrap();
+    let mut c = c;
+    c.write_all(b"x").await.unwrap();
+    let mut buf = [0u8; 1];
+    timeout(PATIENCE, b.read_exact(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    c.set_zero_linger().unwrap();
+    drop(c);
+    let r = timeout(PATIENCE, b.read(&mut buf)).await.unwrap();
+    assert_eq!(
+        r.map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::ConnectionReset),
+        "the backend sees a reset, not an orderly close"
+    );
+    p.shutdown().await;
+}
