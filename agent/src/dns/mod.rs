@@ -1,17 +1,22 @@
 //! The `dns` subsystem: an authoritative DNS server for service names,
 //! `<service>.<namespace>.rune`, on UDP and TCP, kept current from the endpoint cache.
 //!
-//! hickory-server carries the protocol (sockets, framing, parsing); answers come from
-//! our own [`Zone`], an immutable table of precomputed record sets that is rebuilt
-//! and swapped in atomically whenever the cache delivers a delta, so a lookup takes
-//! no lock and answers change within milliseconds of a change in the cache.
+//! Answers come from our own [`Zone`], an immutable table of record sets kept ready
+//! in wire form, updated per cache delta (only the changed services' names) and
+//! swapped in atomically, so a lookup takes no lock and answers change within
+//! milliseconds of a change in the cache. Over UDP, zone answers take a fast path
+//! ([`fast`]: batched receive and send, the answer copied from the zone);
+//! hickory-server carries everything else: TCP, forwarded names, malformed or
+//! unusual queries.
 //!
 //! Names outside the zone are forwarded to upstream resolvers ([`Forwarder`]:
 //! configured ones, or those of a resolv.conf minus the agent's own addresses), with
 //! a cache; with no upstream at all they are refused.
 
 mod cache;
+pub mod fast;
 mod forward;
+mod udp;
 mod zone;
 
 pub use cache::{CacheKey, Cached, DnsCache, MAX_NEGATIVE_TTL, MAX_POSITIVE_TTL};
@@ -19,13 +24,14 @@ pub use forward::{
     DEFAULT_CACHE_SIZE, DEFAULT_UPSTREAM_TIMEOUT, ForwardConfig, ForwardError, Forwarder,
     ResolvConfError, parse_resolv_conf, upstreams_from_resolv_conf,
 };
-pub use zone::{Answer, Authority, InvalidDomain, Zone, ZoneConfig};
+pub use zone::{
+    Answer, Authority, InvalidDomain, WireAnswer, WireRecords, Zone, ZoneConfig, ZoneWriter,
+};
 
 use crate::{
     agent::{Mode, Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
-    endpoints::{EndpointCache, ServiceView},
+    endpoints::EndpointCache,
     metrics::{DnsQueryLabels, DnsZoneLabels, Metrics},
-    model::ServiceKey,
     sync::lock,
 };
 use arc_swap::ArcSwap;
@@ -40,7 +46,6 @@ use hickory_server::{
     zone_handler::MessageResponseBuilder,
 };
 use std::{
-    collections::BTreeMap,
     net::SocketAddr,
     sync::{Arc, Mutex},
     time::Duration,
@@ -285,13 +290,15 @@ impl Subsystem for DnsServer {
             )
         });
 
-        let mut server = Server::new(Handler {
+        let handler = Arc::new(Handler {
             zone: self.zone.clone(),
             metrics: self.metrics.clone(),
             forwarder,
         });
+        let mut server = Server::new(SharedHandler(handler.clone()));
         for (udp, tcp, _) in bound {
-            server.register_socket(udp);
+            self.tasks
+                .spawn(udp::serve(udp, handler.clone(), ctx.cancel.clone()));
             server.register_listener(tcp, TCP_TIMEOUT, TCP_RESPONSE_BUFFER);
         }
         let cancel = ctx.cancel.clone();
@@ -341,7 +348,8 @@ impl Subsystem for DnsServer {
     }
 }
 
-/// Rebuilds the zone on every cache delta and swaps it in; ready after the first.
+/// Applies every cache delta to the zone and swaps the new version in; ready after
+/// the first.
 async fn follow(
     cache: Arc<EndpointCache>,
     config: ZoneConfig,
@@ -349,37 +357,62 @@ async fn follow(
     ready: ReadySetter,
     cancel: CancellationToken,
 ) {
+    let mut writer = match ZoneWriter::new(&config) {
+        Ok(w) => w,
+        // The domain was checked when the server was made; this cannot happen.
+        Err(error) => {
+            tracing::error!(%error, "DNS zone not kept");
+            return;
+        }
+    };
     let mut sub = cache.subscribe();
-    let mut views: BTreeMap<ServiceKey, ServiceView> = BTreeMap::new();
     loop {
         let delta = tokio::select! {
             () = cancel.cancelled() => return,
             d = sub.next() => d,
         };
-        if delta.full {
-            views.clear();
-        }
-        for key in &delta.removed {
-            views.remove(key);
-        }
-        for view in delta.upserted {
-            views.insert(view.key(), view);
-        }
+        let revision = delta.revision;
+        let changed = delta.upserted.len() + delta.removed.len();
+        writer.apply(delta);
         // The SOA serial is 32 bits; the revision wraps into it.
-        let serial = delta.revision as u32;
-        match Zone::build(&config, serial, views.values()) {
-            Ok(built) => {
-                zone.store(Arc::new(built));
-                ready.set_ready();
-                tracing::debug!(
-                    revision = delta.revision,
-                    services = views.len(),
-                    "DNS zone updated"
-                );
-            }
-            // The domain was checked when the server was made; this cannot happen.
-            Err(error) => tracing::error!(%error, "DNS zone not rebuilt"),
+        zone.store(Arc::new(writer.publish(revision as u32)));
+        ready.set_ready();
+        if changed > TRIM_AFTER_CHANGES {
+            // A large delta (a snapshot, a bulk apply) frees the previous shards;
+            // give those pages back rather than keep them with the process.
+            trim_heap();
         }
+        tracing::debug!(
+            revision,
+            services = writer.services(),
+            "DNS zone updated"
+        );
+    }
+}
+
+/// Deltas changing more services than this return freed memory to the system.
+const TRIM_AFTER_CHANGES: usize = 1000;
+
+/// Returns free heap pages to the system (glibc keeps them otherwise).
+fn trim_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases free memory; it has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// The handler hickory-server's TCP listeners call (the UDP loop shares it).
+struct SharedHandler(Arc<Handler>);
+
+#[async_trait::async_trait]
+impl RequestHandler for SharedHandler {
+    async fn handle_request<R: ResponseHandler, T: Time>(
+        &self,
+        request: &Request,
+        response_handle: R,
+    ) -> ResponseInfo {
+        self.0.handle_request::<R, T>(request, response_handle).await
     }
 }
 
@@ -447,7 +480,6 @@ impl RequestHandler for Handler {
             Ok(info) if request.metadata.op_code == OpCode::Query => Some(info.query),
             _ => None,
         };
-        // Held for the whole request: the response borrows its records.
         let zone = self.zone.load_full();
         let mut zone_kind = Authority::Other;
         let sent = match query {
@@ -461,8 +493,8 @@ impl RequestHandler for Handler {
                     answer = Answer {
                         rcode: ResponseCode::Refused,
                         authoritative: false,
-                        answers: &[],
-                        authority: &[],
+                        answers: Vec::new(),
+                        authority: Vec::new(),
                         authority_kind: Authority::Zone,
                     };
                 }
