@@ -382,11 +382,7 @@ async fn follow(
             // give those pages back rather than keep them with the process.
             trim_heap();
         }
-        tracing::debug!(
-            revision,
-            services = writer.services(),
-            "DNS zone updated"
-        );
+        tracing::debug!(revision, services = writer.services(), "DNS zone updated");
     }
 }
 
@@ -412,7 +408,9 @@ impl RequestHandler for SharedHandler {
         request: &Request,
         response_handle: R,
     ) -> ResponseInfo {
-        self.0.handle_request::<R, T>(request, response_handle).await
+        self.0
+            .handle_request::<R, T>(request, response_handle)
+            .await
     }
 }
 

@@ -443,3 +443,108 @@ async fn upstreams_that_are_the_agent_itself_are_left_out() {
     cancel.cancel();
     dns.stop().await.unwrap();
 }
+
+/// Every question the tests ask, with what a zone answers.
+fn answers_of(z: &Zone) -> Vec<(String, RecordType, Answer)> {
+    let names = [
+        "rune.",
+        "shop.rune.",
+        "default.rune.",
+        "web.shop.rune.",
+        "_http._tcp.web.shop.rune.",
+        "_tcp.web.shop.rune.",
+        "_dns._udp.web.shop.rune.",
+        "db.default.rune.",
+        "_pg._tcp.db.default.rune.",
+        "10.100.18.198.in-addr.arpa.",
+        "11.100.18.198.in-addr.arpa.",
+    ];
+    let types = [
+        RecordType::A,
+        RecordType::AAAA,
+        RecordType::SRV,
+        RecordType::PTR,
+        RecordType::SOA,
+        RecordType::NS,
+        RecordType::ANY,
+    ];
+    names
+        .iter()
+        .flat_map(|n| types.iter().map(move |t| (n.to_string(), *t)))
+        .map(|(n, t)| {
+            let a = z.lookup(&name(&n), t);
+            (n, t, a)
+        })
+        .collect()
+}
+
+#[test]
+fn per_delta_updates_answer_as_a_zone_built_whole() {
+    use crate::endpoints::Delta;
+    let cfg = config(Mode::Production);
+    let moved = view(
+        "apiVersion: rune/v1\nkind: Service\nmetadata: {name: web, namespace: shop}\n\
+         spec:\n  ports: [{name: http, port: 8080}]\n  discovery: {vips: [198.18.100.11]}\n",
+        None,
+    );
+    let delta = |upserted: Vec<ServiceView>, removed: Vec<ServiceView>| Delta {
+        revision: 7,
+        full: false,
+        upserted,
+        removed: removed.iter().map(ServiceView::key).collect(),
+    };
+    let mut writer = ZoneWriter::new(&cfg).unwrap();
+    writer.apply(delta(vec![web(), headless()], vec![]));
+    assert_eq!(
+        answers_of(&writer.publish(7)),
+        answers_of(&zone(Mode::Production, &[web(), headless()]))
+    );
+    let before = writer.publish(7);
+    // The VIP, the port and a port name change: the old PTR and SRV names go.
+    writer.apply(delta(vec![moved.clone()], vec![]));
+    let after = writer.publish(7);
+    assert_eq!(
+        answers_of(&after),
+        answers_of(&zone(Mode::Production, &[moved.clone(), headless()]))
+    );
+    assert_eq!(
+        after
+            .lookup(&name("10.100.18.198.in-addr.arpa."), RecordType::PTR)
+            .rcode,
+        ResponseCode::Refused
+    );
+    assert_eq!(
+        after
+            .lookup(&name("_dns._udp.web.shop.rune."), RecordType::SRV)
+            .rcode,
+        ResponseCode::NXDomain
+    );
+    // A version already published does not change.
+    assert_eq!(
+        answers_of(&before),
+        answers_of(&zone(Mode::Production, &[web(), headless()]))
+    );
+    // The last service of a namespace goes: so does the namespace's name.
+    writer.apply(delta(vec![], vec![moved]));
+    let last = writer.publish(7);
+    assert_eq!(
+        answers_of(&last),
+        answers_of(&zone(Mode::Production, &[headless()]))
+    );
+    assert_eq!(
+        last.lookup(&name("shop.rune."), RecordType::A).rcode,
+        ResponseCode::NXDomain
+    );
+    // A full delta replaces everything.
+    writer.apply(Delta {
+        revision: 7,
+        full: true,
+        upserted: vec![web()],
+        removed: vec![],
+    });
+    assert_eq!(
+        answers_of(&writer.publish(7)),
+        answers_of(&zone(Mode::Production, &[web()]))
+    );
+    assert_eq!(writer.services(), 1);
+}

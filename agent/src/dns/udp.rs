@@ -244,8 +244,8 @@ pub(super) async fn serve(socket: UdpSocket, handler: Arc<Handler>, cancel: Canc
                     None
                 } else {
                     let (received, answers) = (&buffers.received, &mut buffers.answers);
-                    let query = &received
-                        [i * RECEIVE_BUFFER..i * RECEIVE_BUFFER + buffers.received_len[i]];
+                    let query =
+                        &received[i * RECEIVE_BUFFER..i * RECEIVE_BUFFER + buffers.received_len[i]];
                     let out = &mut answers[slot * ANSWER_BUFFER..(slot + 1) * ANSWER_BUFFER];
                     fast::answer(&zone, query, recursion_available, out)
                 };
@@ -364,28 +364,45 @@ impl ResponseHandler for UdpResponder {
             impl Iterator<Item = &'a Record> + Send + 'a,
         >,
     ) -> Result<ResponseInfo, NetError> {
-        let id = response.metadata().id;
-        let limit = response.edns().map_or(512, |e| e.max_payload());
-        let mut bytes = Vec::with_capacity(512);
-        let mut encoder = BinEncoder::new(&mut bytes);
-        encoder.set_max_size(limit);
-        let info = match response.destructive_emit(&mut encoder) {
-            Ok(info) => info,
-            Err(error) => {
-                tracing::error!(%error, "DNS response does not encode; SERVFAIL");
-                bytes.clear();
-                let mut encoder = BinEncoder::new(&mut bytes);
-                let mut metadata = Metadata::new(id, MessageType::Response, OpCode::Query);
-                metadata.response_code = ResponseCode::ServFail;
-                let header = Header {
-                    metadata,
-                    counts: HeaderCounts::default(),
-                };
-                header.emit(&mut encoder)?;
-                ResponseInfo::from(header)
-            }
-        };
+        let (info, bytes) = encode_udp_response(response)?;
         self.socket.send_to(&bytes, self.destination).await?;
         Ok(info)
     }
+}
+
+/// Encodes a hickory response for UDP as hickory-server does: limited to the
+/// client's EDNS payload size (512 bytes without EDNS), records that do not fit left
+/// out and TC set; SERVFAIL when the response does not encode.
+pub(super) fn encode_udp_response<'a>(
+    response: MessageResponse<
+        '_,
+        'a,
+        impl Iterator<Item = &'a Record> + Send + 'a,
+        impl Iterator<Item = &'a Record> + Send + 'a,
+        impl Iterator<Item = &'a Record> + Send + 'a,
+        impl Iterator<Item = &'a Record> + Send + 'a,
+    >,
+) -> Result<(ResponseInfo, Vec<u8>), NetError> {
+    let id = response.metadata().id;
+    let limit = response.edns().map_or(512, |e| e.max_payload());
+    let mut bytes = Vec::with_capacity(512);
+    let mut encoder = BinEncoder::new(&mut bytes);
+    encoder.set_max_size(limit);
+    let info = match response.destructive_emit(&mut encoder) {
+        Ok(info) => info,
+        Err(error) => {
+            tracing::error!(%error, "DNS response does not encode; SERVFAIL");
+            bytes.clear();
+            let mut encoder = BinEncoder::new(&mut bytes);
+            let mut metadata = Metadata::new(id, MessageType::Response, OpCode::Query);
+            metadata.response_code = ResponseCode::ServFail;
+            let header = Header {
+                metadata,
+                counts: HeaderCounts::default(),
+            };
+            header.emit(&mut encoder)?;
+            ResponseInfo::from(header)
+        }
+    };
+    Ok((info, bytes))
 }

@@ -228,11 +228,15 @@ pub struct Zone {
     shards: Vec<Arc<Shard>>,
 }
 
+/// One record of a service: its owner (lower-cased wire name), type, and bytes
+/// after the owner name.
+type OwnedRecord = (Box<[u8]>, RecordType, Box<[u8]>);
+
 /// The records one service puts in the zone.
 #[derive(Debug, Default)]
 struct Contribution {
-    /// (owner name, type, record without its owner), owners lower-cased wire names.
-    records: Vec<(Box<[u8]>, RecordType, Box<[u8]>)>,
+    /// The service's records.
+    records: Vec<OwnedRecord>,
     /// Names in the zone that exist because of the service (its own name and SRV
     /// names): they and their ancestors below the apex are counted.
     names: Vec<Box<[u8]>>,
@@ -447,11 +451,8 @@ impl ZoneWriter {
         let name_wire = wire(&name);
         out.names.push(name_wire.clone());
         let push = |out: &mut Contribution, owner: &[u8], record: Record| {
-            out.records.push((
-                owner.into(),
-                record.record_type(),
-                record_bytes(&record),
-            ));
+            out.records
+                .push((owner.into(), record.record_type(), record_bytes(&record)));
         };
         let dev = config.mode == Mode::Dev;
         if dev {
