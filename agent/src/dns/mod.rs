@@ -366,25 +366,32 @@ async fn follow(
         }
     };
     let mut sub = cache.subscribe();
+    let mut trim_pending = false;
     loop {
         let delta = tokio::select! {
             () = cancel.cancelled() => return,
             d = sub.next() => d,
+            // A large change (a snapshot, a bulk apply) frees the previous shards,
+            // and the rest of the agent frees its own garbage of the same change:
+            // once deltas pause, give those pages back rather than keep them.
+            () = tokio::time::sleep(TRIM_WHEN_QUIET), if trim_pending => {
+                trim_pending = false;
+                trim_heap();
+                continue;
+            }
         };
         let revision = delta.revision;
-        let changed = delta.upserted.len() + delta.removed.len();
+        trim_pending |= delta.upserted.len() + delta.removed.len() > TRIM_AFTER_CHANGES;
         writer.apply(delta);
         // The SOA serial is 32 bits; the revision wraps into it.
         zone.store(Arc::new(writer.publish(revision as u32)));
         ready.set_ready();
-        if changed > TRIM_AFTER_CHANGES {
-            // A large delta (a snapshot, a bulk apply) frees the previous shards;
-            // give those pages back rather than keep them with the process.
-            trim_heap();
-        }
         tracing::debug!(revision, services = writer.services(), "DNS zone updated");
     }
 }
+
+/// How long deltas must pause before freed memory is returned after a large one.
+const TRIM_WHEN_QUIET: Duration = Duration::from_millis(200);
 
 /// Deltas changing more services than this return freed memory to the system.
 const TRIM_AFTER_CHANGES: usize = 1000;

@@ -30,6 +30,8 @@ use tokio_util::sync::CancellationToken;
 
 /// Datagrams received (and answers sent) per system call.
 const BATCH: usize = 32;
+/// Batches handled in a row before the loop yields to other tasks.
+const BATCHES_BEFORE_YIELD: usize = 8;
 /// Receive buffer per datagram: larger queries arrive cut (MSG_TRUNC) and go to
 /// the hickory path, which answers FORMERR.
 const RECEIVE_BUFFER: usize = 4096;
@@ -221,7 +223,12 @@ pub(super) async fn serve(socket: UdpSocket, handler: Arc<Handler>, cancel: Canc
                 return;
             },
         }
-        loop {
+        for batch in 1.. {
+            if batch % BATCHES_BEFORE_YIELD == 0 {
+                // Under constant load the socket never runs dry: let the tasks this
+                // loop spawned (and others on this worker) run.
+                tokio::task::yield_now().await;
+            }
             let received = match socket.try_io(Interest::READABLE, || buffers.receive(fd)) {
                 Ok(n) => n,
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,

@@ -15,6 +15,7 @@ use crate::{
     model::{Protocol, ServiceKey},
 };
 use hickory_proto::{
+    ProtoError,
     op::ResponseCode,
     rr::{
         LowerName, Name, RData, Record, RecordType,
@@ -23,7 +24,7 @@ use hickory_proto::{
     serialize::binary::{BinDecodable, BinDecoder, BinEncodable, BinEncoder, NameEncoding},
 };
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::HashMap,
     net::{IpAddr, Ipv4Addr},
     sync::Arc,
 };
@@ -62,7 +63,7 @@ pub struct InvalidDomain {
     pub domain: String,
     /// Why hickory refused it.
     #[source]
-    pub source: hickory_proto::ProtoError,
+    pub source: ProtoError,
 }
 
 /// Whether a name is one the server answers for, for the `zone` metric label.
@@ -142,11 +143,14 @@ struct RRset {
 
 /// The record sets of one owner name and how many service names lie at or below it
 /// (a name with no records but a count above zero is an empty non-terminal, such as
-/// `default.rune.` when `web.default.rune.` exists).
+/// `default.rune.` when `web.default.rune.` exists); at a service's name, the
+/// service as last applied (what to take out when it changes), shared with the
+/// endpoint cache.
 #[derive(Clone, Debug, Default)]
 struct Node {
     refs: u32,
     rrsets: Vec<RRset>,
+    service: Option<ServiceView>,
 }
 
 impl Node {
@@ -253,7 +257,7 @@ pub struct ZoneWriter {
     mname: Name,
     rname: Name,
     shards: Vec<Arc<Shard>>,
-    views: BTreeMap<ServiceKey, ServiceView>,
+    services: usize,
 }
 
 /// The lower-cased wire form of a name.
@@ -307,7 +311,7 @@ impl ZoneWriter {
             mname: mname.clone(),
             rname,
             shards: (0..SHARDS).map(|_| Arc::default()).collect(),
-            views: BTreeMap::new(),
+            services: 0,
         };
         let ns = Record::from_rdata(origin, config.ttl, RData::NS(NS(mname)));
         let apex = writer.node_mut(&origin_wire);
@@ -339,40 +343,72 @@ impl ZoneWriter {
     /// Applies one cache delta: only the services it names are touched.
     pub fn apply(&mut self, delta: Delta) {
         if delta.full {
-            let old = std::mem::take(&mut self.views);
-            for view in old.values() {
+            let all: Vec<ServiceView> = self
+                .shards
+                .iter()
+                .flat_map(|shard| shard.values().filter_map(|n| n.service.clone()))
+                .collect();
+            for view in &all {
+                self.take_service(&view.key());
                 self.remove(view);
             }
         }
         for key in &delta.removed {
-            if let Some(view) = self.views.remove(key) {
+            if let Some(view) = self.take_service(key) {
                 self.remove(&view);
             }
         }
         for view in delta.upserted {
-            if let Some(old) = self.views.remove(&view.key()) {
+            if let Some(old) = self.take_service(&view.key()) {
                 self.remove(&old);
             }
             self.add(&view);
-            self.views.insert(view.key(), view);
         }
     }
 
     /// Adds every view (for a zone built in one go).
     pub fn add_all<'v>(&mut self, views: impl IntoIterator<Item = &'v ServiceView>) {
         for view in views {
+            if let Some(old) = self.take_service(&view.key()) {
+                self.remove(&old);
+            }
             self.add(view);
-            self.views.insert(view.key(), view.clone());
         }
     }
 
     /// Services in the zone.
     pub fn services(&self) -> usize {
-        self.views.len()
+        self.services
+    }
+
+    /// The DNS name of a service, lower case; an error when it is not a DNS name.
+    fn service_name(&self, namespace: &str, name: &str) -> Result<Name, ProtoError> {
+        Name::from_ascii(format!("{name}.{namespace}"))
+            .and_then(|n| n.append_domain(&self.origin))
+            .map(|n| n.to_lowercase())
+    }
+
+    /// Takes the service `key` out of its name's node; `None` when the zone does not
+    /// hold it.
+    fn take_service(&mut self, key: &ServiceKey) -> Option<ServiceView> {
+        let name = wire(&self.service_name(&key.namespace, &key.name).ok()?);
+        let held = self.shards[shard_of(&name)]
+            .get(&name)
+            .is_some_and(|n| n.service.is_some());
+        if !held {
+            return None;
+        }
+        self.services -= 1;
+        self.node_mut(&name).service.take()
     }
 
     fn add(&mut self, view: &ServiceView) {
         let contribution = self.contribution(view);
+        let Some(own) = contribution.names.first() else {
+            return;
+        };
+        self.services += 1;
+        self.node_mut(own).service = Some(view.clone());
         for name in &contribution.names {
             self.for_name_and_parents(name, |node| node.refs += 1);
         }
@@ -436,13 +472,8 @@ impl ZoneWriter {
         let config = &self.config;
         let ttl = config.ttl;
         let svc = &view.service;
-        let name = match Name::from_ascii(format!(
-            "{}.{}",
-            svc.metadata.name, svc.metadata.namespace
-        ))
-        .and_then(|n| n.append_domain(&self.origin))
-        {
-            Ok(n) => n.to_lowercase(),
+        let name = match self.service_name(&svc.metadata.namespace, &svc.metadata.name) {
+            Ok(n) => n,
             Err(error) => {
                 tracing::warn!(service = %view.key(), %error, "service name is not a DNS name; not in DNS");
                 return out;
