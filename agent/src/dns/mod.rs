@@ -296,9 +296,17 @@ impl Subsystem for DnsServer {
             forwarder,
         });
         let mut server = Server::new(SharedHandler(handler.clone()));
-        for (udp, tcp, _) in bound {
+        for (udp, tcp, addr) in bound {
+            let udp = match udp.into_std() {
+                Ok(udp) => udp,
+                Err(error) => {
+                    return Err(SubsystemError::io(format!("DNS UDP socket {addr}"), error));
+                }
+            };
+            let (handler, cancel) = (handler.clone(), ctx.cancel.clone());
+            let runtime = tokio::runtime::Handle::current();
             self.tasks
-                .spawn(udp::serve(udp, handler.clone(), ctx.cancel.clone()));
+                .spawn_blocking(move || udp::serve(udp, handler, cancel, runtime));
             server.register_listener(tcp, TCP_TIMEOUT, TCP_RESPONSE_BUFFER);
         }
         let cancel = ctx.cancel.clone();
@@ -366,7 +374,8 @@ async fn follow(
         }
     };
     let mut sub = cache.subscribe();
-    let mut trim_pending = false;
+    // Services changed since the heap was last trimmed.
+    let mut changed_since_trim = 0usize;
     loop {
         let delta = tokio::select! {
             () = cancel.cancelled() => return,
@@ -374,14 +383,15 @@ async fn follow(
             // A large change (a snapshot, a bulk apply) frees the previous shards,
             // and the rest of the agent frees its own garbage of the same change:
             // once deltas pause, give those pages back rather than keep them.
-            () = tokio::time::sleep(TRIM_WHEN_QUIET), if trim_pending => {
-                trim_pending = false;
+            () = tokio::time::sleep(TRIM_WHEN_QUIET), if changed_since_trim > TRIM_AFTER_CHANGES => {
+                changed_since_trim = 0;
                 trim_heap();
                 continue;
             }
         };
         let revision = delta.revision;
-        trim_pending |= delta.upserted.len() + delta.removed.len() > TRIM_AFTER_CHANGES;
+        // A bulk change may come as several deltas: they add up.
+        changed_since_trim += delta.upserted.len() + delta.removed.len() + usize::from(delta.full);
         writer.apply(delta);
         // The SOA serial is 32 bits; the revision wraps into it.
         zone.store(Arc::new(writer.publish(revision as u32)));
@@ -393,7 +403,8 @@ async fn follow(
 /// How long deltas must pause before freed memory is returned after a large one.
 const TRIM_WHEN_QUIET: Duration = Duration::from_millis(200);
 
-/// Deltas changing more services than this return freed memory to the system.
+/// Changes to more services than this (in one delta or several close together)
+/// return freed memory to the system once deltas pause.
 const TRIM_AFTER_CHANGES: usize = 1000;
 
 /// Returns free heap pages to the system (glibc keeps them otherwise).
