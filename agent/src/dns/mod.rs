@@ -497,12 +497,11 @@ impl RequestHandler for Handler {
             _ => None,
         };
         let zone = self.zone.load_full();
-        let mut zone_kind = Authority::Other;
         let sent = match query {
             Some(q) => {
                 let qtype = q.query_type();
                 let mut answer = zone.lookup(q.name(), qtype);
-                zone_kind = answer.authority_kind;
+                let zone_kind = answer.authority_kind;
                 // The zone holds IN records only: other classes (CH, HS) in it are
                 // refused rather than answered with IN data.
                 if answer.authority_kind != Authority::Other && q.query_class() != DNSClass::IN {
@@ -531,6 +530,7 @@ impl RequestHandler for Handler {
                                 std::iter::empty(),
                                 reply.additionals.iter(),
                             );
+                            self.observe(started, Authority::Other);
                             response_handle.send_response(response).await
                         }
                         Err(error) => {
@@ -538,10 +538,10 @@ impl RequestHandler for Handler {
                             metadata.response_code = ResponseCode::ServFail;
                             self.count(Some(qtype), ResponseCode::ServFail, Authority::Other);
                             let response = builder.build_no_records(metadata);
+                            self.observe(started, Authority::Other);
                             response_handle.send_response(response).await
                         }
                     };
-                    self.observe(started, Authority::Other);
                     return self.finish(sent, request);
                 }
                 metadata.response_code = answer.rcode;
@@ -554,6 +554,7 @@ impl RequestHandler for Handler {
                     std::iter::empty(),
                     std::iter::empty(),
                 );
+                self.observe(started, zone_kind);
                 response_handle.send_response(response).await
             }
             None => {
@@ -564,16 +565,17 @@ impl RequestHandler for Handler {
                 };
                 self.count(None, metadata.response_code, Authority::Other);
                 let response = builder.build_no_records(metadata);
+                self.observe(started, Authority::Other);
                 response_handle.send_response(response).await
             }
         };
-        self.observe(started, zone_kind);
         self.finish(sent, request)
     }
 }
 
 impl Handler {
-    /// Records the time since `started` in the latency histogram.
+    /// Records the time since `started` in the latency histogram: before the
+    /// response is sent, so that a client that has its answer sees it counted.
     fn observe(&self, started: std::time::Instant, authority: Authority) {
         self.metrics
             .dns_query_duration
