@@ -59,6 +59,8 @@ enum BenchSection {
     Sync,
     /// TCP end to end through the eBPF VIP vs straight to the backend (netns).
     E2e,
+    /// The embedded DNS server against dnsmasq, and its memory at 10,000 services.
+    Dns,
 }
 
 fn main() -> ExitCode {
@@ -77,6 +79,9 @@ fn main() -> ExitCode {
         Command::Bench {
             section: Some(BenchSection::E2e),
         } => setup::run().and_then(|()| bench_e2e::run_alone()),
+        Command::Bench {
+            section: Some(BenchSection::Dns),
+        } => setup::run().and_then(|()| bench_dns::run_alone()),
     };
     // One line per cause, no backtrace: the failing step's own output is above.
     match result {

@@ -1,17 +1,22 @@
 //! The `dns` subsystem: an authoritative DNS server for service names,
 //! `<service>.<namespace>.rune`, on UDP and TCP, kept current from the endpoint cache.
 //!
-//! hickory-server carries the protocol (sockets, framing, parsing); answers come from
-//! our own [`Zone`], an immutable table of precomputed record sets that is rebuilt
-//! and swapped in atomically whenever the cache delivers a delta, so a lookup takes
-//! no lock and answers change within milliseconds of a change in the cache.
+//! Answers come from our own [`Zone`], an immutable table of record sets kept ready
+//! in wire form, updated per cache delta (only the changed services' names) and
+//! swapped in atomically, so a lookup takes no lock and answers change within
+//! milliseconds of a change in the cache. Over UDP, zone answers take a fast path
+//! ([`fast`]: batched receive and send, the answer copied from the zone);
+//! hickory-server carries everything else: TCP, forwarded names, malformed or
+//! unusual queries.
 //!
 //! Names outside the zone are forwarded to upstream resolvers ([`Forwarder`]:
 //! configured ones, or those of a resolv.conf minus the agent's own addresses), with
 //! a cache; with no upstream at all they are refused.
 
 mod cache;
+pub mod fast;
 mod forward;
+mod udp;
 mod zone;
 
 pub use cache::{CacheKey, Cached, DnsCache, MAX_NEGATIVE_TTL, MAX_POSITIVE_TTL};
@@ -19,13 +24,14 @@ pub use forward::{
     DEFAULT_CACHE_SIZE, DEFAULT_UPSTREAM_TIMEOUT, ForwardConfig, ForwardError, Forwarder,
     ResolvConfError, parse_resolv_conf, upstreams_from_resolv_conf,
 };
-pub use zone::{Answer, Authority, InvalidDomain, Zone, ZoneConfig};
+pub use zone::{
+    Answer, Authority, InvalidDomain, WireAnswer, WireRecords, Zone, ZoneConfig, ZoneWriter,
+};
 
 use crate::{
     agent::{Mode, Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
-    endpoints::{EndpointCache, ServiceView},
+    endpoints::EndpointCache,
     metrics::{DnsQueryLabels, DnsZoneLabels, Metrics},
-    model::ServiceKey,
     sync::lock,
 };
 use arc_swap::ArcSwap;
@@ -40,7 +46,6 @@ use hickory_server::{
     zone_handler::MessageResponseBuilder,
 };
 use std::{
-    collections::BTreeMap,
     net::SocketAddr,
     sync::{Arc, Mutex},
     time::Duration,
@@ -285,13 +290,23 @@ impl Subsystem for DnsServer {
             )
         });
 
-        let mut server = Server::new(Handler {
+        let handler = Arc::new(Handler {
             zone: self.zone.clone(),
             metrics: self.metrics.clone(),
             forwarder,
         });
-        for (udp, tcp, _) in bound {
-            server.register_socket(udp);
+        let mut server = Server::new(SharedHandler(handler.clone()));
+        for (udp, tcp, addr) in bound {
+            let udp = match udp.into_std() {
+                Ok(udp) => udp,
+                Err(error) => {
+                    return Err(SubsystemError::io(format!("DNS UDP socket {addr}"), error));
+                }
+            };
+            let (handler, cancel) = (handler.clone(), ctx.cancel.clone());
+            let runtime = tokio::runtime::Handle::current();
+            self.tasks
+                .spawn_blocking(move || udp::serve(udp, handler, cancel, runtime));
             server.register_listener(tcp, TCP_TIMEOUT, TCP_RESPONSE_BUFFER);
         }
         let cancel = ctx.cancel.clone();
@@ -341,7 +356,8 @@ impl Subsystem for DnsServer {
     }
 }
 
-/// Rebuilds the zone on every cache delta and swaps it in; ready after the first.
+/// Applies every cache delta to the zone and swaps the new version in; ready after
+/// the first.
 async fn follow(
     cache: Arc<EndpointCache>,
     config: ZoneConfig,
@@ -349,37 +365,70 @@ async fn follow(
     ready: ReadySetter,
     cancel: CancellationToken,
 ) {
+    let mut writer = match ZoneWriter::new(&config) {
+        Ok(w) => w,
+        // The domain was checked when the server was made; this cannot happen.
+        Err(error) => {
+            tracing::error!(%error, "DNS zone not kept");
+            return;
+        }
+    };
     let mut sub = cache.subscribe();
-    let mut views: BTreeMap<ServiceKey, ServiceView> = BTreeMap::new();
+    // Services changed since the heap was last trimmed.
+    let mut changed_since_trim = 0usize;
     loop {
         let delta = tokio::select! {
             () = cancel.cancelled() => return,
             d = sub.next() => d,
-        };
-        if delta.full {
-            views.clear();
-        }
-        for key in &delta.removed {
-            views.remove(key);
-        }
-        for view in delta.upserted {
-            views.insert(view.key(), view);
-        }
-        // The SOA serial is 32 bits; the revision wraps into it.
-        let serial = delta.revision as u32;
-        match Zone::build(&config, serial, views.values()) {
-            Ok(built) => {
-                zone.store(Arc::new(built));
-                ready.set_ready();
-                tracing::debug!(
-                    revision = delta.revision,
-                    services = views.len(),
-                    "DNS zone updated"
-                );
+            // A large change (a snapshot, a bulk apply) frees the previous shards,
+            // and the rest of the agent frees its own garbage of the same change:
+            // once deltas pause, give those pages back rather than keep them.
+            () = tokio::time::sleep(TRIM_WHEN_QUIET), if changed_since_trim > TRIM_AFTER_CHANGES => {
+                changed_since_trim = 0;
+                trim_heap();
+                continue;
             }
-            // The domain was checked when the server was made; this cannot happen.
-            Err(error) => tracing::error!(%error, "DNS zone not rebuilt"),
-        }
+        };
+        let revision = delta.revision;
+        // A bulk change may come as several deltas: they add up.
+        changed_since_trim += delta.upserted.len() + delta.removed.len() + usize::from(delta.full);
+        writer.apply(delta);
+        // The SOA serial is 32 bits; the revision wraps into it.
+        zone.store(Arc::new(writer.publish(revision as u32)));
+        ready.set_ready();
+        tracing::debug!(revision, services = writer.services(), "DNS zone updated");
+    }
+}
+
+/// How long deltas must pause before freed memory is returned after a large one.
+const TRIM_WHEN_QUIET: Duration = Duration::from_millis(200);
+
+/// Changes to more services than this (in one delta or several close together)
+/// return freed memory to the system once deltas pause.
+const TRIM_AFTER_CHANGES: usize = 1000;
+
+/// Returns free heap pages to the system (glibc keeps them otherwise).
+fn trim_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases free memory; it has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// The handler hickory-server's TCP listeners call (the UDP loop shares it).
+struct SharedHandler(Arc<Handler>);
+
+#[async_trait::async_trait]
+impl RequestHandler for SharedHandler {
+    async fn handle_request<R: ResponseHandler, T: Time>(
+        &self,
+        request: &Request,
+        response_handle: R,
+    ) -> ResponseInfo {
+        self.0
+            .handle_request::<R, T>(request, response_handle)
+            .await
     }
 }
 
@@ -447,22 +496,20 @@ impl RequestHandler for Handler {
             Ok(info) if request.metadata.op_code == OpCode::Query => Some(info.query),
             _ => None,
         };
-        // Held for the whole request: the response borrows its records.
         let zone = self.zone.load_full();
-        let mut zone_kind = Authority::Other;
         let sent = match query {
             Some(q) => {
                 let qtype = q.query_type();
                 let mut answer = zone.lookup(q.name(), qtype);
-                zone_kind = answer.authority_kind;
+                let zone_kind = answer.authority_kind;
                 // The zone holds IN records only: other classes (CH, HS) in it are
                 // refused rather than answered with IN data.
                 if answer.authority_kind != Authority::Other && q.query_class() != DNSClass::IN {
                     answer = Answer {
                         rcode: ResponseCode::Refused,
                         authoritative: false,
-                        answers: &[],
-                        authority: &[],
+                        answers: Vec::new(),
+                        authority: Vec::new(),
                         authority_kind: Authority::Zone,
                     };
                 }
@@ -483,6 +530,7 @@ impl RequestHandler for Handler {
                                 std::iter::empty(),
                                 reply.additionals.iter(),
                             );
+                            self.observe(started, Authority::Other);
                             response_handle.send_response(response).await
                         }
                         Err(error) => {
@@ -490,10 +538,10 @@ impl RequestHandler for Handler {
                             metadata.response_code = ResponseCode::ServFail;
                             self.count(Some(qtype), ResponseCode::ServFail, Authority::Other);
                             let response = builder.build_no_records(metadata);
+                            self.observe(started, Authority::Other);
                             response_handle.send_response(response).await
                         }
                     };
-                    self.observe(started, Authority::Other);
                     return self.finish(sent, request);
                 }
                 metadata.response_code = answer.rcode;
@@ -506,6 +554,7 @@ impl RequestHandler for Handler {
                     std::iter::empty(),
                     std::iter::empty(),
                 );
+                self.observe(started, zone_kind);
                 response_handle.send_response(response).await
             }
             None => {
@@ -516,16 +565,17 @@ impl RequestHandler for Handler {
                 };
                 self.count(None, metadata.response_code, Authority::Other);
                 let response = builder.build_no_records(metadata);
+                self.observe(started, Authority::Other);
                 response_handle.send_response(response).await
             }
         };
-        self.observe(started, zone_kind);
         self.finish(sent, request)
     }
 }
 
 impl Handler {
-    /// Records the time since `started` in the latency histogram.
+    /// Records the time since `started` in the latency histogram: before the
+    /// response is sent, so that a client that has its answer sees it counted.
     fn observe(&self, started: std::time::Instant, authority: Authority) {
         self.metrics
             .dns_query_duration

@@ -65,7 +65,7 @@ fn name(s: &str) -> LowerName {
     LowerName::from_str(s).unwrap()
 }
 
-fn ips(answer: &Answer<'_>) -> Vec<IpAddr> {
+fn ips(answer: &Answer) -> Vec<IpAddr> {
     answer
         .answers
         .iter()
@@ -81,7 +81,7 @@ fn ip(s: &str) -> IpAddr {
     s.parse().unwrap()
 }
 
-fn assert_soa_in_authority(answer: &Answer<'_>) {
+fn assert_soa_in_authority(answer: &Answer) {
     assert_eq!(answer.authority.len(), 1, "{answer:?}");
     assert_eq!(answer.authority[0].record_type(), RecordType::SOA);
     assert_eq!(answer.authority[0].name, Name::from_str("rune.").unwrap());
@@ -112,7 +112,7 @@ fn srv_for_named_ports_points_at_the_service_name() {
     let z = zone(Mode::Production, &[web()]);
     let srv = z.lookup(&name("_http._tcp.web.shop.rune."), RecordType::SRV);
     assert_eq!(srv.rcode, ResponseCode::NoError);
-    match srv.answers {
+    match srv.answers.as_slice() {
         [r] => match &r.data {
             RData::SRV(s) => {
                 assert_eq!((s.priority, s.weight, s.port), (0, 0, 80));
@@ -142,7 +142,7 @@ fn vips_have_ptr_records() {
     ] {
         let ptr = z.lookup(&name(reverse), RecordType::PTR);
         assert_eq!(ptr.rcode, ResponseCode::NoError, "{reverse}");
-        match ptr.answers {
+        match ptr.answers.as_slice() {
             [r] => assert_eq!(
                 r.data,
                 RData::PTR(hickory_proto::rr::rdata::PTR(
@@ -161,7 +161,7 @@ fn apex_has_soa_and_ns() {
     let z = zone(Mode::Production, &[]);
     let soa = z.lookup(&name("rune."), RecordType::SOA);
     assert_eq!(soa.rcode, ResponseCode::NoError);
-    match soa.answers {
+    match soa.answers.as_slice() {
         [r] => match &r.data {
             RData::SOA(s) => {
                 assert_eq!(s.serial, 7);
@@ -442,4 +442,109 @@ async fn upstreams_that_are_the_agent_itself_are_left_out() {
     );
     cancel.cancel();
     dns.stop().await.unwrap();
+}
+
+/// Every question the tests ask, with what a zone answers.
+fn answers_of(z: &Zone) -> Vec<(String, RecordType, Answer)> {
+    let names = [
+        "rune.",
+        "shop.rune.",
+        "default.rune.",
+        "web.shop.rune.",
+        "_http._tcp.web.shop.rune.",
+        "_tcp.web.shop.rune.",
+        "_dns._udp.web.shop.rune.",
+        "db.default.rune.",
+        "_pg._tcp.db.default.rune.",
+        "10.100.18.198.in-addr.arpa.",
+        "11.100.18.198.in-addr.arpa.",
+    ];
+    let types = [
+        RecordType::A,
+        RecordType::AAAA,
+        RecordType::SRV,
+        RecordType::PTR,
+        RecordType::SOA,
+        RecordType::NS,
+        RecordType::ANY,
+    ];
+    names
+        .iter()
+        .flat_map(|n| types.iter().map(move |t| (n.to_string(), *t)))
+        .map(|(n, t)| {
+            let a = z.lookup(&name(&n), t);
+            (n, t, a)
+        })
+        .collect()
+}
+
+#[test]
+fn per_delta_updates_answer_as_a_zone_built_whole() {
+    use crate::endpoints::Delta;
+    let cfg = config(Mode::Production);
+    let moved = view(
+        "apiVersion: rune/v1\nkind: Service\nmetadata: {name: web, namespace: shop}\n\
+         spec:\n  ports: [{name: http, port: 8080}]\n  discovery: {vips: [198.18.100.11]}\n",
+        None,
+    );
+    let delta = |upserted: Vec<ServiceView>, removed: Vec<ServiceView>| Delta {
+        revision: 7,
+        full: false,
+        upserted,
+        removed: removed.iter().map(ServiceView::key).collect(),
+    };
+    let mut writer = ZoneWriter::new(&cfg).unwrap();
+    writer.apply(delta(vec![web(), headless()], vec![]));
+    assert_eq!(
+        answers_of(&writer.publish(7)),
+        answers_of(&zone(Mode::Production, &[web(), headless()]))
+    );
+    let before = writer.publish(7);
+    // The VIP, the port and a port name change: the old PTR and SRV names go.
+    writer.apply(delta(vec![moved.clone()], vec![]));
+    let after = writer.publish(7);
+    assert_eq!(
+        answers_of(&after),
+        answers_of(&zone(Mode::Production, &[moved.clone(), headless()]))
+    );
+    assert_eq!(
+        after
+            .lookup(&name("10.100.18.198.in-addr.arpa."), RecordType::PTR)
+            .rcode,
+        ResponseCode::Refused
+    );
+    assert_eq!(
+        after
+            .lookup(&name("_dns._udp.web.shop.rune."), RecordType::SRV)
+            .rcode,
+        ResponseCode::NXDomain
+    );
+    // A version already published does not change.
+    assert_eq!(
+        answers_of(&before),
+        answers_of(&zone(Mode::Production, &[web(), headless()]))
+    );
+    // The last service of a namespace goes: so does the namespace's name.
+    writer.apply(delta(vec![], vec![moved]));
+    let last = writer.publish(7);
+    assert_eq!(
+        answers_of(&last),
+        answers_of(&zone(Mode::Production, &[headless()]))
+    );
+    assert_eq!(
+        last.lookup(&name("shop.rune."), RecordType::A).rcode,
+        ResponseCode::NXDomain
+    );
+    // A full delta replaces everything.
+    writer.apply(Delta {
+        revision: 7,
+        full: true,
+        upserted: vec![web()],
+        removed: vec![],
+    });
+    assert_eq!(
+        answers_of(&writer.publish(7)),
+        answers_of(&zone(Mode::Production, &[web()]))
+    );
+    assert_eq!(writer.services(), 1);
 }

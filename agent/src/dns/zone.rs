@@ -1,21 +1,32 @@
-//! The `rune.` zone as an immutable table of precomputed answers, rebuilt from the
-//! endpoint cache's views and looked up per (lower-cased name, type).
+//! The `rune.` zone: answers kept ready in wire form per (lower-cased name, type), in
+//! an immutable, sharded table that the server reads without a lock and a
+//! [`ZoneWriter`] updates per cache delta.
 //!
-//! A lookup is one hash probe and a scan of at most a handful of record sets: no
-//! allocation, no lock. Names are lower-cased by hickory on the wire
-//! ([`LowerName`]), so lookups are case-insensitive.
+//! Each name's record sets are stored as the bytes a response carries after the
+//! owner name (type, class, TTL, length, data), so the UDP fast path copies them
+//! behind a pointer to the question, and the hickory path decodes them on demand.
+//! A delta rewrites only the shards holding the names of the services it changes
+//! (copy on write): the zone is never rebuilt whole, and an update never holds two
+//! whole zones at once.
 
-use crate::{agent::Mode, endpoints::ServiceView, model::Protocol};
+use crate::{
+    agent::Mode,
+    endpoints::{Delta, ServiceView},
+    model::{Protocol, ServiceKey},
+};
 use hickory_proto::{
+    ProtoError,
     op::ResponseCode,
     rr::{
         LowerName, Name, RData, Record, RecordType,
         rdata::{A, AAAA, NS, PTR, SOA, SRV},
     },
+    serialize::binary::{BinDecodable, BinDecoder, BinEncodable, BinEncoder, NameEncoding},
 };
 use std::{
     collections::HashMap,
     net::{IpAddr, Ipv4Addr},
+    sync::Arc,
 };
 
 /// SOA refresh, retry and expire (seconds): nothing transfers this zone, the values
@@ -23,6 +34,12 @@ use std::{
 const SOA_REFRESH: i32 = 3600;
 const SOA_RETRY: i32 = 600;
 const SOA_EXPIRE: i32 = 86_400;
+
+/// Shards of the name table: a delta copies only the shards it touches.
+const SHARDS: usize = 256;
+
+/// Type, class, TTL and RDLENGTH: the fixed part of a record after its owner name.
+const RR_FIXED: usize = 10;
 
 /// What a zone is built from, besides the services.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -46,7 +63,7 @@ pub struct InvalidDomain {
     pub domain: String,
     /// Why hickory refused it.
     #[source]
-    pub source: hickory_proto::ProtoError,
+    pub source: ProtoError,
 }
 
 /// Whether a name is one the server answers for, for the `zone` metric label.
@@ -58,80 +75,489 @@ pub enum Authority {
     Other,
 }
 
-/// The answer to one question, borrowed from the zone.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Answer<'z> {
+/// The records of one record set in wire form, each without its owner name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WireRecords<'z> {
+    /// How many records `bytes` holds.
+    pub count: u16,
+    /// Type, class, TTL, RDLENGTH and RDATA of each record, back to back.
+    pub bytes: &'z [u8],
+}
+
+impl<'z> WireRecords<'z> {
+    const EMPTY: WireRecords<'static> = WireRecords {
+        count: 0,
+        bytes: &[],
+    };
+
+    /// Each record's bytes (after the owner name).
+    pub fn iter(&self) -> impl Iterator<Item = &'z [u8]> + 'z {
+        let mut rest = self.bytes;
+        std::iter::from_fn(move || {
+            let len = RR_FIXED + usize::from(u16::from_be_bytes([*rest.get(8)?, *rest.get(9)?]));
+            let (record, tail) = rest.split_at_checked(len)?;
+            rest = tail;
+            Some(record)
+        })
+    }
+}
+
+/// The answer to one question, borrowed from the zone in wire form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WireAnswer<'z> {
+    /// The response code.
+    pub rcode: ResponseCode,
+    /// Whether the AA flag is set.
+    pub authoritative: bool,
+    /// The answer section; every record's owner is the question's name.
+    pub answers: WireRecords<'z>,
+    /// The SOA record (with its owner, the apex) when the authority section holds it
+    /// (NXDOMAIN and empty answers).
+    pub authority: Option<&'z [u8]>,
+    /// In the zone or not.
+    pub authority_kind: Authority,
+}
+
+/// The answer to one question as hickory records (the slow path's view).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Answer {
     /// The response code.
     pub rcode: ResponseCode,
     /// Whether the AA flag is set.
     pub authoritative: bool,
     /// The answer section.
-    pub answers: &'z [Record],
+    pub answers: Vec<Record>,
     /// The authority section (the SOA on NXDOMAIN and empty answers).
-    pub authority: &'z [Record],
+    pub authority: Vec<Record>,
     /// In the zone or not.
     pub authority_kind: Authority,
 }
 
-/// The record sets of one owner name; empty for an empty non-terminal
-/// (`default.rune.` when `web.default.rune.` exists).
-#[derive(Debug, Default)]
+/// One record set of a name.
+#[derive(Clone, Debug)]
+struct RRset {
+    rtype: RecordType,
+    count: u16,
+    bytes: Box<[u8]>,
+}
+
+/// The record sets of one owner name and how many service names lie at or below it
+/// (a name with no records but a count above zero is an empty non-terminal, such as
+/// `default.rune.` when `web.default.rune.` exists); at a service's name, the
+/// service as last applied (what to take out when it changes), shared with the
+/// endpoint cache.
+#[derive(Clone, Debug, Default)]
 struct Node {
-    rrsets: Vec<(RecordType, Vec<Record>)>,
+    refs: u32,
+    rrsets: Vec<RRset>,
+    service: Option<ServiceView>,
 }
 
 impl Node {
-    fn push(&mut self, record: Record) {
-        let rtype = record.record_type();
-        match self.rrsets.iter_mut().find(|(t, _)| *t == rtype) {
-            Some((_, records)) => {
-                if !records.contains(&record) {
-                    records.push(record);
-                }
+    fn add(&mut self, rtype: RecordType, record: &[u8]) {
+        let set = match self.rrsets.iter_mut().find(|s| s.rtype == rtype) {
+            Some(set) => set,
+            None => {
+                self.rrsets.push(RRset {
+                    rtype,
+                    count: 0,
+                    bytes: Box::default(),
+                });
+                let last = self.rrsets.len() - 1;
+                &mut self.rrsets[last]
             }
-            None => self.rrsets.push((rtype, vec![record])),
+        };
+        let current = WireRecords {
+            count: set.count,
+            bytes: &set.bytes,
+        };
+        if current.iter().any(|r| r == record) || set.count == u16::MAX {
+            return;
         }
+        let mut bytes = Vec::with_capacity(set.bytes.len() + record.len());
+        bytes.extend_from_slice(&set.bytes);
+        bytes.extend_from_slice(record);
+        set.bytes = bytes.into_boxed_slice();
+        set.count += 1;
     }
+
+    fn remove(&mut self, rtype: RecordType, record: &[u8]) {
+        let Some(i) = self.rrsets.iter().position(|s| s.rtype == rtype) else {
+            return;
+        };
+        let set = &mut self.rrsets[i];
+        let current = WireRecords {
+            count: set.count,
+            bytes: &set.bytes,
+        };
+        let Some(pos) = current.iter().position(|r| r == record) else {
+            return;
+        };
+        if set.count == 1 {
+            self.rrsets.remove(i);
+            return;
+        }
+        let kept: Vec<u8> = current
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != pos)
+            .flat_map(|(_, r)| r.iter().copied())
+            .collect();
+        set.bytes = kept.into_boxed_slice();
+        set.count -= 1;
+    }
+}
+
+type Shard = HashMap<Box<[u8]>, Node>;
+
+/// The shard of a lower-cased wire name (FNV-1a).
+fn shard_of(name: &[u8]) -> usize {
+    let mut hash: u32 = 0x811c_9dc5;
+    for &b in name {
+        hash = (hash ^ u32::from(b)).wrapping_mul(0x0100_0193);
+    }
+    (hash as usize) % SHARDS
 }
 
 /// One immutable version of the zone.
 #[derive(Debug)]
 pub struct Zone {
     origin: LowerName,
-    names: HashMap<LowerName, Node>,
-    soa: [Record; 1],
+    /// The apex in lower-cased wire form.
+    origin_wire: Box<[u8]>,
+    /// The SOA record in wire form with its owner (for authority sections).
+    soa: Box<[u8]>,
+    /// The SOA record without its owner (for answers at the apex).
+    soa_answer: Box<[u8]>,
+    shards: Vec<Arc<Shard>>,
 }
 
-impl Zone {
-    /// The zone for `views` with SOA serial `serial` (the cache revision).
-    pub fn build<'v>(
-        config: &ZoneConfig,
-        serial: u32,
-        views: impl IntoIterator<Item = &'v ServiceView>,
-    ) -> Result<Zone, InvalidDomain> {
-        let origin = Name::from_ascii(&config.domain).map_err(|source| InvalidDomain {
+/// One record of a service: its owner (lower-cased wire name), type, and bytes
+/// after the owner name.
+type OwnedRecord = (Box<[u8]>, RecordType, Box<[u8]>);
+
+/// The records one service puts in the zone.
+#[derive(Debug, Default)]
+struct Contribution {
+    /// The service's records.
+    records: Vec<OwnedRecord>,
+    /// Names in the zone that exist because of the service (its own name and SRV
+    /// names): they and their ancestors below the apex are counted.
+    names: Vec<Box<[u8]>>,
+    /// Reverse names (outside the zone): counted themselves only.
+    reverse: Vec<Box<[u8]>>,
+}
+
+/// Keeps a zone current from the endpoint cache's deltas and publishes versions.
+#[derive(Debug)]
+pub struct ZoneWriter {
+    config: ZoneConfig,
+    origin: Name,
+    origin_wire: Box<[u8]>,
+    mname: Name,
+    rname: Name,
+    shards: Vec<Arc<Shard>>,
+    services: usize,
+}
+
+/// The lower-cased wire form of a name.
+fn wire(name: &Name) -> Box<[u8]> {
+    let mut bytes = Vec::with_capacity(name.len() + 2);
+    {
+        let mut encoder = BinEncoder::new(&mut bytes);
+        let mut encoder = encoder.with_name_encoding(NameEncoding::UncompressedLowercase);
+        // Encoding a valid name into a vector cannot fail.
+        let _ = name.emit(&mut encoder);
+    }
+    bytes.into_boxed_slice()
+}
+
+/// A record in wire form without its owner name, and its owner's wire length.
+fn record_bytes(record: &Record) -> Box<[u8]> {
+    let mut bytes = Vec::with_capacity(64);
+    {
+        let mut encoder = BinEncoder::new(&mut bytes);
+        let mut encoder = encoder.with_name_encoding(NameEncoding::Uncompressed);
+        // Encoding records built from valid names into a vector cannot fail.
+        let _ = record.emit(&mut encoder);
+    }
+    let owner = wire(&record.name).len();
+    bytes.split_off(owner.min(bytes.len())).into_boxed_slice()
+}
+
+impl ZoneWriter {
+    /// An empty zone for `config`. Fails when the domain is not a valid name.
+    pub fn new(config: &ZoneConfig) -> Result<Self, InvalidDomain> {
+        let invalid = |source| InvalidDomain {
             domain: config.domain.clone(),
             source,
-        })?;
-        let mut origin = origin.to_lowercase();
+        };
+        let mut origin = Name::from_ascii(&config.domain)
+            .map_err(invalid)?
+            .to_lowercase();
         origin.set_fqdn(true);
-        let ttl = config.ttl;
         let host = |label: &str| {
             Name::from_ascii(label)
                 .and_then(|l| l.append_domain(&origin))
-                .map_err(|source| InvalidDomain {
-                    domain: config.domain.clone(),
-                    source,
-                })
+                .map_err(invalid)
         };
         let mname = host("ns")?;
         let rname = host("hostmaster")?;
+        let origin_wire = wire(&origin);
+        let mut writer = ZoneWriter {
+            config: config.clone(),
+            origin: origin.clone(),
+            origin_wire: origin_wire.clone(),
+            mname: mname.clone(),
+            rname,
+            shards: (0..SHARDS).map(|_| Arc::default()).collect(),
+            services: 0,
+        };
+        let ns = Record::from_rdata(origin, config.ttl, RData::NS(NS(mname)));
+        let apex = writer.node_mut(&origin_wire);
+        apex.refs = 1;
+        apex.add(RecordType::NS, &record_bytes(&ns));
+        Ok(writer)
+    }
+
+    fn node_mut(&mut self, name: &[u8]) -> &mut Node {
+        let shard = Arc::make_mut(&mut self.shards[shard_of(name)]);
+        if !shard.contains_key(name) {
+            shard.insert(name.into(), Node::default());
+        }
+        // Just inserted when missing.
+        shard.get_mut(name).unwrap_or_else(|| unreachable!())
+    }
+
+    /// Drops `name`'s node when nothing keeps it (no records, no count).
+    fn prune(&mut self, name: &[u8]) {
+        let index = shard_of(name);
+        let empty = self.shards[index]
+            .get(name)
+            .is_some_and(|n| n.refs == 0 && n.rrsets.is_empty());
+        if empty {
+            Arc::make_mut(&mut self.shards[index]).remove(name);
+        }
+    }
+
+    /// Applies one cache delta: only the services it names are touched.
+    pub fn apply(&mut self, delta: Delta) {
+        if delta.full {
+            let all: Vec<ServiceView> = self
+                .shards
+                .iter()
+                .flat_map(|shard| shard.values().filter_map(|n| n.service.clone()))
+                .collect();
+            for view in &all {
+                self.take_service(&view.key());
+                self.remove(view);
+            }
+        }
+        for key in &delta.removed {
+            if let Some(view) = self.take_service(key) {
+                self.remove(&view);
+            }
+        }
+        for view in delta.upserted {
+            if let Some(old) = self.take_service(&view.key()) {
+                self.remove(&old);
+            }
+            self.add(&view);
+        }
+    }
+
+    /// Adds every view (for a zone built in one go).
+    pub fn add_all<'v>(&mut self, views: impl IntoIterator<Item = &'v ServiceView>) {
+        for view in views {
+            if let Some(old) = self.take_service(&view.key()) {
+                self.remove(&old);
+            }
+            self.add(view);
+        }
+    }
+
+    /// Services in the zone.
+    pub fn services(&self) -> usize {
+        self.services
+    }
+
+    /// The DNS name of a service, lower case; an error when it is not a DNS name.
+    fn service_name(&self, namespace: &str, name: &str) -> Result<Name, ProtoError> {
+        Name::from_ascii(format!("{name}.{namespace}"))
+            .and_then(|n| n.append_domain(&self.origin))
+            .map(|n| n.to_lowercase())
+    }
+
+    /// Takes the service `key` out of its name's node; `None` when the zone does not
+    /// hold it.
+    fn take_service(&mut self, key: &ServiceKey) -> Option<ServiceView> {
+        let name = wire(&self.service_name(&key.namespace, &key.name).ok()?);
+        let held = self.shards[shard_of(&name)]
+            .get(&name)
+            .is_some_and(|n| n.service.is_some());
+        if !held {
+            return None;
+        }
+        self.services -= 1;
+        self.node_mut(&name).service.take()
+    }
+
+    fn add(&mut self, view: &ServiceView) {
+        let contribution = self.contribution(view);
+        let Some(own) = contribution.names.first() else {
+            return;
+        };
+        self.services += 1;
+        self.node_mut(own).service = Some(view.clone());
+        for name in &contribution.names {
+            self.for_name_and_parents(name, |node| node.refs += 1);
+        }
+        for name in &contribution.reverse {
+            self.node_mut(name).refs += 1;
+        }
+        for (owner, rtype, record) in &contribution.records {
+            self.node_mut(owner).add(*rtype, record);
+        }
+    }
+
+    fn remove(&mut self, view: &ServiceView) {
+        let contribution = self.contribution(view);
+        for (owner, rtype, record) in &contribution.records {
+            let index = shard_of(owner);
+            if self.shards[index].contains_key(&owner[..]) {
+                self.node_mut(owner).remove(*rtype, record);
+            }
+        }
+        for name in &contribution.names {
+            self.for_name_and_parents(name, |node| node.refs = node.refs.saturating_sub(1));
+        }
+        for name in &contribution.reverse {
+            if self.shards[shard_of(name)].contains_key(&name[..]) {
+                let node = self.node_mut(name);
+                node.refs = node.refs.saturating_sub(1);
+            }
+        }
+        for (owner, _, _) in &contribution.records {
+            self.prune(owner);
+        }
+        for name in contribution.names.iter().chain(&contribution.reverse) {
+            self.prune(name);
+        }
+    }
+
+    /// Runs `f` on `name`'s node and on each ancestor's below the apex, then drops
+    /// the nodes nothing keeps.
+    fn for_name_and_parents(&mut self, name: &[u8], f: impl Fn(&mut Node)) {
+        let apex = self.origin_wire.len();
+        let mut at = 0;
+        let mut visited = Vec::new();
+        while name.len() - at > apex {
+            let suffix = &name[at..];
+            f(self.node_mut(suffix));
+            visited.push(at);
+            let label = usize::from(name[at]);
+            if label == 0 {
+                break;
+            }
+            at += 1 + label;
+        }
+        for at in visited {
+            self.prune(&name[at..]);
+        }
+    }
+
+    /// The records and names `view` puts in the zone.
+    fn contribution(&self, view: &ServiceView) -> Contribution {
+        let mut out = Contribution::default();
+        let config = &self.config;
+        let ttl = config.ttl;
+        let svc = &view.service;
+        let name = match self.service_name(&svc.metadata.namespace, &svc.metadata.name) {
+            Ok(n) => n,
+            Err(error) => {
+                tracing::warn!(service = %view.key(), %error, "service name is not a DNS name; not in DNS");
+                return out;
+            }
+        };
+        let name_wire = wire(&name);
+        out.names.push(name_wire.clone());
+        let push = |out: &mut Contribution, owner: &[u8], record: Record| {
+            out.records
+                .push((owner.into(), record.record_type(), record_bytes(&record)));
+        };
+        let dev = config.mode == Mode::Dev;
+        if dev {
+            let record = Record::from_rdata(name.clone(), ttl, RData::A(A(Ipv4Addr::LOCALHOST)));
+            push(&mut out, &name_wire, record);
+        } else {
+            let addresses: Vec<IpAddr> = if svc.spec.discovery.headless {
+                view.endpoints
+                    .iter()
+                    .flat_map(|e| e.spec.endpoints.iter())
+                    .filter(|e| e.accepts_new())
+                    .map(|e| e.address)
+                    .collect()
+            } else {
+                svc.spec.discovery.vips.clone()
+            };
+            for ip in addresses {
+                push(&mut out, &name_wire, address_record(&name, ttl, ip));
+            }
+            if !svc.spec.discovery.headless {
+                for vip in &svc.spec.discovery.vips {
+                    let mut reverse = Name::from(*vip);
+                    reverse.set_fqdn(true);
+                    let reverse_wire = wire(&reverse);
+                    let record = Record::from_rdata(reverse, ttl, RData::PTR(PTR(name.clone())));
+                    push(&mut out, &reverse_wire, record);
+                    out.reverse.push(reverse_wire);
+                }
+            }
+        }
+        for port in svc.spec.ports.iter().filter(|p| !p.name.is_empty()) {
+            let proto = match port.protocol {
+                Protocol::Tcp => "_tcp",
+                Protocol::Udp => "_udp",
+            };
+            let number = if dev {
+                match port.port.checked_add(config.dev_port_offset) {
+                    Some(p) => p,
+                    None => continue,
+                }
+            } else {
+                port.port
+            };
+            let srv_name = match Name::from_ascii(format!("_{}.{proto}", port.name))
+                .and_then(|n| n.append_domain(&name))
+            {
+                Ok(n) => n.to_lowercase(),
+                Err(error) => {
+                    tracing::warn!(service = %view.key(), port = %port.name, %error, "port name is not a DNS label; no SRV record");
+                    continue;
+                }
+            };
+            let srv_wire = wire(&srv_name);
+            out.names.push(srv_wire.clone());
+            let record = Record::from_rdata(
+                srv_name,
+                ttl,
+                RData::SRV(SRV::new(0, 0, number, name.clone())),
+            );
+            push(&mut out, &srv_wire, record);
+        }
+        out
+    }
+
+    /// The current zone, with SOA serial `serial` (the cache revision), sharing
+    /// every shard with the writer (the next change copies the shards it touches).
+    pub fn publish(&self, serial: u32) -> Zone {
+        let ttl = self.config.ttl;
         let soa = Record::from_rdata(
-            origin.clone(),
+            self.origin.clone(),
             ttl,
             RData::SOA(SOA::new(
-                mname.clone(),
-                rname,
+                self.mname.clone(),
+                self.rname.clone(),
                 serial,
                 SOA_REFRESH,
                 SOA_RETRY,
@@ -139,116 +565,29 @@ impl Zone {
                 ttl,
             )),
         );
-        let mut zone = Zone {
-            origin: LowerName::new(&origin),
-            names: HashMap::new(),
-            soa: [soa.clone()],
-        };
-        zone.insert(soa);
-        zone.insert(Record::from_rdata(
-            origin.clone(),
-            ttl,
-            RData::NS(NS(mname)),
-        ));
-
-        let dev = config.mode == Mode::Dev;
-        for view in views {
-            let svc = &view.service;
-            let name = match Name::from_ascii(format!(
-                "{}.{}",
-                svc.metadata.name, svc.metadata.namespace
-            ))
-            .and_then(|n| n.append_domain(&origin))
-            {
-                Ok(n) => n.to_lowercase(),
-                Err(error) => {
-                    tracing::warn!(service = %view.key(), %error, "service name is not a DNS name; not in DNS");
-                    continue;
-                }
-            };
-            // Make the name exist even without addresses (NOERROR, empty answer).
-            zone.names.entry(LowerName::new(&name)).or_default();
-            zone.insert_parents(&name);
-            if dev {
-                zone.insert(Record::from_rdata(
-                    name.clone(),
-                    ttl,
-                    RData::A(A(Ipv4Addr::LOCALHOST)),
-                ));
-            } else {
-                let addresses: Vec<IpAddr> = if svc.spec.discovery.headless {
-                    view.endpoints
-                        .iter()
-                        .flat_map(|e| e.spec.endpoints.iter())
-                        .filter(|e| e.accepts_new())
-                        .map(|e| e.address)
-                        .collect()
-                } else {
-                    svc.spec.discovery.vips.clone()
-                };
-                for ip in addresses {
-                    zone.insert(address_record(&name, ttl, ip));
-                }
-                if !svc.spec.discovery.headless {
-                    for vip in &svc.spec.discovery.vips {
-                        let mut reverse = Name::from(*vip);
-                        reverse.set_fqdn(true);
-                        zone.insert(Record::from_rdata(
-                            reverse,
-                            ttl,
-                            RData::PTR(PTR(name.clone())),
-                        ));
-                    }
-                }
-            }
-            for port in svc.spec.ports.iter().filter(|p| !p.name.is_empty()) {
-                let proto = match port.protocol {
-                    Protocol::Tcp => "_tcp",
-                    Protocol::Udp => "_udp",
-                };
-                let number = if dev {
-                    match port.port.checked_add(config.dev_port_offset) {
-                        Some(p) => p,
-                        None => continue,
-                    }
-                } else {
-                    port.port
-                };
-                let srv_name = match Name::from_ascii(format!("_{}.{proto}", port.name))
-                    .and_then(|n| n.append_domain(&name))
-                {
-                    Ok(n) => n.to_lowercase(),
-                    Err(error) => {
-                        tracing::warn!(service = %view.key(), port = %port.name, %error, "port name is not a DNS label; no SRV record");
-                        continue;
-                    }
-                };
-                zone.insert_parents(&srv_name);
-                zone.insert(Record::from_rdata(
-                    srv_name,
-                    ttl,
-                    RData::SRV(SRV::new(0, 0, number, name.clone())),
-                ));
-            }
+        let soa_answer = record_bytes(&soa);
+        let mut with_owner = self.origin_wire.to_vec();
+        with_owner.extend_from_slice(&soa_answer);
+        Zone {
+            origin: LowerName::new(&self.origin),
+            origin_wire: self.origin_wire.clone(),
+            soa: with_owner.into_boxed_slice(),
+            soa_answer,
+            shards: self.shards.clone(),
         }
-        Ok(zone)
     }
+}
 
-    fn insert(&mut self, record: Record) {
-        self.names
-            .entry(LowerName::new(&record.name))
-            .or_default()
-            .push(record);
-    }
-
-    /// Makes every name between `name` and the apex exist (empty non-terminals), so
-    /// that `default.rune.` answers NOERROR rather than NXDOMAIN.
-    fn insert_parents(&mut self, name: &Name) {
-        let mut parent = name.base_name();
-        while parent.num_labels() > self.origin.num_labels() {
-            self.names.entry(LowerName::new(&parent)).or_default();
-            parent = parent.base_name();
-        }
+impl Zone {
+    /// The zone for `views` with SOA serial `serial`, built in one go.
+    pub fn build<'v>(
+        config: &ZoneConfig,
+        serial: u32,
+        views: impl IntoIterator<Item = &'v ServiceView>,
+    ) -> Result<Zone, InvalidDomain> {
+        let mut writer = ZoneWriter::new(config)?;
+        writer.add_all(views);
+        Ok(writer.publish(serial))
     }
 
     /// The zone's apex.
@@ -256,47 +595,112 @@ impl Zone {
         &self.origin
     }
 
-    /// Answers one question.
-    pub fn lookup(&self, name: &LowerName, qtype: RecordType) -> Answer<'_> {
-        if let Some(node) = self.names.get(name) {
-            let rrset = node
+    /// Answers one question for a lower-cased wire name, in wire form.
+    pub fn lookup_wire(&self, name: &[u8], qtype: RecordType) -> WireAnswer<'_> {
+        let nodata = WireAnswer {
+            rcode: ResponseCode::NoError,
+            authoritative: true,
+            answers: WireRecords::EMPTY,
+            authority: Some(&self.soa),
+            authority_kind: Authority::Zone,
+        };
+        if let Some(node) = self.shards[shard_of(name)].get(name) {
+            if *name == *self.origin_wire && matches!(qtype, RecordType::SOA | RecordType::ANY) {
+                return WireAnswer {
+                    answers: WireRecords {
+                        count: 1,
+                        bytes: &self.soa_answer,
+                    },
+                    authority: None,
+                    ..nodata
+                };
+            }
+            return match node
                 .rrsets
                 .iter()
-                .find(|(t, _)| *t == qtype || qtype == RecordType::ANY);
-            return match rrset {
-                Some((_, records)) => Answer {
-                    rcode: ResponseCode::NoError,
-                    authoritative: true,
-                    answers: records,
-                    authority: &[],
-                    authority_kind: Authority::Zone,
+                .find(|s| s.rtype == qtype || qtype == RecordType::ANY)
+            {
+                Some(set) => WireAnswer {
+                    answers: WireRecords {
+                        count: set.count,
+                        bytes: &set.bytes,
+                    },
+                    authority: None,
+                    ..nodata
                 },
-                None => Answer {
-                    rcode: ResponseCode::NoError,
-                    authoritative: true,
-                    answers: &[],
-                    authority: &self.soa,
-                    authority_kind: Authority::Zone,
-                },
+                None => nodata,
             };
         }
-        if self.origin.zone_of(name) {
-            return Answer {
+        if is_subdomain_wire(name, &self.origin_wire) {
+            return WireAnswer {
                 rcode: ResponseCode::NXDomain,
-                authoritative: true,
-                answers: &[],
-                authority: &self.soa,
-                authority_kind: Authority::Zone,
+                ..nodata
             };
         }
-        Answer {
+        WireAnswer {
             rcode: ResponseCode::Refused,
             authoritative: false,
-            answers: &[],
-            authority: &[],
+            answers: WireRecords::EMPTY,
+            authority: None,
             authority_kind: Authority::Other,
         }
     }
+
+    /// Answers one question with hickory records (for the hickory path).
+    pub fn lookup(&self, name: &LowerName, qtype: RecordType) -> Answer {
+        let owner = wire(name);
+        let answer = self.lookup_wire(&owner, qtype);
+        let owner_name = Name::from(name);
+        let answers = answer
+            .answers
+            .iter()
+            .filter_map(|r| {
+                let mut bytes = owner.to_vec();
+                bytes.extend_from_slice(r);
+                decode_record(&bytes, &owner_name)
+            })
+            .collect();
+        let authority = answer
+            .authority
+            .and_then(|soa| decode_record(soa, &Name::from(&self.origin)))
+            .into_iter()
+            .collect();
+        Answer {
+            rcode: answer.rcode,
+            authoritative: answer.authoritative,
+            answers,
+            authority,
+            authority_kind: answer.authority_kind,
+        }
+    }
+}
+
+/// A record this module encoded, read back; its owner set to `owner` (which keeps
+/// the case a client asked with, as the wire form is lower case).
+fn decode_record(bytes: &[u8], owner: &Name) -> Option<Record> {
+    let mut decoder = BinDecoder::new(bytes);
+    match Record::read(&mut decoder) {
+        Ok(mut record) => {
+            record.name = owner.clone();
+            Some(record)
+        }
+        Err(error) => {
+            tracing::error!(%error, "DNS zone record does not decode");
+            None
+        }
+    }
+}
+
+/// Whether wire name `name` equals or lies below wire name `apex` (label-aligned).
+pub(crate) fn is_subdomain_wire(name: &[u8], apex: &[u8]) -> bool {
+    let mut at = 0;
+    while at < name.len() {
+        if name[at..] == *apex {
+            return true;
+        }
+        at += 1 + usize::from(name[at]);
+    }
+    false
 }
 
 fn address_record(name: &Name, ttl: u32, ip: IpAddr) -> Record {
