@@ -465,8 +465,12 @@ pub async fn cleanup(config: &Config, pin_dir: Option<&std::path::Path>) -> Resu
         );
     }
     let dir = pin_dir.unwrap_or(&config.bpf_pin_dir);
-    let removed = crate::dataplane::ebpf::attach::remove_pins(dir)?;
-    println!("removed {removed} eBPF pins under {}", dir.display());
+    let removed =
+        crate::dataplane::leftovers::remove(&crate::preflight::DataplaneMode::ALL, dir).await?;
+    println!("removed {} eBPF pins under {}", removed.pins, dir.display());
+    for ip in &removed.vips {
+        println!("removed VIP address {ip} from lo");
+    }
     Ok(())
 }
 

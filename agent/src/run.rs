@@ -10,6 +10,7 @@ use crate::{
     dataplane::{
         DataPlane, PortState,
         ebpf::{EbpfConfig, EbpfDataPlane, Hooks, MapSizes, attach},
+        leftovers,
         proxy::{ListenOn, ProxyConfig, UserspaceProxy},
         reconciler::Reconciler,
     },
@@ -51,6 +52,14 @@ pub async fn run(config: Config) -> Result<()> {
         Mode::Dev => None,
         Mode::Production => Some(select_dataplane(&config, &metrics)?),
     };
+    if let Some(selected) = &selected {
+        let removed = leftovers::remove(&leftovers::others(selected.mode), &config.bpf_pin_dir)
+            .await
+            .context("removing what another data plane mode left")?;
+        if !removed.is_empty() {
+            tracing::info!(%removed, "removed what other data plane modes left");
+        }
+    }
     let plane: Arc<dyn DataPlane> = match selected.as_ref().map(|s| s.mode) {
         None => Arc::new(UserspaceProxy::new(
             ProxyConfig {

@@ -158,9 +158,10 @@ impl Agent {
         }
     }
 
-    /// Runs a CLI command against this agent's state dir.
+    /// Runs a CLI command against this agent's state dir, in the agent's network
+    /// namespace (what `cleanup` removes from `lo` is per namespace).
     pub fn cli(&self, args: &[&str], stdin: Option<&str>) -> Output {
-        cli(&self.state_dir, args, stdin)
+        cli_at(self.netns.as_deref(), &self.state_dir, args, stdin)
     }
 
     /// `/metrics` as text.
@@ -214,7 +215,20 @@ pub const CLI_PATIENCE: Duration = Duration::from_secs(30);
 /// Runs `rune-agent ARGS --state-dir DIR`, feeding `stdin` when given; killed after
 /// [`CLI_PATIENCE`].
 pub fn cli(state_dir: &Path, args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = Command::new(agent_bin())
+    cli_at(None, state_dir, args, stdin)
+}
+
+/// [`cli`] in the network namespace `ns` (a test's own).
+pub fn cli_in(ns: &NetNs, state_dir: &Path, args: &[&str], stdin: Option<&str>) -> Output {
+    cli_at(Some(&ns.path()), state_dir, args, stdin)
+}
+
+fn cli_at(netns: Option<&Path>, state_dir: &Path, args: &[&str], stdin: Option<&str>) -> Output {
+    let mut cmd = Command::new(agent_bin());
+    if let Some(path) = netns {
+        netns::join_at(&mut cmd, path).expect("joining the test's network namespace");
+    }
+    let mut child = cmd
         .args(args)
         .arg("--state-dir")
         .arg(state_dir)

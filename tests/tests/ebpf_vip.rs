@@ -575,8 +575,12 @@ fn programs_stay_after_stop_and_cleanup_removes_them() {
     );
     assert!(pins.path().join("RUNE_SVC_V4").exists());
 
-    let out =
-        rune_agent_tests::agent::cli(state.path(), &["cleanup", "--bpf-pin-dir", &pin_dir], None);
+    let out = rune_agent_tests::agent::cli_in(
+        topo.node(),
+        state.path(),
+        &["cleanup", "--bpf-pin-dir", &pin_dir],
+        None,
+    );
     assert!(
         out.status.success(),
         "{}",

@@ -135,7 +135,15 @@ fn start_agent(topo: &Topology, state: &Path) -> Agent {
     let mut agent = Agent::start_in(
         topo.node(),
         state,
-        &["--dataplane", "userspace", "--maglev-table-size", "1021"],
+        &[
+            "--dataplane",
+            "userspace",
+            "--maglev-table-size",
+            "1021",
+            // A start removes what other modes left: never the default pin dir.
+            "--bpf-pin-dir",
+            &format!("/sys/fs/bpf/rune-test-{}-unused", std::process::id()),
+        ],
     );
     agent.wait_ready(PATIENCE);
     agent

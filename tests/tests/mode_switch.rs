@@ -1,0 +1,206 @@
+//! Switching the data plane mode across a restart leaves nothing of the old mode
+//! behind: an agent started in one mode removes what the others left (eBPF pins and
+//! the programs they hold attached, the userspace mode's VIP addresses on `lo`, the
+//! nftables mode's table), and serves the same VIP in the new mode.
+//!
+//! Needs root. The test builds its own namespaces and pin directory and removes them
+//! on drop; traffic goes only to 198.18.0.0/15 inside them.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::Path,
+    time::Duration,
+};
+
+use rune_agent_tests::{
+    agent::{Agent, eventually},
+    bpf::PinDir,
+    netns::{NetNs, require_root},
+    topology::{Topology, TopologyConfig},
+};
+
+const VIP: &str = "198.18.100.10";
+const PORT: u16 = 80;
+const BACKEND_PORT: u16 = 8080;
+const PATIENCE: Duration = Duration::from_secs(20);
+
+fn service_yaml(topo: &Topology) -> String {
+    let eps: Vec<String> = topo
+        .backends()
+        .iter()
+        .map(|b| format!("{{address: \"{}\"}}", b.addr().both()[0]))
+        .collect();
+    format!(
+        "apiVersion: rune/v1
+kind: Service
+metadata: {{name: web}}
+spec:
+  ports: [{{port: {PORT}, targetPort: {BACKEND_PORT}}}]
+  discovery: {{vips: [\"{VIP}\"]}}
+---
+apiVersion: rune/v1
+kind: Endpoints
+metadata: {{name: web}}
+spec:
+  endpoints: [{}]
+",
+        eps.join(", ")
+    )
+}
+
+/// A production agent in `mode` in the node namespace; the eBPF hooks (when that
+/// mode runs) go on the client-facing veth and the test's pin directory.
+fn start(topo: &Topology, state: &Path, pins: &PinDir, mode: &str) -> Agent {
+    let pin_dir = pins.path().display().to_string();
+    let mut agent = Agent::start_in(
+        topo.node(),
+        state,
+        &[
+            "--dataplane",
+            mode,
+            "--bpf-pin-dir",
+            &pin_dir,
+            "--cgroup",
+            "none",
+            "--interfaces",
+            topo.node_client_if(),
+            "--lb-max-frontends",
+            "64",
+            "--maglev-table-size",
+            "1021",
+        ],
+    );
+    agent.wait_ready(PATIENCE);
+    agent
+}
+
+fn vip() -> SocketAddr {
+    SocketAddr::new(VIP.parse().unwrap(), PORT)
+}
+
+fn serves(topo: &Topology, what: &str) {
+    eventually(PATIENCE, what, || {
+        topo.tcp_request(vip(), "ping").ok().map(|_| ())
+    });
+}
+
+fn pins_left(pins: &PinDir) -> Vec<String> {
+    walk(pins.path())
+}
+
+fn walk(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else {
+            out.push(path.display().to_string());
+        }
+    }
+    out
+}
+
+/// The programs of ours the kernel still holds (names are cut at 15 bytes).
+fn rune_programs() -> Vec<String> {
+    aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .filter_map(|p| p.name_as_str().map(str::to_owned))
+        .filter(|n| n.starts_with("rune_") && !n.starts_with("rune_xdp_pass"))
+        .collect()
+}
+
+/// The userspace mode's marked addresses on the node's `lo`.
+fn marked_addresses(node: &NetNs) -> Vec<IpAddr> {
+    use rune_agent::dataplane::proxy::vip_addrs::{AddressOps as _, NetlinkAddressOps};
+    node.run(|| {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async { NetlinkAddressOps.list_ours().await })
+    })
+    .unwrap()
+    .unwrap()
+}
+
+#[test]
+fn switching_modes_leaves_nothing_of_the_old_mode() {
+    require_root().unwrap();
+    let topo = Topology::with_config(&TopologyConfig {
+        backends: 2,
+        tcp_port: Some(BACKEND_PORT),
+        ..TopologyConfig::default()
+    })
+    .unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let pins = PinDir::new("mode-switch");
+    let node = topo.node();
+
+    // eBPF first; a clean stop leaves the programs attached and pinned (as Cilium
+    // does, so a restart drops no flow).
+    let mut agent = start(&topo, state.path(), &pins, "ebpf");
+    let out = agent.cli(&["apply", "-f", "-"], Some(&service_yaml(&topo)));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serves(&topo, "the VIP through eBPF");
+    assert_eq!(agent.terminate(PATIENCE), Some(0));
+    assert!(
+        !pins_left(&pins).is_empty(),
+        "a stopped eBPF agent keeps its pins"
+    );
+    assert!(!rune_programs().is_empty(), "and its programs");
+
+    // eBPF → userspace: the pins go, and with them the programs.
+    let mut agent = start(&topo, state.path(), &pins, "userspace");
+    assert_eq!(
+        pins_left(&pins),
+        Vec::<String>::new(),
+        "no eBPF pins remain"
+    );
+    eventually(PATIENCE, "the eBPF programs to be freed", || {
+        rune_programs().is_empty().then_some(())
+    });
+    serves(&topo, "the VIP through the userspace proxy");
+    assert_eq!(marked_addresses(node), vec![VIP.parse::<IpAddr>().unwrap()]);
+
+    // A crashed userspace agent leaves its VIP addresses on lo; userspace → eBPF
+    // removes them.
+    agent.kill();
+    assert_eq!(
+        marked_addresses(node).len(),
+        1,
+        "kill -9 leaves the address"
+    );
+    let mut agent = start(&topo, state.path(), &pins, "ebpf");
+    assert_eq!(
+        marked_addresses(node),
+        Vec::<IpAddr>::new(),
+        "no VIP address remains"
+    );
+    serves(&topo, "the VIP through eBPF again");
+    assert!(!pins_left(&pins).is_empty());
+
+    // `cleanup` removes everything of every mode.
+    assert_eq!(agent.terminate(PATIENCE), Some(0));
+    let out = agent.cli(
+        &[
+            "cleanup",
+            "--bpf-pin-dir",
+            &pins.path().display().to_string(),
+        ],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(pins_left(&pins), Vec::<String>::new());
+}
