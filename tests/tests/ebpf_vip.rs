@@ -183,7 +183,10 @@ fn is_refused(e: &anyhow::Error) -> bool {
 }
 
 /// Empties the service's endpoint list and checks that connects to both VIPs are
-/// refused at once (ECONNREFUSED: a RST came back, no timeout) and counted.
+/// refused at once (ECONNREFUSED: a RST came back, no timeout) and counted. The
+/// probes come from the client's second address: a reused source port of the
+/// first could match a flow that still drains to its old backend (and rightly
+/// gets through).
 fn assert_empty_service_refuses(agent: &Agent, topo: &Topology) {
     apply(agent, &service_yaml(&[], 30));
     let series = "rune_dataplane_drops_total{reason=\"no_backend\"}";
@@ -192,11 +195,13 @@ fn assert_empty_service_refuses(agent: &Agent, topo: &Topology) {
         let vip = SocketAddr::new(vip.parse().unwrap(), TCP_PORT);
         // The apply reaches the maps shortly after it returns.
         rune_agent_tests::agent::eventually(PATIENCE, "connects to the VIP are refused", || {
-            let r = topo.tcp_request(vip, "refused?");
+            let src = topo.client_alt_addr().like(vip.ip());
+            let r = topo.tcp_request_from(Some(src), vip, "refused?");
             r.err().filter(is_refused).map(|_| ())
         });
         for i in 0..5 {
-            match topo.tcp_request(vip, "refused?") {
+            let src = topo.client_alt_addr().like(vip.ip());
+            match topo.tcp_request_from(Some(src), vip, "refused?") {
                 Err(e) if is_refused(&e) => {}
                 other => panic!("connect {i} to {vip}: want ECONNREFUSED, got {other:?}"),
             }
@@ -209,12 +214,8 @@ fn assert_empty_service_refuses(agent: &Agent, topo: &Topology) {
         let exchange = || -> std::io::Result<usize> {
             topo.client()
                 .run(|| {
-                    let any: IpAddr = if vip.is_ipv4() {
-                        std::net::Ipv4Addr::UNSPECIFIED.into()
-                    } else {
-                        std::net::Ipv6Addr::UNSPECIFIED.into()
-                    };
-                    let socket = std::net::UdpSocket::bind((any, 0))?;
+                    let src = topo.client_alt_addr().like(vip.ip());
+                    let socket = std::net::UdpSocket::bind((src, 0))?;
                     socket.set_read_timeout(Some(Duration::from_secs(2)))?;
                     socket.connect(vip)?;
                     socket.send(b"refused?")?;
