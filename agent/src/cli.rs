@@ -176,6 +176,9 @@ pub struct RunArgs {
     /// Conntrack entries per family [default: 262144].
     #[arg(long, env = "RUNE_LB_MAX_FLOWS", value_name = "N")]
     pub lb_max_flows: Option<u32>,
+    /// nftables mode: leave the table `inet rune` in the kernel on stop.
+    #[arg(long, env = "RUNE_KEEP_RULES_ON_STOP")]
+    pub keep_rules_on_stop: bool,
 }
 
 impl Cli {
@@ -213,6 +216,7 @@ impl Cli {
             flags.lb_max_frontends = r.lb_max_frontends;
             flags.lb_max_backends = r.lb_max_backends;
             flags.lb_max_flows = r.lb_max_flows;
+            flags.keep_rules_on_stop = r.keep_rules_on_stop.then_some(true);
         }
         file.overridden_by(flags).resolve()
     }

@@ -6,10 +6,11 @@
 
 use crate::{
     agent::{Agent, AgentConfig, Mode},
-    config::Config,
+    config::{Config, DataplaneChoice},
     dataplane::{
         DataPlane, PortState,
         ebpf::{EbpfConfig, EbpfDataPlane, Hooks, MapSizes, attach},
+        nftables::{NftablesConfig, NftablesDataPlane},
         proxy::{ListenOn, ProxyConfig, UserspaceProxy},
         reconciler::Reconciler,
     },
@@ -57,6 +58,13 @@ pub async fn run(config: Config) -> Result<()> {
             },
             metrics.clone(),
         )?),
+        Mode::Production if config.dataplane == DataplaneChoice::Nftables => Arc::new(
+            NftablesDataPlane::new(NftablesConfig {
+                node_name: identity.hostname.clone(),
+                keep_rules_on_stop: config.keep_rules_on_stop,
+            })
+            .context("starting the nftables data plane (needs root and the nft binary)")?,
+        ),
         Mode::Production => {
             let ebpf = EbpfDataPlane::new(&ebpf_config(&config, &identity)).context(
                 "starting the eBPF data plane (production mode needs root and a kernel with \

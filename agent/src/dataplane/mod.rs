@@ -7,6 +7,7 @@
 //! port the same way, and a port that fails never stops the others.
 
 pub mod ebpf;
+pub mod nftables;
 pub mod proxy;
 pub mod reconciler;
 
