@@ -333,12 +333,12 @@ fn table_holds_exactly_the_services_and_changes_touch_only_their_service() {
     );
     assert!(map_elements(&table, "no-endpoints").is_empty());
     // The web chain DNATs to exactly the three IPv4 backends.
+    // A counter, then one DNAT rule per backend.
     let web = chain_rules(&table, &format!("svc4-default/web/tcp/{TCP_PORT}"));
-    assert_eq!(web.len(), 1, "{web:?}");
-    for b in topo.backends() {
-        assert!(web[0].contains(&format!("\"{}\"", b.addr().v4)), "{web:?}");
+    assert_eq!(web.len(), 4, "{web:?}");
+    for (rule, b) in web[1..].iter().zip(topo.backends()) {
+        assert!(rule.contains(&format!("\"{}\"", b.addr().v4)), "{web:?}");
     }
-    assert!(web[0].contains("\"mod\":3"), "{web:?}");
     assert_eq!(list_table(&topo, "bystander").unwrap(), bystander);
 
     // One endpoint change of `web`: `other`'s objects are exactly as before.
@@ -353,11 +353,9 @@ fn table_holds_exactly_the_services_and_changes_touch_only_their_service() {
     });
     assert_eq!(objects_of(&after, "other"), other_before);
     let web = chain_rules(&after, &format!("svc4-default/web/tcp/{TCP_PORT}"));
-    assert!(web[0].contains("\"mod\":2"), "{web:?}");
-    assert!(
-        !web[0].contains(&format!("\"{}\"", topo.backends()[0].addr().v4)),
-        "{web:?}"
-    );
+    assert_eq!(web.len(), 3, "{web:?}");
+    let victim = format!("\"{}\"", topo.backends()[0].addr().v4);
+    assert!(!web.concat().contains(&victim), "{web:?}");
 
     // Stop removes our table and only ours.
     assert_eq!(agent.terminate(PATIENCE), Some(0));
@@ -590,4 +588,48 @@ fn agent_kill_and_restart_drops_no_flow() {
         "the long-lived connection survived"
     );
     assert_balanced(&tcp_spread(&topo, vip, 300), 300, 3);
+}
+
+#[test]
+fn client_ip_affinity_keeps_each_client_on_one_backend() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    require_root().unwrap();
+    let topo = topology(3);
+    let state = tempfile::tempdir().unwrap();
+    let agent = start_agent(&topo, state.path(), &[]);
+    let yaml = web_yaml(&all_ready(&topo)).replacen(
+        "  discovery:",
+        "  sessionAffinity: {type: ClientIP, timeoutSeconds: 600}\n  discovery:",
+        1,
+    );
+    apply(&agent, &yaml);
+    for vip in [VIP4, VIP6] {
+        let vip = SocketAddr::new(vip.parse().unwrap(), TCP_PORT);
+        wait_reachable(&topo, vip);
+        for src in [topo.client_addr(), topo.client_alt_addr()] {
+            let src = src.like(vip.ip());
+            let mut seen = BTreeMap::new();
+            for i in 0..30 {
+                let (reply, peer, _) = topo
+                    .tcp_request_from(Some(src), vip, &format!("sticky{i}"))
+                    .unwrap_or_else(|e| panic!("connection {i} from {src} to {vip}: {e:#}"));
+                assert_eq!(peer, vip);
+                *seen.entry(backend_name(&reply)).or_insert(0) += 1;
+            }
+            assert_eq!(
+                seen.len(),
+                1,
+                "{src} → {vip} stays on one backend: {seen:?}"
+            );
+        }
+    }
+    // The client addresses are in the endpoints' affinity sets, with a timeout.
+    let table = list_table(&topo, "rune").unwrap();
+    let remembered: usize = objects(&table)
+        .iter()
+        .filter_map(|o| o.get("set"))
+        .filter(|s| s["name"].as_str().unwrap_or("").starts_with("aff"))
+        .map(|s| s["elem"].as_array().map_or(0, Vec::len))
+        .sum();
+    assert_eq!(remembered, 4, "two clients per family: {table}");
 }

@@ -9,8 +9,8 @@
 //! * **One endpoint change, event to kernel**: `nft monitor rules` runs in the
 //!   agent's namespace and timestamps each rule the kernel announces. 200 times one
 //!   service's endpoint 0 is replaced through `rune-agent apply -f -`; the interval
-//!   runs from the command's return to the announcement of that service chain's new
-//!   rule naming the new address (0 when it came before the return, as in the eBPF
+//!   runs from the command's return to the announcement of that service chain's
+//!   DNAT rule to the new address (0 when it came before the return, as in the eBPF
 //!   figures).
 //!
 //! The agent runs in a namespace of its own (`rune-bench-nft-<pid>`), so its table
@@ -325,21 +325,25 @@ fn measure_changes(bin: &Path, agent: &Agent, netns: &Netns, state: &Path) -> Re
         let wanted = |line: &str| {
             line.starts_with("add rule inet rune ")
                 && line.contains(&format!("{chain} "))
-                && line.contains(&format!(" {new} . "))
+                && line.contains(&format!(" {new}:"))
         };
+        let mut seen = Vec::new();
         let announced = loop {
             let left = CHANGE_LIMIT.saturating_sub(returned.elapsed());
             match monitor.lines.recv_timeout(left) {
                 Ok((at, line)) if wanted(&line) => {
                     ensure!(
-                        !line.contains(&format!(" {old} . ")),
+                        !line.contains(&format!(" {old}:")),
                         "service {i}'s new rule still names {old}: {line}"
                     );
                     break at;
                 }
-                Ok(_) => {}
+                Ok((_, line)) => seen.push(line),
                 Err(_) => bail!(
-                    "change {k} (service {i}) did not reach the kernel within {CHANGE_LIMIT:?}"
+                    "change {k} (service {i}) did not reach the kernel within {CHANGE_LIMIT:?}; \
+                     the kernel announced {} other rules (last: {:?})",
+                    seen.len(),
+                    seen.last()
                 ),
             }
         };

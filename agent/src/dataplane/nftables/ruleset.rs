@@ -10,8 +10,9 @@
 //!   which looks the packet up in the service maps; `filter-prerouting` /
 //!   `filter-output` (filter, dstnat − 10) send new connections to refusing ports to
 //!   `reject-service` (TCP reset / ICMP port unreachable, counted);
-//! * one chain per service port and family (`svc4-NS/NAME/tcp/80`): one rule,
-//!   `dnat … to numgen random mod N map { i : backend }`, with a counter of new flows;
+//! * one chain per service port and family (`svc4-NS/NAME/tcp/80`): a counter of
+//!   new flows, then one DNAT rule per eligible backend, backend `i` of `n` matched
+//!   by `numgen random mod (n−i) 0` (the last unconditionally): each gets 1/n;
 //! * with ClientIP affinity, per endpoint a set of client addresses with the
 //!   affinity timeout (`aff4-…`) and a chain (`ep4-…`) that refreshes it and DNATs;
 //!   the service chain first sends known clients to their endpoint's chain.
@@ -142,6 +143,27 @@ fn family(ip: IpAddr) -> (&'static str, char) {
     }
 }
 
+/// The match that picks backend `i` of `n` with probability 1/n overall: backend
+/// `i` is taken by 1/(n−i) of the connections the earlier rules left (the last one
+/// by all of them). Plain rules rather than `numgen … map { … }`: every such map is
+/// an anonymous set, and the kernel takes ~1.5 ms per anonymous set in a large
+/// transaction (15 s for 10,000 services), against ~0.1 ms for these rules.
+fn pick(i: usize, n: usize) -> String {
+    if i + 1 == n {
+        String::new()
+    } else {
+        format!("numgen random mod {} 0 ", n - i)
+    }
+}
+
+/// `addr:port` as a DNAT target (`[addr]:port` for IPv6).
+fn dnat_dest(b: SocketAddr) -> String {
+    match b.ip() {
+        IpAddr::V4(ip) => format!("{ip}:{}", b.port()),
+        IpAddr::V6(ip) => format!("[{ip}]:{}", b.port()),
+    }
+}
+
 /// An address as it may appear inside an nft identifier (no `:`).
 fn ident_addr(ip: IpAddr) -> String {
     ip.to_string().replace(':', "-")
@@ -244,21 +266,21 @@ fn add_port(objects: &mut ServiceObjects, plan: &PortPlan, affinity: Option<u32>
         .elements
         .insert((map, key), format!("goto {}", plan.chain));
     let n = plan.backends.len();
-    let mut rules = Vec::new();
+    // The counter comes first: it counts every new flow of the port.
+    let mut rules = vec!["counter".to_owned()];
     match affinity {
         None => {
-            let mut choices = String::new();
             for (i, b) in plan.backends.iter().enumerate() {
-                let sep = if i == 0 { "" } else { ", " };
-                let _ = write!(choices, "{sep}{i} : {} . {}", b.ip(), b.port());
+                rules.push(format!(
+                    "{}meta l4proto {p} dnat {ipf} to {}",
+                    pick(i, n),
+                    dnat_dest(*b)
+                ));
             }
-            rules.push(format!(
-                "meta l4proto {p} counter dnat {ipf} to numgen random mod {n} map {{ {choices} }}"
-            ));
         }
         Some(timeout) => {
             let base = plan.chain.trim_start_matches(&format!("svc{f}-")[..]);
-            let mut vmap = String::new();
+            let mut picks = Vec::new();
             for (i, b) in plan.backends.iter().enumerate() {
                 let id = format!("{base}/{}/{}", ident_addr(b.ip()), b.port());
                 let set = format!("aff{f}-{id}");
@@ -268,24 +290,17 @@ fn add_port(objects: &mut ServiceObjects, plan: &PortPlan, affinity: Option<u32>
                     set.clone(),
                     format!("{{ type {addr_type}; flags dynamic,timeout; timeout {timeout}s; }}"),
                 );
-                let dest = if v4 {
-                    format!("{}:{}", b.ip(), b.port())
-                } else {
-                    format!("[{}]:{}", b.ip(), b.port())
-                };
                 objects.chains.insert(
                     chain.clone(),
                     vec![format!(
-                        "update @{set} {{ {ipf} saddr }} meta l4proto {p} dnat {ipf} to {dest}"
+                        "update @{set} {{ {ipf} saddr }} meta l4proto {p} dnat {ipf} to {}",
+                        dnat_dest(*b)
                     )],
                 );
                 rules.push(format!("{ipf} saddr @{set} goto {chain}"));
-                let sep = if i == 0 { "" } else { ", " };
-                let _ = write!(vmap, "{sep}{i} : goto {chain}");
+                picks.push(format!("{}goto {chain}", pick(i, n)));
             }
-            // The counter sits before the affinity lookups: it counts every new flow.
-            rules.insert(0, "counter".to_owned());
-            rules.push(format!("numgen random mod {n} vmap {{ {vmap} }}"));
+            rules.extend(picks);
         }
     }
     objects.chains.insert(plan.chain.clone(), rules);
