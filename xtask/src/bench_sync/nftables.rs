@@ -283,7 +283,27 @@ impl Drop for Monitor {
 
 fn measure_changes(bin: &Path, agent: &Agent, netns: &Netns, state: &Path) -> Result<Changes> {
     let monitor = Monitor::start(netns)?;
-    // Let the monitor subscribe before the first change.
+    // The monitor reads the whole ruleset before it prints events (seconds with
+    // 10,000 services): wait until it reports a rule of a sentinel table of the
+    // bench's own (in the bench's namespace; the agent's table is not touched).
+    let sentinel = "add table inet rune-bench-sentinel\n\
+                    add chain inet rune-bench-sentinel ready\n\
+                    add rule inet rune-bench-sentinel ready counter\n";
+    let ready_by = Instant::now() + SYNC_LIMIT;
+    'ready: loop {
+        let mut cmd = nft(netns, &["-f", "-"])?.stdin(Stdio::piped()).spawn()?;
+        cmd.stdin
+            .take()
+            .context("stdin")?
+            .write_all(sentinel.as_bytes())?;
+        ensure!(cmd.wait()?.success(), "adding the sentinel rule failed");
+        while let Ok((_, line)) = monitor.lines.recv_timeout(Duration::from_millis(500)) {
+            if line.contains("rune-bench-sentinel") {
+                break 'ready;
+            }
+        }
+        ensure!(Instant::now() < ready_by, "nft monitor never reported");
+    }
     sleep(Duration::from_millis(200));
     while monitor.lines.try_recv().is_ok() {}
     let applies_before = agent.applies().len();
