@@ -171,8 +171,8 @@ pub(super) fn section(
         t,
         "Snapshot runs: {} ms; the agent logged {} for its full-delta transaction (building \
          the script and `nft -f -`). Changes: the agent's own apply per delta (plan + `nft -f -`) \
-         p50/p99 {:.2}/{:.2} ms ({} deltas); {} of {} changes were announced by the kernel \
-         before the apply command returned{}.",
+         p50/p99 {:.2}/{:.2} ms ({} deltas); {} of {} changes were already in the kernel at \
+         the first listing after the apply command returned{}.",
         all.join(", "),
         m.agent_apply
             .map_or_else(|| "nothing".to_owned(), |d| format!("{:.0} ms", ms(d))),
