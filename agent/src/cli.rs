@@ -192,6 +192,9 @@ pub struct RunArgs {
     /// Conntrack entries per family [default: 262144].
     #[arg(long, env = "RUNE_LB_MAX_FLOWS", value_name = "N")]
     pub lb_max_flows: Option<u32>,
+    /// nftables mode: leave the table `inet rune` in the kernel on stop.
+    #[arg(long, env = "RUNE_KEEP_RULES_ON_STOP")]
+    pub keep_rules_on_stop: bool,
 }
 
 impl Cli {
@@ -229,6 +232,7 @@ impl Cli {
             flags.lb_max_frontends = r.lb_max_frontends;
             flags.lb_max_backends = r.lb_max_backends;
             flags.lb_max_flows = r.lb_max_flows;
+            flags.keep_rules_on_stop = r.keep_rules_on_stop.then_some(true);
         }
         file.overridden_by(flags).resolve()
     }
@@ -470,6 +474,9 @@ pub async fn cleanup(config: &Config, pin_dir: Option<&std::path::Path>) -> Resu
     println!("removed {} eBPF pins under {}", removed.pins, dir.display());
     for ip in &removed.vips {
         println!("removed VIP address {ip} from lo");
+    }
+    if removed.nft_table {
+        println!("removed the nftables table inet rune");
     }
     Ok(())
 }

@@ -146,6 +146,8 @@ pub struct Config {
     pub lb_max_backends: u32,
     /// Capacity of the eBPF conntrack maps, per family.
     pub lb_max_flows: u32,
+    /// nftables mode: leave table `inet rune` in the kernel on stop.
+    pub keep_rules_on_stop: bool,
 }
 
 /// The config file's shape; every field optional. Unknown keys are errors.
@@ -194,6 +196,8 @@ pub struct FileConfig {
     pub interfaces: Option<Vec<String>>,
     /// See [`Config::xdp_interfaces`].
     pub xdp_interfaces: Option<Vec<String>>,
+    /// See [`Config::keep_rules_on_stop`].
+    pub keep_rules_on_stop: Option<bool>,
     /// See [`Config::lb_max_frontends`].
     pub lb_max_frontends: Option<u32>,
     /// See [`Config::lb_max_backends`].
@@ -279,6 +283,7 @@ impl FileConfig {
             lb_max_frontends: over.lb_max_frontends.or(self.lb_max_frontends),
             lb_max_backends: over.lb_max_backends.or(self.lb_max_backends),
             lb_max_flows: over.lb_max_flows.or(self.lb_max_flows),
+            keep_rules_on_stop: over.keep_rules_on_stop.or(self.keep_rules_on_stop),
         }
     }
 
@@ -404,6 +409,7 @@ impl FileConfig {
             lb_max_frontends,
             lb_max_backends,
             lb_max_flows,
+            keep_rules_on_stop: self.keep_rules_on_stop.unwrap_or(false),
             state_dir: self.state_dir.unwrap_or_else(default_state_dir),
             dev,
             dev_port_offset: self.dev_port_offset.unwrap_or(0),

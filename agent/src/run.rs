@@ -11,6 +11,7 @@ use crate::{
         DataPlane, PortState,
         ebpf::{EbpfConfig, EbpfDataPlane, Hooks, MapSizes, attach},
         leftovers,
+        nftables::{NftablesConfig, NftablesDataPlane},
         proxy::{ListenOn, ProxyConfig, UserspaceProxy},
         reconciler::Reconciler,
     },
@@ -80,9 +81,16 @@ pub async fn run(config: Config) -> Result<()> {
             metrics.set_dataplane_collector(ebpf.collector());
             Arc::new(ebpf)
         }
-        Some(DataplaneMode::Nftables) => {
-            anyhow::bail!("the nftables data plane is not wired yet")
-        }
+        Some(DataplaneMode::Nftables) => Arc::new(
+            NftablesDataPlane::new(NftablesConfig {
+                node_name: identity.hostname.clone(),
+                keep_rules_on_stop: config.keep_rules_on_stop,
+            })
+            .context(
+                "starting the nftables data plane (its preflight checks passed: this is an \
+                 error of nft itself)",
+            )?,
+        ),
         Some(DataplaneMode::Userspace) => Arc::new(UserspaceProxy::new(
             ProxyConfig {
                 listen: ListenOn::Vips,

@@ -113,6 +113,17 @@ fn rune_programs() -> Vec<String> {
         .collect()
 }
 
+/// Whether the nftables mode's table exists in `node`.
+fn nft_table_exists(node: &NetNs) -> bool {
+    node.command("nft")
+        .unwrap()
+        .args(["list", "table", "inet", "rune"])
+        .output()
+        .unwrap()
+        .status
+        .success()
+}
+
 /// The userspace mode's marked addresses on the node's `lo`.
 fn marked_addresses(node: &NetNs) -> Vec<IpAddr> {
     use rune_agent::dataplane::proxy::vip_addrs::{AddressOps as _, NetlinkAddressOps};
@@ -157,8 +168,8 @@ fn switching_modes_leaves_nothing_of_the_old_mode() {
     );
     assert!(!rune_programs().is_empty(), "and its programs");
 
-    // eBPF → userspace: the pins go, and with them the programs.
-    let mut agent = start(&topo, state.path(), &pins, "userspace");
+    // eBPF → nftables: the pins go, and with them the programs.
+    let mut agent = start(&topo, state.path(), &pins, "nftables");
     assert_eq!(
         pins_left(&pins),
         Vec::<String>::new(),
@@ -167,6 +178,14 @@ fn switching_modes_leaves_nothing_of_the_old_mode() {
     eventually(PATIENCE, "the eBPF programs to be freed", || {
         rune_programs().is_empty().then_some(())
     });
+    serves(&topo, "the VIP through nftables");
+    assert!(nft_table_exists(node));
+
+    // A crashed nftables agent leaves its table; nftables → userspace removes it.
+    agent.kill();
+    assert!(nft_table_exists(node), "kill -9 leaves the table");
+    let mut agent = start(&topo, state.path(), &pins, "userspace");
+    assert!(!nft_table_exists(node), "no nftables table remains");
     serves(&topo, "the VIP through the userspace proxy");
     assert_eq!(marked_addresses(node), vec![VIP.parse::<IpAddr>().unwrap()]);
 
@@ -184,6 +203,7 @@ fn switching_modes_leaves_nothing_of_the_old_mode() {
         Vec::<IpAddr>::new(),
         "no VIP address remains"
     );
+    assert!(!nft_table_exists(node));
     serves(&topo, "the VIP through eBPF again");
     assert!(!pins_left(&pins).is_empty());
 

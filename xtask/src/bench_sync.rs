@@ -43,23 +43,25 @@ use std::{
     time::{Duration, Instant},
 };
 
+mod nftables;
+
 use agent_common::lb::{self, BACKEND_ACTIVE, Backend, PROTO_TCP, ServiceKeyV4, ServiceValue};
 use anyhow::{Context as _, Result, bail, ensure};
 use aya::maps::{Array, HashMap, Map, MapData};
 
 /// Services in the snapshot.
-const SERVICES: usize = 10_000;
+pub(crate) const SERVICES: usize = 10_000;
 /// Endpoints per service.
-const ENDPOINTS: usize = 10;
+pub(crate) const ENDPOINTS: usize = 10;
 /// Snapshot runs (fresh store and pins each); the median is reported.
-const SNAPSHOT_RUNS: usize = 3;
+pub(crate) const SNAPSHOT_RUNS: usize = 3;
 /// Endpoint changes measured one after the other.
-const CHANGES: usize = 200;
+pub(crate) const CHANGES: usize = 200;
 /// Upper bound on the whole change series.
-const CHANGES_LIMIT: Duration = Duration::from_secs(120);
+pub(crate) const CHANGES_LIMIT: Duration = Duration::from_secs(120);
 /// Upper bound on one snapshot sync or one change reaching the maps.
-const SYNC_LIMIT: Duration = Duration::from_secs(60);
-const CHANGE_LIMIT: Duration = Duration::from_secs(5);
+pub(crate) const SYNC_LIMIT: Duration = Duration::from_secs(60);
+pub(crate) const CHANGE_LIMIT: Duration = Duration::from_secs(5);
 
 const MAX_FRONTENDS: u32 = 10_240;
 const TABLE_SIZE: u32 = 1021;
@@ -68,17 +70,17 @@ const SERVICE_PORT: u16 = 80;
 const TARGET_PORT: u16 = 8080;
 
 /// Endpoint `e` of the snapshot (0..100,000): 198.18.0.1 onwards.
-fn endpoint_addr(service: usize, j: usize) -> Ipv4Addr {
+pub(crate) fn endpoint_addr(service: usize, j: usize) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 18, 0, 1)) + (service * ENDPOINTS + j) as u32)
 }
 
 /// Service `i`'s VIP: 198.19.160.0 onwards (after the last endpoint, 198.19.134.160).
-fn vip(service: usize) -> Ipv4Addr {
+pub(crate) fn vip(service: usize) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 19, 160, 0)) + service as u32)
 }
 
 /// The address that replaces an endpoint in change `k`: 198.19.240.0 onwards.
-fn replacement_addr(k: usize) -> Ipv4Addr {
+pub(crate) fn replacement_addr(k: usize) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 19, 240, 0)) + k as u32)
 }
 
@@ -91,12 +93,12 @@ fn frontend_key(service: usize) -> ServiceKeyV4 {
     }
 }
 
-fn service_name(i: usize) -> String {
+pub(crate) fn service_name(i: usize) -> String {
     // Zero-padded: the agent walks services in name order, and so does the poller.
     format!("s{i:05}")
 }
 
-fn endpoints_yaml(i: usize, addrs: &[Ipv4Addr]) -> String {
+pub(crate) fn endpoints_yaml(i: usize, addrs: &[Ipv4Addr]) -> String {
     let list: Vec<String> = addrs.iter().map(|a| format!("{{address: {a}}}")).collect();
     format!(
         "apiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: {}}}\nspec: {{endpoints: [{}]}}\n",
@@ -182,10 +184,17 @@ pub fn section(bin: &Path) -> Result<String> {
         drop(pins);
     }
     let changes = changes.context("no change series")?;
-    report(TITLE, &mut runs, &changes)
+    let ebpf_median = {
+        let mut t: Vec<Duration> = runs.iter().map(|r| r.to_maps).collect();
+        t.sort();
+        t[t.len() / 2]
+    };
+    let mut out = report(TITLE, &mut runs, &changes)?;
+    out.push_str(&nftables::section(bin, &yaml, ebpf_median, &changes)?);
+    Ok(out)
 }
 
-fn ms(d: Duration) -> f64 {
+pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
@@ -258,8 +267,8 @@ impl Drop for TempDir {
 /// The release agent in production mode inside the bench's namespace; stopped
 /// (SIGTERM, then SIGKILL) on drop.
 pub(crate) struct Agent {
-    child: Child,
-    started: Instant,
+    pub(crate) child: Child,
+    pub(crate) started: Instant,
     log: PathBuf,
 }
 
@@ -271,6 +280,34 @@ impl Agent {
         pins: &Path,
         interfaces: &str,
     ) -> Result<Self> {
+        let args: Vec<String> = [
+            "--cgroup",
+            "none",
+            "--interfaces",
+            interfaces,
+            "--bpf-pin-dir",
+            &pins.display().to_string(),
+            "--lb-max-frontends",
+            &MAX_FRONTENDS.to_string(),
+            "--maglev-table-size",
+            &TABLE_SIZE.to_string(),
+            "--lb-max-backends",
+            &MAX_BACKENDS.to_string(),
+        ]
+        .iter()
+        .map(|a| (*a).to_owned())
+        .collect();
+        Self::start_with(bin, netns, state, &args)
+    }
+
+    /// The agent in production mode with `args` after `run` (and the bench's
+    /// metrics and DNS addresses).
+    pub(crate) fn start_with(
+        bin: &Path,
+        netns: &Netns,
+        state: &Path,
+        args: &[String],
+    ) -> Result<Self> {
         let ns = File::open(netns.path())
             .with_context(|| format!("opening {}", netns.path().display()))?;
         let log = state.with_extension("log");
@@ -278,26 +315,16 @@ impl Agent {
         let mut cmd = Command::new(bin);
         cmd.arg("--state-dir")
             .arg(state)
-            .args([
-                "run",
-                "--cgroup",
-                "none",
-                "--interfaces",
-                interfaces,
-                "--bpf-pin-dir",
-            ])
-            .arg(pins)
+            .arg("run")
+            .args(args)
             // A fresh namespace: every port on its loopback is free.
             .args(["--metrics-addr", "127.0.0.1:9464"])
             .args(["--dns-addr", "127.0.0.1:15353"])
-            .args(["--lb-max-frontends", &MAX_FRONTENDS.to_string()])
-            .args(["--maglev-table-size", &TABLE_SIZE.to_string()])
-            .args(["--lb-max-backends", &MAX_BACKENDS.to_string()])
             // Never forward DNS to this machine's resolvers.
             .env("RUNE_DNS_RESOLV_CONF", "/dev/null")
             .env(
                 "RUST_LOG",
-                "warn,rune_agent::dataplane::ebpf=debug,rune_agent::dataplane::reconciler=debug",
+                "warn,rune_agent::dataplane::ebpf=debug,rune_agent::dataplane::nftables=debug,rune_agent::dataplane::reconciler=debug",
             )
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
@@ -326,7 +353,7 @@ impl Agent {
         })
     }
 
-    fn rss(&self) -> Result<Rss> {
+    pub(crate) fn rss(&self) -> Result<Rss> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
         let field = |name: &str| -> Result<u64> {
             status
@@ -344,7 +371,7 @@ impl Agent {
 
     /// The agent's applies so far: `elapsed_us` of each "eBPF maps updated" line
     /// with `upserted` of the reconciler's "data plane updated" line that follows it.
-    fn applies(&self) -> Vec<(Duration, usize)> {
+    pub(crate) fn applies(&self) -> Vec<(Duration, usize)> {
         fn field(line: &str, name: &str) -> Option<u64> {
             let v = line.split(name).nth(1)?;
             let digits: String = v.chars().take_while(char::is_ascii_digit).collect();
@@ -354,7 +381,7 @@ impl Agent {
         let mut out = Vec::new();
         let mut elapsed = None;
         for l in log.lines() {
-            if l.contains("eBPF maps updated") {
+            if l.contains("eBPF maps updated") || l.contains("nftables table updated") {
                 elapsed = field(l, "elapsed_us=");
             } else if l.contains("data plane updated")
                 && let (Some(us), Some(n)) = (elapsed.take(), field(l, "upserted="))
@@ -383,14 +410,14 @@ impl Drop for Agent {
 }
 
 #[derive(Clone, Copy, Default)]
-struct Rss {
+pub(crate) struct Rss {
     /// VmRSS, KiB.
-    vm: u64,
+    pub(crate) vm: u64,
     /// RssAnon, KiB (the agent's own heap and stacks).
-    anon: u64,
+    pub(crate) anon: u64,
     /// RssFile, KiB (the binary's pages, and those of the mmapped Maglev array the
     /// agent wrote).
-    file: u64,
+    pub(crate) file: u64,
 }
 
 struct Snapshot {
@@ -491,7 +518,7 @@ fn measure_snapshot(agent: &Agent, pins: &Path) -> Result<Snapshot> {
     })
 }
 
-fn ensure_alive(agent: &Agent) -> Result<()> {
+pub(crate) fn ensure_alive(agent: &Agent) -> Result<()> {
     // /proc/PID/stat of a zombie says Z; of a reaped process, nothing.
     let stat =
         std::fs::read_to_string(format!("/proc/{}/stat", agent.child.id())).unwrap_or_default();
@@ -564,15 +591,15 @@ impl Drop for MaglevView {
     }
 }
 
-struct Changes {
+pub(crate) struct Changes {
     /// Apply returned → table rewritten.
-    after_return: Vec<f64>,
+    pub(crate) after_return: Vec<f64>,
     /// Apply spawned → table rewritten.
     from_spawn: Vec<f64>,
     /// The apply command alone (spawn → exit).
     cli: Vec<f64>,
     /// The agent's own apply of each delta ("eBPF maps updated").
-    agent: Vec<f64>,
+    pub(crate) agent: Vec<f64>,
     /// Changes whose table was already rewritten when the command returned.
     before_return: usize,
     stopped_early: bool,
@@ -668,7 +695,7 @@ fn measure_changes(bin: &Path, agent: &Agent, state: &Path, pins: &Path) -> Resu
     Ok(c)
 }
 
-fn percentile(v: &mut [f64], p: f64) -> f64 {
+pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }

@@ -5,7 +5,11 @@
 //! the data plane adopts it, so a restart drops no flow.
 
 use crate::{
-    dataplane::{ebpf::attach, proxy::vip_addrs},
+    dataplane::{
+        ebpf::attach,
+        nftables::{self, nft::NftError},
+        proxy::vip_addrs,
+    },
     preflight::DataplaneMode,
 };
 use std::{fmt, net::IpAddr, path::Path};
@@ -18,6 +22,8 @@ pub struct Removed {
     pub pins: usize,
     /// VIP addresses of the userspace mode, taken off `lo`.
     pub vips: Vec<IpAddr>,
+    /// Whether the nftables mode's table `inet rune` was there (and is gone).
+    pub nft_table: bool,
 }
 
 impl Removed {
@@ -31,16 +37,18 @@ impl fmt::Display for Removed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} eBPF pins, {} VIP addresses on lo",
+            "{} eBPF pins, {} VIP addresses on lo, {} nftables table",
             self.pins,
-            self.vips.len()
+            self.vips.len(),
+            if self.nft_table { "the" } else { "no" }
         )
     }
 }
 
-/// Removes what the data planes in `modes` left: eBPF pins under `pin_dir`, and the
-/// userspace mode's marked VIP addresses on `lo`. Addresses and tables the agent
-/// did not create are never touched.
+/// Removes what the data planes in `modes` left: eBPF pins under `pin_dir`, the
+/// userspace mode's marked VIP addresses on `lo`, and the table `inet rune`.
+/// Addresses and tables the agent did not create are never touched. Without an
+/// `nft` binary there can be no table of ours to remove.
 pub async fn remove(modes: &[DataplaneMode], pin_dir: &Path) -> anyhow::Result<Removed> {
     use anyhow::Context;
     let mut removed = Removed::default();
@@ -56,7 +64,19 @@ pub async fn remove(modes: &[DataplaneMode], pin_dir: &Path) -> anyhow::Result<R
                     .await
                     .context("removing the userspace mode's VIP addresses from lo")?;
             }
-            DataplaneMode::Nftables => {}
+            DataplaneMode::Nftables => {
+                removed.nft_table = match tokio::task::spawn_blocking(nftables::cleanup).await? {
+                    Ok(existed) => existed,
+                    Err(NftError::Spawn { source, .. })
+                        if source.kind() == std::io::ErrorKind::NotFound =>
+                    {
+                        false
+                    }
+                    Err(e) => {
+                        return Err(e).context("removing the nftables table inet rune");
+                    }
+                };
+            }
         }
     }
     Ok(removed)

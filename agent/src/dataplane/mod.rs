@@ -8,6 +8,7 @@
 
 pub mod ebpf;
 pub mod leftovers;
+pub mod nftables;
 pub mod proxy;
 pub mod reconciler;
 

@@ -1,0 +1,320 @@
+//! Unit tests of the ruleset builder: desired table from deltas, and the commands one
+//! change produces (no kernel, no `nft`).
+
+use super::ruleset::{Existing, Ruleset, TABLE};
+use crate::{
+    endpoints::{Delta, ServiceView},
+    model::{Object, ServiceKey, parse_documents},
+};
+use std::sync::Arc;
+
+/// A service `name` with one TCP port 80 → 8080 and `extra` spec fields, and
+/// `endpoints` (YAML flow mappings), or no Endpoints object when `None`.
+fn view_with(name: &str, vips: &str, extra: &str, endpoints: Option<&[&str]>) -> ServiceView {
+    let mut yaml = format!(
+        "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{ports: [{{port: 80, targetPort: 8080}}], discovery: {{vips: [{vips}]}}{extra}}}\n"
+    );
+    if let Some(eps) = endpoints {
+        yaml.push_str(&format!(
+            "---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: {name}}}\nspec: {{endpoints: [{}]}}\n",
+            eps.join(", ")
+        ));
+    }
+    let mut objects = parse_documents(&yaml).expect("valid objects").into_iter();
+    let Some(Object::Service(s)) = objects.next() else {
+        panic!("a service");
+    };
+    let endpoints = objects.next().map(|o| match o {
+        Object::Endpoints(e) => Arc::new(e),
+        Object::Service(_) => panic!("endpoints"),
+    });
+    ServiceView {
+        service: Arc::new(s),
+        endpoints,
+    }
+}
+
+fn view(name: &str, vip: &str, addrs: &[&str]) -> ServiceView {
+    let eps: Vec<String> = addrs.iter().map(|a| format!("{{address: {a}}}")).collect();
+    let eps: Vec<&str> = eps.iter().map(String::as_str).collect();
+    view_with(name, vip, "", Some(&eps))
+}
+
+fn delta(full: bool, upserted: Vec<ServiceView>, removed: Vec<ServiceKey>) -> Delta {
+    Delta {
+        revision: 1,
+        full,
+        upserted,
+        removed,
+    }
+}
+
+/// Applies a full delta of `views` to a fresh ruleset.
+fn programmed(views: Vec<ServiceView>) -> Ruleset {
+    let mut rs = Ruleset::new("node-a");
+    let plan = rs.plan(&delta(true, views, vec![]), &Existing::default());
+    rs.commit(plan);
+    rs
+}
+
+#[test]
+fn full_delta_builds_table_maps_and_one_chain_per_service_port() {
+    let rs = Ruleset::new("node-a");
+    let plan = rs.plan(
+        &delta(
+            true,
+            vec![
+                view("web", "198.18.100.10", &["198.18.1.2", "198.18.1.3"]),
+                view("v6", "\"fd00:100::10\"", &["\"fd00:1::2\""]),
+            ],
+            vec![],
+        ),
+        &Existing::default(),
+    );
+    let s = &plan.script;
+    assert!(s.starts_with(&format!("add table {TABLE}\n")), "{s}");
+    assert!(s.contains("add chain inet rune nat-prerouting { type nat hook prerouting"));
+    assert!(s.contains("add chain inet rune nat-output { type nat hook output"));
+    assert!(
+        s.contains(
+            "add chain inet rune svc4-default/web/tcp/80\n\
+             add rule inet rune svc4-default/web/tcp/80 counter\n\
+             add rule inet rune svc4-default/web/tcp/80 numgen random mod 2 0 meta l4proto tcp dnat ip to 198.18.1.2:8080\n\
+             add rule inet rune svc4-default/web/tcp/80 meta l4proto tcp dnat ip to 198.18.1.3:8080\n"
+        ),
+        "{s}"
+    );
+    assert!(
+        s.contains(
+            "add rule inet rune svc6-default/v6/tcp/80 counter\n\
+             add rule inet rune svc6-default/v6/tcp/80 meta l4proto tcp dnat ip6 to [fd00:1::2]:8080\n"
+        ),
+        "{s}"
+    );
+    assert!(s.contains("add element inet rune service-ips { 198.18.100.10 . tcp . 80 : goto svc4-default/web/tcp/80 }"), "{s}");
+    assert!(s.contains("add element inet rune service-ips6 { fd00:100::10 . tcp . 80 : goto svc6-default/v6/tcp/80 }"), "{s}");
+    // Nothing is ever said about another table, and nothing deleted on a fresh one.
+    assert!(s.lines().all(|l| l.contains(" inet rune")), "{s}");
+    assert!(!s.contains("delete"), "{s}");
+}
+
+#[test]
+fn only_ready_non_terminating_endpoints_get_new_flows() {
+    let rs = programmed(vec![view_with(
+        "web",
+        "198.18.100.10",
+        "",
+        Some(&[
+            "{address: 198.18.1.2}",
+            "{address: 198.18.1.3, terminating: true}",
+            "{address: 198.18.1.4, ready: false}",
+        ]),
+    )]);
+    let chain = &rs
+        .service(&ServiceKey::new("default", "web"))
+        .expect("programmed")
+        .chains["svc4-default/web/tcp/80"];
+    assert_eq!(
+        chain,
+        &vec!["counter", "meta l4proto tcp dnat ip to 198.18.1.2:8080"]
+    );
+}
+
+#[test]
+fn empty_and_unknown_endpoints_refuse_and_local_only_filters() {
+    let empty = view_with("empty", "198.18.100.11", "", Some(&[]));
+    let unknown = view_with("unknown", "198.18.100.12", "", None);
+    let local = view_with(
+        "local",
+        "198.18.100.13",
+        "",
+        Some(&["{address: 198.18.1.2, node: node-b}"]),
+    );
+    let mut local = local;
+    Arc::make_mut(&mut local.service)
+        .spec
+        .discovery
+        .locality_preference = crate::model::LocalityPreference::LocalOnly;
+    let rs = Ruleset::new("node-a");
+    let plan = rs.plan(
+        &delta(true, vec![empty, unknown, local], vec![]),
+        &Existing::default(),
+    );
+    assert!(plan.script.contains("add element inet rune no-endpoints { 198.18.100.11 . tcp . 80 : goto reject-service, 198.18.100.12 . tcp . 80 : goto reject-service, 198.18.100.13 . tcp . 80 : goto reject-service }"), "{}", plan.script);
+    assert!(!plan.script.contains("svc4-"), "{}", plan.script);
+}
+
+#[test]
+fn client_ip_affinity_gives_each_endpoint_a_timed_set_of_clients() {
+    let rs = programmed(vec![view_with(
+        "sticky",
+        "198.18.100.10",
+        ", sessionAffinity: {type: ClientIP, timeoutSeconds: 60}",
+        Some(&["{address: 198.18.1.2}", "{address: 198.18.1.3}"]),
+    )]);
+    let o = rs
+        .service(&ServiceKey::new("default", "sticky"))
+        .expect("programmed");
+    assert_eq!(
+        o.sets["aff4-default/sticky/tcp/80/198.18.1.2/8080"],
+        "{ type ipv4_addr; flags dynamic,timeout; timeout 60s; }"
+    );
+    assert_eq!(
+        o.chains["ep4-default/sticky/tcp/80/198.18.1.3/8080"],
+        vec![
+            "update @aff4-default/sticky/tcp/80/198.18.1.3/8080 { ip saddr } meta l4proto tcp dnat ip to 198.18.1.3:8080"
+        ]
+    );
+    assert_eq!(
+        o.chains["svc4-default/sticky/tcp/80"],
+        vec![
+            "counter",
+            "ip saddr @aff4-default/sticky/tcp/80/198.18.1.2/8080 goto ep4-default/sticky/tcp/80/198.18.1.2/8080",
+            "ip saddr @aff4-default/sticky/tcp/80/198.18.1.3/8080 goto ep4-default/sticky/tcp/80/198.18.1.3/8080",
+            "numgen random mod 2 0 goto ep4-default/sticky/tcp/80/198.18.1.2/8080",
+            "goto ep4-default/sticky/tcp/80/198.18.1.3/8080",
+        ]
+    );
+}
+
+#[test]
+fn one_endpoint_change_rewrites_only_that_service() {
+    let mut rs = programmed(vec![
+        view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.3"]),
+        view("b", "198.18.100.11", &["198.18.1.2", "198.18.1.3"]),
+    ]);
+    let plan = rs.plan(
+        &delta(
+            false,
+            vec![view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"])],
+            vec![],
+        ),
+        &Existing::default(),
+    );
+    assert_eq!(
+        plan.script,
+        "flush chain inet rune svc4-default/a/tcp/80\n\
+         add rule inet rune svc4-default/a/tcp/80 counter\n\
+         add rule inet rune svc4-default/a/tcp/80 numgen random mod 2 0 meta l4proto tcp dnat ip to 198.18.1.2:8080\n\
+         add rule inet rune svc4-default/a/tcp/80 meta l4proto tcp dnat ip to 198.18.1.4:8080\n"
+    );
+    rs.commit(plan);
+    // The same state again: nothing to do.
+    let again = rs.plan(
+        &delta(
+            false,
+            vec![view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"])],
+            vec![],
+        ),
+        &Existing::default(),
+    );
+    assert!(again.is_empty(), "{}", again.script);
+}
+
+#[test]
+fn emptied_then_refilled_service_moves_between_maps_and_removal_deletes_its_objects() {
+    let mut rs = programmed(vec![view("a", "198.18.100.10", &["198.18.1.2"])]);
+    let plan = rs.plan(
+        &delta(
+            false,
+            vec![view_with("a", "198.18.100.10", "", Some(&[]))],
+            vec![],
+        ),
+        &Existing::default(),
+    );
+    assert_eq!(
+        plan.script,
+        "delete element inet rune service-ips { 198.18.100.10 . tcp . 80 }\n\
+         add element inet rune no-endpoints { 198.18.100.10 . tcp . 80 : goto reject-service }\n\
+         delete chain inet rune svc4-default/a/tcp/80\n"
+    );
+    rs.commit(plan);
+    let plan = rs.plan(
+        &delta(false, vec![], vec![ServiceKey::new("default", "a")]),
+        &Existing::default(),
+    );
+    assert_eq!(
+        plan.script,
+        "delete element inet rune no-endpoints { 198.18.100.10 . tcp . 80 }\n"
+    );
+    rs.commit(plan);
+    assert!(rs.is_empty());
+}
+
+#[test]
+fn a_vip_moving_to_another_service_is_deleted_once_before_it_is_added() {
+    let mut rs = programmed(vec![view("a", "198.18.100.10", &["198.18.1.2"])]);
+    let plan = rs.plan(
+        &delta(
+            false,
+            vec![view("b", "198.18.100.10", &["198.18.1.3"])],
+            vec![ServiceKey::new("default", "a")],
+        ),
+        &Existing::default(),
+    );
+    let s = &plan.script;
+    assert_eq!(s.matches("delete element").count(), 1, "{s}");
+    let del = s.find("delete element").expect("deleted");
+    let add = s.find("add element").expect("added");
+    assert!(del < add, "{s}");
+    assert!(
+        s.contains("delete chain inet rune svc4-default/a/tcp/80"),
+        "{s}"
+    );
+    rs.commit(plan);
+    assert!(rs.service(&ServiceKey::new("default", "a")).is_none());
+}
+
+#[test]
+fn full_delta_adopts_an_existing_table_in_one_transaction() {
+    let rs = Ruleset::new("node-a");
+    let existing = Existing {
+        table: true,
+        chains: [
+            "nat-prerouting",
+            "services",
+            "svc4-default/a/tcp/80",
+            "svc4-default/gone/tcp/80",
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect(),
+        sets: ["service-ips", "aff4-default/gone/tcp/80/198.18.1.9/8080"]
+            .into_iter()
+            .map(str::to_owned)
+            .collect(),
+    };
+    let plan = rs.plan(
+        &delta(
+            true,
+            vec![view("a", "198.18.100.10", &["198.18.1.2"])],
+            vec![],
+        ),
+        &existing,
+    );
+    let s = &plan.script;
+    // Never deleted as a whole: flushed and refilled.
+    assert!(!s.contains("delete table"), "{s}");
+    assert!(s.contains("flush map inet rune service-ips\n"), "{s}");
+    assert!(
+        s.contains("flush chain inet rune svc4-default/a/tcp/80\n"),
+        "{s}"
+    );
+    assert!(
+        s.contains("delete chain inet rune svc4-default/gone/tcp/80\n"),
+        "{s}"
+    );
+    assert!(
+        s.contains("delete set inet rune aff4-default/gone/tcp/80/198.18.1.9/8080\n"),
+        "{s}"
+    );
+    assert!(!s.contains("delete chain inet rune svc4-default/a/"), "{s}");
+    assert!(!s.contains("delete chain inet rune services"), "{s}");
+    let flush = s
+        .find("flush chain inet rune svc4-default/gone")
+        .expect("flushed");
+    let delete = s
+        .find("delete chain inet rune svc4-default/gone")
+        .expect("deleted");
+    assert!(flush < delete);
+}

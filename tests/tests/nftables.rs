@@ -1,0 +1,637 @@
+//! The nftables data plane end to end: a production-mode agent with
+//! `--dataplane nftables` in the node namespace of a [`Topology`] DNATs VIP traffic
+//! from the client namespace in its own table `inet rune`.
+//!
+//! Needs root. Each test builds its own namespaces and removes them on drop; all
+//! `nft` commands run inside the test's node namespace (never the root one), and
+//! traffic goes only to 198.18.0.0/15 and fd00::/8 inside them. Tests run one at a
+//! time (they share the CPU with the agent they start).
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+    path::Path,
+    sync::Mutex,
+    time::Duration,
+};
+
+use rune_agent_tests::{
+    agent::{Agent, eventually},
+    netns::require_root,
+    topology::{Topology, TopologyConfig},
+};
+use serde_json::Value;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const VIP4: &str = "198.18.100.10";
+const VIP6: &str = "fd00:100::10";
+/// The VIP of a second service, to show that changes of one leave the other alone.
+const OTHER_VIP4: &str = "198.18.100.20";
+const TCP_PORT: u16 = 80;
+const UDP_PORT: u16 = 53;
+const BACKEND_PORT: u16 = 8080;
+const PATIENCE: Duration = Duration::from_secs(20);
+
+fn topology(backends: usize) -> Topology {
+    Topology::with_config(&TopologyConfig {
+        backends,
+        tcp_port: Some(BACKEND_PORT),
+        udp_port: Some(BACKEND_PORT),
+        ..TopologyConfig::default()
+    })
+    .unwrap()
+}
+
+struct Ep {
+    address: IpAddr,
+    terminating: bool,
+}
+
+fn service_yaml(name: &str, vips: &str, endpoints: &[Ep]) -> String {
+    let mut eps = String::new();
+    for e in endpoints {
+        eps.push_str(&format!(
+            "    - {{address: \"{}\", node: node-b, terminating: {}}}\n",
+            e.address, e.terminating
+        ));
+    }
+    if endpoints.is_empty() {
+        eps.push_str("    []\n");
+    }
+    format!(
+        "apiVersion: rune/v1
+kind: Service
+metadata: {{name: {name}}}
+spec:
+  ports:
+    - {{name: http, port: {TCP_PORT}, protocol: TCP, targetPort: {BACKEND_PORT}}}
+    - {{name: dns, port: {UDP_PORT}, protocol: UDP, targetPort: {BACKEND_PORT}}}
+  discovery: {{vips: [{vips}]}}
+---
+apiVersion: rune/v1
+kind: Endpoints
+metadata: {{name: {name}}}
+spec:
+  endpoints:
+{eps}"
+    )
+}
+
+fn web_yaml(endpoints: &[Ep]) -> String {
+    service_yaml("web", &format!("\"{VIP4}\", \"{VIP6}\""), endpoints)
+}
+
+fn all_ready(topo: &Topology) -> Vec<Ep> {
+    topo.backends()
+        .iter()
+        .flat_map(|b| b.addr().both())
+        .map(|address| Ep {
+            address,
+            terminating: false,
+        })
+        .collect()
+}
+
+fn apply(agent: &Agent, yaml: &str) {
+    let out = agent.cli(&["apply", "-f", "-"], Some(yaml));
+    assert!(
+        out.status.success(),
+        "apply failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn start_agent(topo: &Topology, state: &Path, extra: &[&str]) -> Agent {
+    // A start removes what other modes left: never the default pin dir.
+    let unused_pins = format!("/sys/fs/bpf/rune-test-{}-unused", std::process::id());
+    let mut args = vec!["--dataplane", "nftables", "--bpf-pin-dir", &unused_pins];
+    args.extend_from_slice(extra);
+    let mut agent = Agent::start_in(topo.node(), state, &args);
+    agent.wait_ready(PATIENCE);
+    agent
+}
+
+/// Runs `nft ARGS` in the node namespace; its standard output.
+fn nft(topo: &Topology, args: &[&str]) -> std::process::Output {
+    topo.node()
+        .command("nft")
+        .unwrap()
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// `nft -j list table inet NAME` in the node namespace; `None` when there is none.
+fn list_table(topo: &Topology, name: &str) -> Option<Value> {
+    let out = nft(topo, &["-j", "list", "table", "inet", name]);
+    out.status
+        .success()
+        .then(|| serde_json::from_slice(&out.stdout).unwrap())
+}
+
+/// The objects of a listing (without the metainfo).
+fn objects(table: &Value) -> Vec<Value> {
+    table["nftables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|o| o.get("metainfo").is_none())
+        .cloned()
+        .collect()
+}
+
+/// The elements of map `map` in a listing, as `addr . proto . port -> verdict` text.
+fn map_elements(table: &Value, map: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for o in objects(table) {
+        let Some(m) = o.get("map") else { continue };
+        if m["name"] != map {
+            continue;
+        }
+        for el in m["elem"].as_array().into_iter().flatten() {
+            let key: Vec<String> = el[0]["concat"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_owned))
+                .collect();
+            let verdict = &el[1];
+            let target = verdict["goto"]["target"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            out.push(format!("{} -> {target}", key.join(" . ")));
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The rules of chain `chain`, as JSON text (counters zeroed out).
+fn chain_rules(table: &Value, chain: &str) -> Vec<String> {
+    objects(table)
+        .iter()
+        .filter_map(|o| o.get("rule"))
+        .filter(|r| r["chain"] == chain)
+        .map(|r| {
+            let mut expr = r["expr"].clone();
+            for e in expr.as_array_mut().into_iter().flatten() {
+                if let Some(c) = e.get_mut("counter") {
+                    *c = Value::Null;
+                }
+            }
+            expr.to_string()
+        })
+        .collect()
+}
+
+/// Every object of `table` whose name mentions service `name` (chains, rules, sets
+/// and map elements), handles and counters left out: what a change of it may touch.
+fn objects_of(table: &Value, name: &str) -> Vec<String> {
+    let needle = format!("default/{name}/");
+    let mut out: Vec<String> = objects(table)
+        .iter()
+        .filter_map(|o| {
+            let mut o = o.clone();
+            if let Some(r) = o.get_mut("rule") {
+                r["handle"] = Value::Null;
+                for e in r["expr"].as_array_mut().into_iter().flatten() {
+                    if let Some(c) = e.get_mut("counter") {
+                        *c = Value::Null;
+                    }
+                }
+            }
+            for kind in ["chain", "set"] {
+                if let Some(c) = o.get_mut(kind) {
+                    c["handle"] = Value::Null;
+                }
+            }
+            let text = o.to_string();
+            text.contains(&needle).then_some(text)
+        })
+        .collect();
+    for map in [
+        "service-ips",
+        "service-ips6",
+        "no-endpoints",
+        "no-endpoints6",
+    ] {
+        out.extend(
+            map_elements(table, map)
+                .into_iter()
+                .filter(|e| e.contains(&needle)),
+        );
+    }
+    out.sort();
+    out
+}
+
+fn backend_name(reply: &str) -> String {
+    reply
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+fn wait_reachable(topo: &Topology, vip: SocketAddr) {
+    eventually(PATIENCE, "the VIP answers", || {
+        topo.tcp_request(vip, "ping").ok().map(drop)
+    });
+}
+
+fn tcp_spread(topo: &Topology, vip: SocketAddr, n: usize) -> BTreeMap<String, usize> {
+    let mut per = BTreeMap::new();
+    for i in 0..n {
+        let (reply, peer, _) = topo
+            .tcp_request(vip, &format!("req{i}"))
+            .unwrap_or_else(|e| panic!("connection {i} to {vip}: {e:#}"));
+        assert_eq!(peer, vip, "the client must see the VIP as its peer");
+        *per.entry(backend_name(&reply)).or_insert(0) += 1;
+    }
+    per
+}
+
+fn assert_balanced(per: &BTreeMap<String, usize>, n: usize, backends: usize) {
+    assert_eq!(per.len(), backends, "every backend gets flows: {per:?}");
+    for (name, count) in per {
+        let share = *count as f64 / n as f64;
+        assert!(
+            (0.20..=0.47).contains(&share),
+            "{name} got {count} of {n} ({share:.2}): {per:?}"
+        );
+    }
+}
+
+/// A table of someone else's, created before the agent starts.
+fn foreign_table(topo: &Topology) -> Value {
+    let script = "add table inet bystander
+add chain inet bystander prerouting { type nat hook prerouting priority -100; policy accept; }
+add set inet bystander friends { type ipv4_addr; }
+add element inet bystander friends { 198.18.200.1 }
+add rule inet bystander prerouting ip daddr @friends counter accept
+";
+    let mut child = topo
+        .node()
+        .command("nft")
+        .unwrap()
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write as _;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(script.as_bytes())
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+    list_table(topo, "bystander").unwrap()
+}
+
+#[test]
+fn table_holds_exactly_the_services_and_changes_touch_only_their_service() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    require_root().unwrap();
+    let topo = topology(3);
+    let bystander = foreign_table(&topo);
+    let state = tempfile::tempdir().unwrap();
+    let mut agent = start_agent(&topo, state.path(), &[]);
+    apply(&agent, &web_yaml(&all_ready(&topo)));
+    let other_eps: Vec<Ep> = topo.backends()[1..]
+        .iter()
+        .map(|b| Ep {
+            address: b.addr().v4.into(),
+            terminating: false,
+        })
+        .collect();
+    apply(
+        &agent,
+        &service_yaml("other", &format!("\"{OTHER_VIP4}\""), &other_eps),
+    );
+    wait_reachable(
+        &topo,
+        SocketAddr::new(OTHER_VIP4.parse().unwrap(), TCP_PORT),
+    );
+
+    let table = list_table(&topo, "rune").expect("table inet rune");
+    assert_eq!(
+        map_elements(&table, "service-ips"),
+        vec![
+            format!("{VIP4} . tcp . {TCP_PORT} -> svc4-default/web/tcp/{TCP_PORT}"),
+            format!("{VIP4} . udp . {UDP_PORT} -> svc4-default/web/udp/{UDP_PORT}"),
+            format!("{OTHER_VIP4} . tcp . {TCP_PORT} -> svc4-default/other/tcp/{TCP_PORT}"),
+            format!("{OTHER_VIP4} . udp . {UDP_PORT} -> svc4-default/other/udp/{UDP_PORT}"),
+        ]
+    );
+    assert_eq!(
+        map_elements(&table, "service-ips6"),
+        vec![
+            format!("{VIP6} . tcp . {TCP_PORT} -> svc6-default/web/tcp/{TCP_PORT}"),
+            format!("{VIP6} . udp . {UDP_PORT} -> svc6-default/web/udp/{UDP_PORT}"),
+        ]
+    );
+    assert!(map_elements(&table, "no-endpoints").is_empty());
+    // The web chain DNATs to exactly the three IPv4 backends.
+    // A counter, then one DNAT rule per backend.
+    let web = chain_rules(&table, &format!("svc4-default/web/tcp/{TCP_PORT}"));
+    assert_eq!(web.len(), 4, "{web:?}");
+    for (rule, b) in web[1..].iter().zip(topo.backends()) {
+        assert!(rule.contains(&format!("\"{}\"", b.addr().v4)), "{web:?}");
+    }
+    assert_eq!(list_table(&topo, "bystander").unwrap(), bystander);
+
+    // One endpoint change of `web`: `other`'s objects are exactly as before.
+    let other_before = objects_of(&table, "other");
+    let web_before = objects_of(&table, "web");
+    let mut eps = all_ready(&topo);
+    eps.retain(|e| e.address != IpAddr::from(topo.backends()[0].addr().v4));
+    apply(&agent, &web_yaml(&eps));
+    let after = eventually(PATIENCE, "the change reached the table", || {
+        let t = list_table(&topo, "rune")?;
+        (objects_of(&t, "web") != web_before).then_some(t)
+    });
+    assert_eq!(objects_of(&after, "other"), other_before);
+    let web = chain_rules(&after, &format!("svc4-default/web/tcp/{TCP_PORT}"));
+    assert_eq!(web.len(), 3, "{web:?}");
+    let victim = format!("\"{}\"", topo.backends()[0].addr().v4);
+    assert!(!web.concat().contains(&victim), "{web:?}");
+
+    // Stop removes our table and only ours.
+    assert_eq!(agent.terminate(PATIENCE), Some(0));
+    assert!(
+        list_table(&topo, "rune").is_none(),
+        "stop removes inet rune"
+    );
+    assert_eq!(list_table(&topo, "bystander").unwrap(), bystander);
+
+    // With --keep-rules-on-stop the table stays; cleanup removes it.
+    let mut agent = start_agent(&topo, state.path(), &["--keep-rules-on-stop"]);
+    wait_reachable(
+        &topo,
+        SocketAddr::new(OTHER_VIP4.parse().unwrap(), TCP_PORT),
+    );
+    assert_eq!(agent.terminate(PATIENCE), Some(0));
+    assert!(list_table(&topo, "rune").is_some(), "kept on stop");
+    let removed = topo
+        .node()
+        .run(rune_agent::dataplane::nftables::cleanup)
+        .unwrap()
+        .unwrap();
+    assert!(removed);
+    assert!(
+        list_table(&topo, "rune").is_none(),
+        "cleanup removes inet rune"
+    );
+    assert_eq!(list_table(&topo, "bystander").unwrap(), bystander);
+}
+
+#[test]
+fn vip_traffic_is_balanced_for_tcp_udp_and_ipv6_and_other_traffic_is_untouched() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    require_root().unwrap();
+    let topo = topology(3);
+    let state = tempfile::tempdir().unwrap();
+    let agent = start_agent(&topo, state.path(), &[]);
+    apply(&agent, &web_yaml(&all_ready(&topo)));
+    let vip4 = SocketAddr::new(VIP4.parse().unwrap(), TCP_PORT);
+    wait_reachable(&topo, vip4);
+
+    let per = tcp_spread(&topo, vip4, 300);
+    assert_balanced(&per, 300, 3);
+
+    for b in topo.backends() {
+        let direct = SocketAddr::new(b.addr().v4.into(), BACKEND_PORT);
+        let (reply, peer, _) = topo.tcp_request(direct, "direct").unwrap();
+        assert_eq!(
+            backend_name(&reply),
+            b.name(),
+            "non-VIP traffic is not translated"
+        );
+        assert_eq!(peer, direct);
+    }
+
+    let udp_vip = SocketAddr::new(VIP4.parse().unwrap(), UDP_PORT);
+    let mut per_udp = BTreeMap::new();
+    for i in 0..300 {
+        let (reply, from) = topo
+            .udp_request(udp_vip, format!("q{i}").as_bytes())
+            .unwrap_or_else(|e| panic!("UDP request {i}: {e:#}"));
+        assert_eq!(from, udp_vip, "the reply must come from the VIP");
+        *per_udp
+            .entry(backend_name(&String::from_utf8_lossy(&reply)))
+            .or_insert(0) += 1;
+    }
+    assert_balanced(&per_udp, 300, 3);
+
+    let vip6 = SocketAddr::new(VIP6.parse().unwrap(), TCP_PORT);
+    let per6 = tcp_spread(&topo, vip6, 300);
+    assert_balanced(&per6, 300, 3);
+
+    let status = agent.cli(&["status"], None);
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(text.contains("data plane: nftables"), "{text}");
+    let most_flows = text
+        .split("flows ")
+        .skip(1)
+        .filter_map(|t| {
+            t.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .max();
+    assert!(
+        most_flows.is_some_and(|n| n >= 300),
+        "the service chain counts new flows: {text}"
+    );
+}
+
+#[test]
+fn terminating_endpoint_gets_no_new_flows_established_stay_and_empty_refuses() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    require_root().unwrap();
+    let topo = topology(3);
+    let state = tempfile::tempdir().unwrap();
+    let agent = start_agent(&topo, state.path(), &[]);
+    apply(&agent, &web_yaml(&all_ready(&topo)));
+    let vip = SocketAddr::new(VIP4.parse().unwrap(), TCP_PORT);
+    wait_reachable(&topo, vip);
+
+    let mut long = Vec::new();
+    let mut held = BTreeMap::new();
+    for i in 0..60 {
+        let mut c = topo.tcp_open(vip).unwrap();
+        let name = backend_name(&c.exchange(&format!("open{i}")).unwrap());
+        *held.entry(name.clone()).or_insert(0) += 1;
+        long.push((name, c));
+        if held.len() == 3 && i >= 5 {
+            break;
+        }
+    }
+    assert_eq!(held.len(), 3, "every backend holds a long-lived connection");
+
+    let victim = topo.backends()[0].name().to_owned();
+    let mut eps = all_ready(&topo);
+    for e in &mut eps {
+        if topo.backends()[0].addr().both().contains(&e.address) {
+            e.terminating = true;
+        }
+    }
+    apply(&agent, &web_yaml(&eps));
+    eventually(PATIENCE, "the terminating backend left the table", || {
+        let per = tcp_spread(&topo, vip, 30);
+        (!per.contains_key(&victim)).then_some(())
+    });
+    let per = tcp_spread(&topo, vip, 60);
+    assert!(
+        !per.contains_key(&victim),
+        "no new flow to {victim}: {per:?}"
+    );
+    for (name, c) in &mut long {
+        let reply = c.exchange("still-there").unwrap();
+        assert_eq!(
+            &backend_name(&reply),
+            name,
+            "an established flow never moves"
+        );
+    }
+
+    // Deleted: traffic continues on the rest; every established flow keeps working.
+    let rest: Vec<Ep> = all_ready(&topo)
+        .into_iter()
+        .filter(|e| !topo.backends()[0].addr().both().contains(&e.address))
+        .collect();
+    apply(&agent, &web_yaml(&rest));
+    let per = tcp_spread(&topo, vip, 60);
+    assert_eq!(per.len(), 2, "{per:?}");
+    assert!(!per.contains_key(&victim), "{per:?}");
+    for (name, c) in &mut long {
+        let reply = c.exchange("after-delete").unwrap();
+        assert_eq!(
+            &backend_name(&reply),
+            name,
+            "an established flow never moves"
+        );
+    }
+
+    // An empty endpoint list refuses new connections (TCP reset), counted.
+    let refused = |t: &Value| -> u64 {
+        objects(t)
+            .iter()
+            .filter_map(|o| o.get("rule"))
+            .filter(|r| r["chain"] == "reject-service")
+            .flat_map(|r| r["expr"].as_array().cloned().unwrap_or_default())
+            .find_map(|e| e["counter"]["packets"].as_u64())
+            .unwrap_or(0)
+    };
+    let before = refused(&list_table(&topo, "rune").unwrap());
+    apply(&agent, &web_yaml(&[]));
+    eventually(PATIENCE, "connections to the VIP are refused", || {
+        topo.tcp_request(vip, "refused?").is_err().then_some(())
+    });
+    let err = topo.tcp_request(vip, "refused?").unwrap_err();
+    assert!(
+        format!("{err:#}").to_lowercase().contains("refused"),
+        "a reset, not a timeout: {err:#}"
+    );
+    assert!(
+        refused(&list_table(&topo, "rune").unwrap()) > before,
+        "refusals are counted"
+    );
+}
+
+#[test]
+fn agent_kill_and_restart_drops_no_flow() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    require_root().unwrap();
+    let topo = topology(3);
+    let state = tempfile::tempdir().unwrap();
+    let mut agent = start_agent(&topo, state.path(), &[]);
+    apply(&agent, &web_yaml(&all_ready(&topo)));
+    let vip = SocketAddr::new(VIP4.parse().unwrap(), TCP_PORT);
+    wait_reachable(&topo, vip);
+    let mut long = topo.tcp_open(vip).unwrap();
+    let owner = backend_name(&long.exchange("before").unwrap());
+
+    const REQUESTS: usize = 2000;
+    let failures = std::thread::scope(|scope| {
+        let looper = scope.spawn(|| {
+            let mut failures = Vec::new();
+            for i in 0..REQUESTS {
+                if let Err(e) = topo.tcp_request(vip, &format!("loop{i}")) {
+                    failures.push(format!("request {i}: {e:#}"));
+                }
+            }
+            failures
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        agent.kill();
+        assert!(
+            list_table(&topo, "rune").is_some(),
+            "the table stays in the kernel after SIGKILL"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        agent = start_agent(&topo, state.path(), &[]);
+        looper.join().unwrap()
+    });
+    assert!(
+        failures.is_empty(),
+        "{} failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+    let reply = long.exchange("after").unwrap();
+    assert_eq!(
+        backend_name(&reply),
+        owner,
+        "the long-lived connection survived"
+    );
+    assert_balanced(&tcp_spread(&topo, vip, 300), 300, 3);
+}
+
+#[test]
+fn client_ip_affinity_keeps_each_client_on_one_backend() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    require_root().unwrap();
+    let topo = topology(3);
+    let state = tempfile::tempdir().unwrap();
+    let agent = start_agent(&topo, state.path(), &[]);
+    let yaml = web_yaml(&all_ready(&topo)).replacen(
+        "  discovery:",
+        "  sessionAffinity: {type: ClientIP, timeoutSeconds: 600}\n  discovery:",
+        1,
+    );
+    apply(&agent, &yaml);
+    for vip in [VIP4, VIP6] {
+        let vip = SocketAddr::new(vip.parse().unwrap(), TCP_PORT);
+        wait_reachable(&topo, vip);
+        for src in [topo.client_addr(), topo.client_alt_addr()] {
+            let src = src.like(vip.ip());
+            let mut seen = BTreeMap::new();
+            for i in 0..30 {
+                let (reply, peer, _) = topo
+                    .tcp_request_from(Some(src), vip, &format!("sticky{i}"))
+                    .unwrap_or_else(|e| panic!("connection {i} from {src} to {vip}: {e:#}"));
+                assert_eq!(peer, vip);
+                *seen.entry(backend_name(&reply)).or_insert(0) += 1;
+            }
+            assert_eq!(
+                seen.len(),
+                1,
+                "{src} → {vip} stays on one backend: {seen:?}"
+            );
+        }
+    }
+    // The client addresses are in the endpoints' affinity sets, with a timeout.
+    let table = list_table(&topo, "rune").unwrap();
+    let remembered: usize = objects(&table)
+        .iter()
+        .filter_map(|o| o.get("set"))
+        .filter(|s| s["name"].as_str().unwrap_or("").starts_with("aff"))
+        .map(|s| s["elem"].as_array().map_or(0, Vec::len))
+        .sum();
+    assert_eq!(remembered, 4, "two clients per family: {table}");
+}

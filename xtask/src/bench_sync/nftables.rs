@@ -1,0 +1,326 @@
+//! The same sync figures in nftables mode (`--dataplane nftables`), next to eBPF's.
+//!
+//! * **Snapshot to programmed table**: the same 10,000 services × 10 endpoints in a
+//!   fresh store; the figure is the time from spawning the agent to the moment the
+//!   last service's VIP is an element of `service-ips` (`nft get element`, polled
+//!   every 2 ms). The agent programs the whole snapshot in one transaction, so one
+//!   element present means all are; afterwards (not timed) the map must hold all
+//!   10,000 elements. Three runs, fresh store and fresh namespace each; median.
+//! * **One endpoint change, event to kernel**: 200 times one service's endpoint 0 is
+//!   replaced through `rune-agent apply -f -`; the interval runs from the command's
+//!   return until `nft list chain` of that service's chain shows the DNAT to the new
+//!   address and none to the old (0 when the first listing already does, as in the
+//!   eBPF figures). Each listing takes tens of ms with 10,000 services (nft reads
+//!   the table's chains first), which bounds the resolution: the agent's own time
+//!   per change, from its log, is reported beside it. (`nft monitor` would be
+//!   exact, but with 10,000 services it printed nothing within a minute.)
+//!
+//! The agent runs in a namespace of its own (`rune-bench-nft-<pid>`), so its table
+//! is created, measured and removed there only.
+
+use super::{
+    Agent, CHANGE_LIMIT, CHANGES, CHANGES_LIMIT, Changes, ENDPOINTS, Netns, SERVICE_PORT, SERVICES,
+    SNAPSHOT_RUNS, SYNC_LIMIT, endpoint_addr, endpoints_yaml, ensure_alive, ms, percentile,
+    replacement_addr, service_name, vip,
+};
+use anyhow::{Context as _, Result, ensure};
+use std::{
+    fmt::Write as _,
+    fs::File,
+    io::Write as _,
+    net::Ipv4Addr,
+    os::{fd::AsRawFd as _, unix::process::CommandExt as _},
+    path::Path,
+    process::{Command, Stdio},
+    thread::sleep,
+    time::{Duration, Instant},
+};
+
+const TITLE: &str = "## nftables sync (production agent, --dataplane nftables, 10,000 services)";
+
+/// `nft ARGS` inside `netns` (entered with setns before exec).
+fn nft(netns: &Netns, args: &[&str]) -> Result<Command> {
+    let ns =
+        File::open(netns.path()).with_context(|| format!("opening {}", netns.path().display()))?;
+    let mut cmd = Command::new("nft");
+    cmd.args(args);
+    // SAFETY: only setns and prctl between fork and exec; the fd is moved into
+    // the closure and stays open until exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    Ok(cmd)
+}
+
+struct Snapshot {
+    to_table: Duration,
+    agent_apply: Option<Duration>,
+    rss_kib: u64,
+}
+
+/// The section of the report; `ebpf` is eBPF mode's median snapshot time and
+/// `ebpf_changes` its change series, for the side-by-side lines.
+pub(super) fn section(
+    bin: &Path,
+    snapshot_yaml: &Path,
+    ebpf: Duration,
+    ebpf_changes: &Changes,
+) -> Result<String> {
+    if Command::new("nft").arg("--version").output().is_err() {
+        return Ok(format!("\n{TITLE}\n\nskipped: no nft binary\n"));
+    }
+    let pid = std::process::id();
+    let work = super::TempDir::new(&format!("rune-bench-nft-{pid}"))?;
+    let mut runs = Vec::new();
+    let mut changes = None;
+    for run in 0..SNAPSHOT_RUNS {
+        // A fresh namespace each run: no table to adopt.
+        let netns = Netns::create(&format!("rune-bench-nft-{pid}"))?;
+        let state = work.0.join(format!("state-{run}"));
+        let mut apply = Command::new(bin);
+        apply
+            .arg("--state-dir")
+            .arg(&state)
+            .args(["apply", "-f"])
+            .arg(snapshot_yaml)
+            .stdout(Stdio::null());
+        crate::util::run_status(
+            "apply the snapshot to the stopped agent's store",
+            &mut apply,
+        )?;
+        let agent = Agent::start_with(
+            bin,
+            &netns,
+            &state,
+            &["--dataplane".into(), "nftables".into()],
+        )?;
+        let snap = measure_snapshot(&agent, &netns)?;
+        eprintln!(
+            "nft sync run {}: snapshot → table {:.0} ms (agent's apply {:.0} ms), RSS {:.1} MiB",
+            run + 1,
+            ms(snap.to_table),
+            snap.agent_apply.map_or(f64::NAN, ms),
+            snap.rss_kib as f64 / 1024.0
+        );
+        runs.push(snap);
+        if run + 1 == SNAPSHOT_RUNS {
+            changes = Some(measure_changes(bin, &agent, &netns, &state)?);
+        }
+        drop(agent);
+        drop(netns);
+    }
+    let c = changes.context("no change series")?;
+    runs.sort_by_key(|r| r.to_table);
+    let m = &runs[runs.len() / 2];
+    let all: Vec<String> = runs
+        .iter()
+        .map(|r| format!("{:.0}", ms(r.to_table)))
+        .collect();
+    let mut after = c.after_return.clone();
+    let mut agent = c.agent.clone();
+    let (p50, p99) = (percentile(&mut after, 0.5), percentile(&mut after, 0.99));
+    let mut ebpf_after = ebpf_changes.after_return.clone();
+    let (e50, e99) = (
+        percentile(&mut ebpf_after, 0.5),
+        percentile(&mut ebpf_after, 0.99),
+    );
+    let met = |ok: bool| if ok { "met" } else { "not met" };
+
+    let mut t = String::new();
+    writeln!(t)?;
+    writeln!(t, "{TITLE}")?;
+    writeln!(t)?;
+    writeln!(
+        t,
+        "The same {SERVICES} services x {ENDPOINTS} endpoints; agent in its own netns."
+    )?;
+    writeln!(t)?;
+    writeln!(t, "| figure | nftables | eBPF | target (nftables) | |")?;
+    writeln!(t, "|---|---:|---:|---:|---|")?;
+    writeln!(
+        t,
+        "| snapshot → programmed, median of {} | {:.0} ms | {:.0} ms | < 3000 ms | {} |",
+        runs.len(),
+        ms(m.to_table),
+        ms(ebpf),
+        met(m.to_table < Duration::from_secs(3))
+    )?;
+    writeln!(
+        t,
+        "| one endpoint change, apply returned → kernel, p50 ({} changes) | {p50:.2} ms | {e50:.2} ms | | |",
+        c.after_return.len()
+    )?;
+    writeln!(
+        t,
+        "| one endpoint change, apply returned → kernel, p99 | {p99:.2} ms | {e99:.2} ms | < 20 ms | {} |",
+        met(p99 < 20.0)
+    )?;
+    writeln!(
+        t,
+        "| agent memory (VmRSS) after the sync | {:.1} MiB | | | |",
+        m.rss_kib as f64 / 1024.0
+    )?;
+    writeln!(t)?;
+    writeln!(
+        t,
+        "Snapshot runs: {} ms; the agent logged {} for its full-delta transaction (building \
+         the script and `nft -f -`). Changes: the agent's own apply per delta (plan + `nft -f -`) \
+         p50/p99 {:.2}/{:.2} ms ({} deltas); {} of {} changes were already in the kernel at \
+         the first listing after the apply command returned{}.",
+        all.join(", "),
+        m.agent_apply
+            .map_or_else(|| "nothing".to_owned(), |d| format!("{:.0} ms", ms(d))),
+        percentile(&mut agent, 0.5),
+        percentile(&mut agent, 0.99),
+        c.agent.len(),
+        c.before_return,
+        c.after_return.len(),
+        if c.stopped_early {
+            format!(" (stopped at the {} s limit)", CHANGES_LIMIT.as_secs())
+        } else {
+            String::new()
+        }
+    )?;
+    Ok(t)
+}
+
+fn element_present(netns: &Netns, service: usize) -> Result<bool> {
+    let el = format!("{{ {} . tcp . {SERVICE_PORT} }}", vip(service));
+    let out = nft(
+        netns,
+        &["get", "element", "inet", "rune", "service-ips", &el],
+    )?
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .status()?;
+    Ok(out.success())
+}
+
+fn measure_snapshot(agent: &Agent, netns: &Netns) -> Result<Snapshot> {
+    let deadline = agent.started + SYNC_LIMIT;
+    let last = SERVICES - 1;
+    loop {
+        if element_present(netns, last)? {
+            break;
+        }
+        ensure_alive(agent)?;
+        ensure!(
+            Instant::now() < deadline,
+            "the table was not programmed within {SYNC_LIMIT:?}"
+        );
+        sleep(Duration::from_millis(2));
+    }
+    let to_table = agent.started.elapsed();
+    // Not timed: every service is in the map.
+    let out = nft(netns, &["-j", "list", "map", "inet", "rune", "service-ips"])?.output()?;
+    ensure!(out.status.success(), "nft list map failed");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let elements = json["nftables"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|o| o.get("map")?.get("elem")?.as_array())
+        .map(Vec::len)
+        .sum::<usize>();
+    ensure!(
+        elements == SERVICES,
+        "{elements} elements in service-ips, expected {SERVICES}"
+    );
+    let mut agent_apply = None;
+    let log_deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < log_deadline {
+        if let Some((d, _)) = agent.applies().iter().find(|(_, n)| *n == SERVICES) {
+            agent_apply = Some(*d);
+            break;
+        }
+        sleep(Duration::from_millis(10));
+    }
+    Ok(Snapshot {
+        to_table,
+        agent_apply,
+        rss_kib: agent.rss()?.vm,
+    })
+}
+
+/// The rules of `chain` as `nft` lists them now (empty when it cannot be read).
+fn chain_text(netns: &Netns, chain: &str) -> Result<String> {
+    let out = nft(netns, &["list", "chain", "inet", "rune", chain])?
+        .stderr(Stdio::null())
+        .output()?;
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn measure_changes(bin: &Path, agent: &Agent, netns: &Netns, state: &Path) -> Result<Changes> {
+    let applies_before = agent.applies().len();
+    let mut c = Changes {
+        after_return: Vec::new(),
+        from_spawn: Vec::new(),
+        cli: Vec::new(),
+        agent: Vec::new(),
+        before_return: 0,
+        stopped_early: false,
+    };
+    let series = Instant::now();
+    for k in 0..CHANGES {
+        if series.elapsed() > CHANGES_LIMIT {
+            c.stopped_early = true;
+            break;
+        }
+        let i = (k * 47) % SERVICES;
+        let new = replacement_addr(k);
+        let old = endpoint_addr(i, 0);
+        let mut addrs: Vec<Ipv4Addr> = (1..ENDPOINTS).map(|j| endpoint_addr(i, j)).collect();
+        addrs.push(new);
+        let yaml = endpoints_yaml(i, &addrs);
+        let chain = format!("svc4-default/{}/tcp/{SERVICE_PORT}", service_name(i));
+        let spawned = Instant::now();
+        let mut cmd = Command::new(bin)
+            .arg("--state-dir")
+            .arg(state)
+            .args(["apply", "-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()?;
+        cmd.stdin
+            .take()
+            .context("stdin")?
+            .write_all(yaml.as_bytes())?;
+        ensure!(cmd.wait()?.success(), "rune-agent apply failed");
+        let returned = Instant::now();
+        // Programmed once the chain DNATs to the new address and not the old one.
+        let programmed =
+            |text: &str| text.contains(&format!(" {new}:")) && !text.contains(&format!(" {old}:"));
+        let mut polls = 0;
+        let announced = loop {
+            let text = chain_text(netns, &chain)?;
+            polls += 1;
+            let at = Instant::now();
+            if programmed(&text) {
+                break if polls == 1 { returned } else { at };
+            }
+            ensure!(
+                returned.elapsed() < CHANGE_LIMIT,
+                "change {k} (service {i}) did not reach the kernel within {CHANGE_LIMIT:?}"
+            );
+        };
+        if announced == returned {
+            c.before_return += 1;
+        }
+        c.after_return
+            .push(ms(announced.saturating_duration_since(returned)));
+        c.from_spawn.push(ms(announced - spawned));
+        c.cli.push(ms(returned - spawned));
+        ensure_alive(agent)?;
+    }
+    c.agent = agent.applies()[applies_before..]
+        .iter()
+        .map(|(d, _)| ms(*d))
+        .collect();
+    Ok(c)
+}
