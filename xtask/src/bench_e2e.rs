@@ -46,17 +46,29 @@ const ADDRS_PER_MODE: u8 = 4 * ROUNDS + 2;
 enum Mode {
     /// eBPF: tc DNAT on the node's client-facing veth.
     Ebpf,
+    /// nftables DNAT in the node's table `inet rune`.
+    Nftables,
     /// Userspace proxies listening on the VIPs themselves (added to the node's lo).
     Userspace,
 }
 
 impl Mode {
     /// Every mode, in the order they run.
-    const ALL: [Mode; 2] = [Mode::Ebpf, Mode::Userspace];
+    const ALL: [Mode; 3] = [Mode::Ebpf, Mode::Nftables, Mode::Userspace];
+
+    /// The `--dataplane` value.
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Ebpf => "ebpf",
+            Mode::Nftables => "nftables",
+            Mode::Userspace => "userspace",
+        }
+    }
 
     fn label(self) -> &'static str {
         match self {
             Mode::Ebpf => "eBPF (tc)",
+            Mode::Nftables => "nftables DNAT",
             Mode::Userspace => "userspace proxy on the VIP",
         }
     }
@@ -66,7 +78,7 @@ impl Mode {
         match self {
             Mode::Ebpf => vec![
                 "--dataplane".into(),
-                "ebpf".into(),
+                self.name().into(),
                 "--cgroup".into(),
                 "none".into(),
                 "--interfaces".into(),
@@ -74,7 +86,14 @@ impl Mode {
                 "--bpf-pin-dir".into(),
                 pins.display().to_string(),
             ],
-            Mode::Userspace => vec!["--dataplane".into(), "userspace".into()],
+            // A start removes what other modes left: the bench's own pin dir, never
+            // the default one.
+            Mode::Nftables | Mode::Userspace => vec![
+                "--dataplane".into(),
+                self.name().into(),
+                "--bpf-pin-dir".into(),
+                pins.display().to_string(),
+            ],
         }
     }
 
@@ -82,6 +101,7 @@ impl Mode {
     fn target(self, scenario: Scenario) -> &'static str {
         match (self, scenario) {
             (Mode::Ebpf, _) => ">= 0.95x",
+            (Mode::Nftables, _) => ">= 0.85x",
             (Mode::Userspace, Scenario::RoundTrips) => ">= 0.6x",
             (Mode::Userspace, Scenario::Connections) => "",
         }
