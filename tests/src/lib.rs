@@ -8,3 +8,4 @@ pub mod netns;
 pub mod packet;
 pub mod prog_test_run;
 pub mod topology;
+pub mod vip;

@@ -20,7 +20,11 @@ use rune_agent_tests::{
     bpf::PinDir,
     cgroup::TestCgroup,
     netns::{join_at, require_root},
-    topology::{Topology, TopologyConfig},
+    topology::Topology,
+    vip::{
+        BACKEND_PORT, PATIENCE, apply, assert_balanced, backend_name, tcp_spread, topology,
+        wait_reachable,
+    },
 };
 
 /// One test at a time: each starts a privileged agent and its own topology.
@@ -30,20 +34,6 @@ const VIP4: &str = "198.18.100.10";
 const VIP6: &str = "fd00:100::10";
 const TCP_PORT: u16 = 80;
 const UDP_PORT: u16 = 53;
-/// The backends' servers (TCP and UDP).
-const BACKEND_PORT: u16 = 8080;
-const PATIENCE: Duration = Duration::from_secs(20);
-
-/// A topology with `backends` backends serving TCP and UDP on [`BACKEND_PORT`].
-fn topology(backends: usize) -> Topology {
-    Topology::with_config(&TopologyConfig {
-        backends,
-        tcp_port: Some(BACKEND_PORT),
-        udp_port: Some(BACKEND_PORT),
-        ..TopologyConfig::default()
-    })
-    .unwrap()
-}
 
 /// One endpoint line of the Endpoints document.
 struct Ep {
@@ -96,15 +86,6 @@ fn all_ready(topo: &Topology) -> Vec<Ep> {
         .collect()
 }
 
-fn apply(agent: &Agent, yaml: &str) {
-    let out = agent.cli(&["apply", "-f", "-"], Some(yaml));
-    assert!(
-        out.status.success(),
-        "apply failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A production agent in the node namespace with tc on the client-facing veth and
 /// socket LB on `cgroup` (or off).
 fn start_agent(topo: &Topology, state: &Path, pins: &PinDir, cgroup: Option<&Path>) -> Agent {
@@ -137,40 +118,6 @@ fn start_agent_with(
     let mut agent = Agent::start_in(topo.node(), state, &args);
     agent.wait_ready(PATIENCE);
     agent
-}
-
-fn backend_name(reply: &str) -> String {
-    reply
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_owned()
-}
-
-/// Polls until a TCP request to `vip` succeeds (the apply reached the maps).
-fn wait_reachable(topo: &Topology, vip: SocketAddr) {
-    let deadline = std::time::Instant::now() + PATIENCE;
-    loop {
-        match topo.tcp_request(vip, "ping") {
-            Ok(_) => return,
-            Err(e) if std::time::Instant::now() > deadline => panic!("{vip} unreachable: {e:#}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
-        }
-    }
-}
-
-/// `n` new TCP connections to `vip`; every one must succeed and see `vip` as its
-/// peer. Returns connections per backend name.
-fn tcp_spread(topo: &Topology, vip: SocketAddr, n: usize) -> BTreeMap<String, usize> {
-    let mut per = BTreeMap::new();
-    for i in 0..n {
-        let (reply, peer, _) = topo
-            .tcp_request(vip, &format!("req{i}"))
-            .unwrap_or_else(|e| panic!("connection {i} to {vip}: {e:#}"));
-        assert_eq!(peer, vip, "the client must see the VIP as its peer");
-        *per.entry(backend_name(&reply)).or_insert(0) += 1;
-    }
-    per
 }
 
 /// Whether `e` is a refused connect (the RST of a service without backends), as
@@ -241,17 +188,6 @@ fn assert_empty_service_refuses(agent: &Agent, topo: &Topology) {
         drops_after >= drops_before + 24.0,
         "every refusal is counted: {drops_before} → {drops_after}"
     );
-}
-
-fn assert_balanced(per: &BTreeMap<String, usize>, n: usize, backends: usize) {
-    assert_eq!(per.len(), backends, "every backend gets flows: {per:?}");
-    for (name, count) in per {
-        let share = *count as f64 / n as f64;
-        assert!(
-            (0.20..=0.47).contains(&share),
-            "{name} got {count} of {n} ({share:.2}): {per:?}"
-        );
-    }
 }
 
 #[test]

@@ -9,7 +9,6 @@
 use std::{
     net::{IpAddr, SocketAddr},
     path::Path,
-    time::Duration,
 };
 
 use rune_agent_tests::{
@@ -17,12 +16,11 @@ use rune_agent_tests::{
     bpf::PinDir,
     netns::{NetNs, require_root},
     topology::{Topology, TopologyConfig},
+    vip::{BACKEND_PORT, PATIENCE, apply, wait_reachable},
 };
 
 const VIP: &str = "198.18.100.10";
 const PORT: u16 = 80;
-const BACKEND_PORT: u16 = 8080;
-const PATIENCE: Duration = Duration::from_secs(20);
 
 fn service_yaml(topo: &Topology) -> String {
     let eps: Vec<String> = topo
@@ -76,12 +74,6 @@ fn start(topo: &Topology, state: &Path, pins: &PinDir, mode: &str) -> Agent {
 
 fn vip() -> SocketAddr {
     SocketAddr::new(VIP.parse().unwrap(), PORT)
-}
-
-fn serves(topo: &Topology, what: &str) {
-    eventually(PATIENCE, what, || {
-        topo.tcp_request(vip(), "ping").ok().map(|_| ())
-    });
 }
 
 fn pins_left(pins: &PinDir) -> Vec<String> {
@@ -154,13 +146,8 @@ fn switching_modes_leaves_nothing_of_the_old_mode() {
     // eBPF first; a clean stop leaves the programs attached and pinned (as Cilium
     // does, so a restart drops no flow).
     let mut agent = start(&topo, state.path(), &pins, "ebpf");
-    let out = agent.cli(&["apply", "-f", "-"], Some(&service_yaml(&topo)));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serves(&topo, "the VIP through eBPF");
+    apply(&agent, &service_yaml(&topo));
+    wait_reachable(&topo, vip());
     assert_eq!(agent.terminate(PATIENCE), Some(0));
     assert!(
         !pins_left(&pins).is_empty(),
@@ -178,7 +165,7 @@ fn switching_modes_leaves_nothing_of_the_old_mode() {
     eventually(PATIENCE, "the eBPF programs to be freed", || {
         rune_programs().is_empty().then_some(())
     });
-    serves(&topo, "the VIP through nftables");
+    wait_reachable(&topo, vip());
     assert!(nft_table_exists(node));
 
     // A crashed nftables agent leaves its table; nftables → userspace removes it.
@@ -186,7 +173,7 @@ fn switching_modes_leaves_nothing_of_the_old_mode() {
     assert!(nft_table_exists(node), "kill -9 leaves the table");
     let mut agent = start(&topo, state.path(), &pins, "userspace");
     assert!(!nft_table_exists(node), "no nftables table remains");
-    serves(&topo, "the VIP through the userspace proxy");
+    wait_reachable(&topo, vip());
     assert_eq!(marked_addresses(node), vec![VIP.parse::<IpAddr>().unwrap()]);
 
     // A crashed userspace agent leaves its VIP addresses on lo; userspace → eBPF
@@ -204,7 +191,7 @@ fn switching_modes_leaves_nothing_of_the_old_mode() {
         "no VIP address remains"
     );
     assert!(!nft_table_exists(node));
-    serves(&topo, "the VIP through eBPF again");
+    wait_reachable(&topo, vip());
     assert!(!pins_left(&pins).is_empty());
 
     // `cleanup` removes everything of every mode.

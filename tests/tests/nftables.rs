@@ -18,7 +18,11 @@ use std::{
 use rune_agent_tests::{
     agent::{Agent, eventually},
     netns::require_root,
-    topology::{Topology, TopologyConfig},
+    topology::Topology,
+    vip::{
+        BACKEND_PORT, PATIENCE, apply, assert_balanced, backend_name, tcp_spread, topology,
+        wait_reachable,
+    },
 };
 use serde_json::Value;
 
@@ -30,18 +34,6 @@ const VIP6: &str = "fd00:100::10";
 const OTHER_VIP4: &str = "198.18.100.20";
 const TCP_PORT: u16 = 80;
 const UDP_PORT: u16 = 53;
-const BACKEND_PORT: u16 = 8080;
-const PATIENCE: Duration = Duration::from_secs(20);
-
-fn topology(backends: usize) -> Topology {
-    Topology::with_config(&TopologyConfig {
-        backends,
-        tcp_port: Some(BACKEND_PORT),
-        udp_port: Some(BACKEND_PORT),
-        ..TopologyConfig::default()
-    })
-    .unwrap()
-}
 
 struct Ep {
     address: IpAddr,
@@ -91,15 +83,6 @@ fn all_ready(topo: &Topology) -> Vec<Ep> {
             terminating: false,
         })
         .collect()
-}
-
-fn apply(agent: &Agent, yaml: &str) {
-    let out = agent.cli(&["apply", "-f", "-"], Some(yaml));
-    assert!(
-        out.status.success(),
-        "apply failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn start_agent(topo: &Topology, state: &Path, extra: &[&str]) -> Agent {
@@ -225,43 +208,6 @@ fn objects_of(table: &Value, name: &str) -> Vec<String> {
     }
     out.sort();
     out
-}
-
-fn backend_name(reply: &str) -> String {
-    reply
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_owned()
-}
-
-fn wait_reachable(topo: &Topology, vip: SocketAddr) {
-    eventually(PATIENCE, "the VIP answers", || {
-        topo.tcp_request(vip, "ping").ok().map(drop)
-    });
-}
-
-fn tcp_spread(topo: &Topology, vip: SocketAddr, n: usize) -> BTreeMap<String, usize> {
-    let mut per = BTreeMap::new();
-    for i in 0..n {
-        let (reply, peer, _) = topo
-            .tcp_request(vip, &format!("req{i}"))
-            .unwrap_or_else(|e| panic!("connection {i} to {vip}: {e:#}"));
-        assert_eq!(peer, vip, "the client must see the VIP as its peer");
-        *per.entry(backend_name(&reply)).or_insert(0) += 1;
-    }
-    per
-}
-
-fn assert_balanced(per: &BTreeMap<String, usize>, n: usize, backends: usize) {
-    assert_eq!(per.len(), backends, "every backend gets flows: {per:?}");
-    for (name, count) in per {
-        let share = *count as f64 / n as f64;
-        assert!(
-            (0.20..=0.47).contains(&share),
-            "{name} got {count} of {n} ({share:.2}): {per:?}"
-        );
-    }
 }
 
 /// A table of someone else's, created before the agent starts.

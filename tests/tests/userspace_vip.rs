@@ -23,7 +23,11 @@ use std::{
 use rune_agent_tests::{
     agent::{Agent, eventually, metric},
     netns::{NetNs, require_root},
-    topology::{CLIENT_TIMEOUT, Topology, TopologyConfig},
+    topology::{CLIENT_TIMEOUT, Topology},
+    vip::{
+        BACKEND_PORT, PATIENCE, apply, assert_balanced, backend_name, tcp_spread, topology,
+        wait_reachable,
+    },
 };
 
 /// One test at a time: each starts a privileged agent and its own topology.
@@ -35,21 +39,8 @@ const VIP6: &str = "fd00:100::10";
 const THEIR_VIP: &str = "198.18.100.30";
 const TCP_PORT: u16 = 80;
 const UDP_PORT: u16 = 53;
-/// The backends' servers (TCP and UDP).
-const BACKEND_PORT: u16 = 8080;
 /// A server on backend-1 that answers with the peer address it sees.
 const PEER_PORT: u16 = 9090;
-const PATIENCE: Duration = Duration::from_secs(20);
-
-fn topology(backends: usize) -> Topology {
-    Topology::with_config(&TopologyConfig {
-        backends,
-        tcp_port: Some(BACKEND_PORT),
-        udp_port: Some(BACKEND_PORT),
-        ..TopologyConfig::default()
-    })
-    .unwrap()
-}
 
 /// One endpoint line of the Endpoints document.
 struct Ep {
@@ -121,15 +112,6 @@ fn all_ready(topo: &Topology) -> Vec<Ep> {
         .collect()
 }
 
-fn apply(agent: &Agent, yaml: &str) {
-    let out = agent.cli(&["apply", "-f", "-"], Some(yaml));
-    assert!(
-        out.status.success(),
-        "apply failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A production agent in the userspace mode in the node namespace.
 fn start_agent(topo: &Topology, state: &Path) -> Agent {
     let mut agent = Agent::start_in(
@@ -147,45 +129,6 @@ fn start_agent(topo: &Topology, state: &Path) -> Agent {
     );
     agent.wait_ready(PATIENCE);
     agent
-}
-
-fn backend_name(reply: &str) -> String {
-    reply
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_owned()
-}
-
-fn wait_reachable(topo: &Topology, vip: SocketAddr) {
-    eventually(PATIENCE, &format!("{vip} answers"), || {
-        topo.tcp_request(vip, "ping").ok().map(|_| ())
-    });
-}
-
-/// `n` new TCP connections to `vip`; every one must succeed and see `vip` as its
-/// peer. Returns connections per backend name.
-fn tcp_spread(topo: &Topology, vip: SocketAddr, n: usize) -> BTreeMap<String, usize> {
-    let mut per = BTreeMap::new();
-    for i in 0..n {
-        let (reply, peer, _) = topo
-            .tcp_request(vip, &format!("req{i}"))
-            .unwrap_or_else(|e| panic!("connection {i} to {vip}: {e:#}"));
-        assert_eq!(peer, vip, "the client must see the VIP as its peer");
-        *per.entry(backend_name(&reply)).or_insert(0) += 1;
-    }
-    per
-}
-
-fn assert_balanced(per: &BTreeMap<String, usize>, n: usize, backends: usize) {
-    assert_eq!(per.len(), backends, "every backend gets flows: {per:?}");
-    for (name, count) in per {
-        let share = *count as f64 / n as f64;
-        assert!(
-            (0.20..=0.47).contains(&share),
-            "{name} got {count} of {n} ({share:.2}): {per:?}"
-        );
-    }
 }
 
 /// The addresses on the node's `lo` with their prefix length.

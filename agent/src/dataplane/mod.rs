@@ -11,6 +11,7 @@ pub mod leftovers;
 pub mod nftables;
 pub mod proxy;
 pub mod reconciler;
+pub mod vip;
 
 use crate::{endpoints::Delta, model::Protocol};
 use async_trait::async_trait;

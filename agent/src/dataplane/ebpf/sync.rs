@@ -19,10 +19,10 @@
 
 use super::maps::{Capacity, FrontendKey, LbMaps, MapsError};
 use crate::{
-    dataplane::{BackendState, BackendStatus, PortState, ServicePortStatus},
+    dataplane::{ServicePortStatus, vip},
     endpoints::{Delta, ServiceView},
     maglev::{BackendKey, Maglev},
-    model::{Endpoint, LocalityPreference, Protocol, ServiceKey, SessionAffinity},
+    model::{Protocol, ServiceKey, SessionAffinity},
 };
 use agent_common::lb::{
     self, BACKEND_ACTIVE, BACKEND_DRAINING, Backend, FAMILY_V4, FAMILY_V6, REVNAT_MAX_FRONTENDS,
@@ -276,7 +276,7 @@ impl<M: LbMaps> LbSync<M> {
         self.services
             .values()
             .filter_map(|s| s.view.as_ref())
-            .flat_map(port_status)
+            .flat_map(vip::port_status)
             .collect()
     }
 
@@ -522,11 +522,6 @@ impl<M: LbMaps> LbSync<M> {
         if spec.discovery.headless {
             return Vec::new();
         }
-        let endpoints: &[Endpoint] = view
-            .endpoints
-            .as_ref()
-            .map(|e| &e.spec.endpoints[..])
-            .unwrap_or_default();
         let affinity_timeout = match spec.session_affinity {
             SessionAffinity::None => 0,
             SessionAffinity::ClientIp { timeout_seconds } => timeout_seconds.max(1),
@@ -535,29 +530,7 @@ impl<M: LbMaps> LbSync<M> {
         for port in &spec.ports {
             let proto = proto_number(port.protocol);
             for vip in &spec.discovery.vips {
-                let same_family = |e: &&Endpoint| e.address.is_ipv4() == vip.is_ipv4();
-                let ready: Vec<&Endpoint> = endpoints
-                    .iter()
-                    .filter(same_family)
-                    .filter(|e| e.accepts_new())
-                    .collect();
-                let local: Vec<&Endpoint> = ready
-                    .iter()
-                    .copied()
-                    .filter(|e| e.node == self.node)
-                    .collect();
-                let chosen = match spec.discovery.locality_preference {
-                    LocalityPreference::Any => ready,
-                    LocalityPreference::LocalOnly => local,
-                    LocalityPreference::PreferLocal if !local.is_empty() => local,
-                    LocalityPreference::PreferLocal => ready,
-                };
-                let mut eligible: Vec<SocketAddr> = chosen
-                    .iter()
-                    .map(|e| SocketAddr::new(e.address, endpoint_port(e, port)))
-                    .collect();
-                eligible.sort_unstable();
-                eligible.dedup();
+                let eligible = vip::eligible(view, port, *vip, &self.node);
                 out.push(DesiredFrontend {
                     key: frontend_key(*vip, port.port, proto),
                     eligible,
@@ -852,53 +825,6 @@ impl<M: LbMaps> LbSync<M> {
     }
 }
 
-/// How `status` shows `view`'s ports.
-fn port_status(view: &ServiceView) -> Vec<ServicePortStatus> {
-    let spec = &view.service.spec;
-    let endpoints: &[Endpoint] = view
-        .endpoints
-        .as_ref()
-        .map(|e| &e.spec.endpoints[..])
-        .unwrap_or_default();
-    let mut out = Vec::new();
-    for port in &spec.ports {
-        // `desired` gives every non-headless service a frontend per VIP × port.
-        let vip = spec.discovery.vips.first().copied();
-        let state = if spec.discovery.headless {
-            PortState::Failed {
-                reason: "headless: no VIP to balance (DNS only)".into(),
-            }
-        } else if vip.is_none() {
-            PortState::Failed {
-                reason: "the service has no VIP".into(),
-            }
-        } else {
-            PortState::Listening
-        };
-        let backends = endpoints
-            .iter()
-            .map(|e| BackendStatus {
-                address: e.address,
-                port: endpoint_port(e, port),
-                node: e.node.clone(),
-                state: BackendState::of(e),
-                counters: None,
-            })
-            .collect();
-        out.push(ServicePortStatus {
-            service: view.key().to_string(),
-            port: port.port,
-            protocol: port.protocol,
-            listen: vip.map(|v| SocketAddr::new(v, port.port)),
-            state,
-            endpoints_known: view.endpoints.is_some(),
-            backends,
-            counters: None,
-        });
-    }
-    out
-}
-
 /// Adds (`add`) or removes the [`Use::Active`] entries of `uses` to or from `refs`.
 fn count_active(refs: &mut HashMap<SocketAddr, u32>, uses: &HashMap<SocketAddr, Use>, add: bool) {
     for (addr, u) in uses {
@@ -935,10 +861,6 @@ fn refresh_backend_state<M: LbMaps>(
     Ok(())
 }
 
-fn endpoint_port(e: &Endpoint, port: &crate::model::ServicePort) -> u16 {
-    e.ports.get(&port.name).copied().unwrap_or(port.target())
-}
-
 /// Every endpoint address × port of `view` (any state).
 fn listed_backends(view: &ServiceView) -> HashSet<SocketAddr> {
     let Some(endpoints) = &view.endpoints else {
@@ -953,7 +875,7 @@ fn listed_backends(view: &ServiceView) -> HashSet<SocketAddr> {
                 .spec
                 .endpoints
                 .iter()
-                .map(move |e| SocketAddr::new(e.address, endpoint_port(e, p)))
+                .map(move |e| SocketAddr::new(e.address, vip::endpoint_port(e, p)))
         })
         .collect()
 }
@@ -981,7 +903,7 @@ fn reach_of(view: &ServiceView) -> Reach {
             {
                 reach
                     .0
-                    .push((SocketAddr::new(e.address, endpoint_port(e, port)), fk));
+                    .push((SocketAddr::new(e.address, vip::endpoint_port(e, port)), fk));
             }
         }
     }

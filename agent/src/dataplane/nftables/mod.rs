@@ -14,10 +14,7 @@ pub mod ruleset;
 #[cfg(test)]
 mod tests;
 
-use super::{
-    BackendState, BackendStatus, DataPlane, DataPlaneError, PortState, ServicePortStatus,
-    TrafficCounters,
-};
+use super::{DataPlane, DataPlaneError, ServicePortStatus, TrafficCounters, vip};
 use crate::{
     endpoints::{Delta, ServiceView},
     model::ServiceKey,
@@ -28,7 +25,6 @@ use nft::{Nft, NftError};
 use ruleset::{REJECT_CHAIN, Ruleset, port_plans};
 use std::{
     collections::BTreeMap,
-    net::SocketAddr,
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -156,57 +152,19 @@ impl DataPlane for NftablesDataPlane {
         let node = &self.config.node_name;
         let mut out = Vec::new();
         for view in st.views.values() {
-            let spec = &view.service.spec;
             let plans = port_plans(view, node);
-            for port in &spec.ports {
-                let vip = spec.discovery.vips.first().copied();
-                let plan = plans.iter().find(|p| {
-                    Some(p.vip) == vip && p.port == port.port && p.protocol == port.protocol
-                });
-                let state = if spec.discovery.headless {
-                    PortState::Failed {
-                        reason: "headless: no VIP to balance (DNS only)".into(),
-                    }
-                } else if plan.is_none() {
-                    PortState::Failed {
-                        reason: "the service has no VIP".into(),
-                    }
-                } else {
-                    PortState::Listening
-                };
+            for mut row in vip::port_status(view) {
                 let flows: Option<u64> = plans
                     .iter()
-                    .filter(|p| p.port == port.port && p.protocol == port.protocol)
+                    .filter(|p| p.port == row.port && p.protocol == row.protocol)
                     .filter(|p| !p.backends.is_empty())
                     .map(|p| counters.get(&p.chain).copied())
                     .sum();
-                let backends = view
-                    .endpoints
-                    .as_ref()
-                    .map(|e| &e.spec.endpoints[..])
-                    .unwrap_or_default()
-                    .iter()
-                    .map(|e| BackendStatus {
-                        address: e.address,
-                        port: ruleset::endpoint_port(e, port),
-                        node: e.node.clone(),
-                        state: BackendState::of(e),
-                        counters: None,
-                    })
-                    .collect();
-                out.push(ServicePortStatus {
-                    service: view.key().to_string(),
-                    port: port.port,
-                    protocol: port.protocol,
-                    listen: vip.map(|v| SocketAddr::new(v, port.port)),
-                    state,
-                    endpoints_known: view.endpoints.is_some(),
-                    backends,
-                    counters: flows.map(|flows| TrafficCounters {
-                        flows,
-                        ..TrafficCounters::default()
-                    }),
+                row.counters = flows.map(|flows| TrafficCounters {
+                    flows,
+                    ..TrafficCounters::default()
                 });
+                out.push(row);
             }
         }
         out

@@ -21,8 +21,9 @@
 //! for that service's objects only.
 
 use crate::{
+    dataplane::vip,
     endpoints::{Delta, ServiceView},
-    model::{Endpoint, LocalityPreference, Protocol, ServiceKey, ServicePort, SessionAffinity},
+    model::{Protocol, ServiceKey, SessionAffinity},
 };
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
@@ -169,44 +170,6 @@ fn ident_addr(ip: IpAddr) -> String {
     ip.to_string().replace(':', "-")
 }
 
-/// The endpoint port of `e` for service port `port`.
-pub fn endpoint_port(e: &Endpoint, port: &ServicePort) -> u16 {
-    e.ports.get(&port.name).copied().unwrap_or(port.target())
-}
-
-/// Backends of `view`'s port `port` for VIP `vip` that get new flows: ready,
-/// non-terminating, same family, filtered by locality preference as seen from `node`.
-pub fn eligible(
-    view: &ServiceView,
-    port: &ServicePort,
-    vip: IpAddr,
-    node: &str,
-) -> Vec<SocketAddr> {
-    let endpoints: &[Endpoint] = view
-        .endpoints
-        .as_ref()
-        .map(|e| &e.spec.endpoints[..])
-        .unwrap_or_default();
-    let ready: Vec<&Endpoint> = endpoints
-        .iter()
-        .filter(|e| e.address.is_ipv4() == vip.is_ipv4() && e.accepts_new())
-        .collect();
-    let local: Vec<&Endpoint> = ready.iter().copied().filter(|e| e.node == node).collect();
-    let chosen = match view.service.spec.discovery.locality_preference {
-        LocalityPreference::Any => ready,
-        LocalityPreference::LocalOnly => local,
-        LocalityPreference::PreferLocal if !local.is_empty() => local,
-        LocalityPreference::PreferLocal => ready,
-    };
-    let mut out: Vec<SocketAddr> = chosen
-        .iter()
-        .map(|e| SocketAddr::new(e.address, endpoint_port(e, port)))
-        .collect();
-    out.sort_unstable();
-    out.dedup();
-    out
-}
-
 /// The ports of `view` as they are programmed (none for headless services).
 pub fn port_plans(view: &ServiceView, node: &str) -> Vec<PortPlan> {
     let spec = &view.service.spec;
@@ -222,7 +185,7 @@ pub fn port_plans(view: &ServiceView, node: &str) -> Vec<PortPlan> {
                 vip: *vip,
                 protocol: port.protocol,
                 port: port.port,
-                backends: eligible(view, port, *vip, node),
+                backends: vip::eligible(view, port, *vip, node),
                 chain: format!(
                     "svc{f}-{}/{}/{}/{}",
                     key.namespace,

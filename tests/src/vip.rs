@@ -1,0 +1,80 @@
+//! What the VIP tests of every production data plane mode share (`ebpf_vip.rs`,
+//! `nftables.rs`, `userspace_vip.rs`): the topology they use, applying objects, and
+//! measuring how new connections spread over the backends.
+
+use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
+
+use crate::{
+    agent::{Agent, eventually},
+    topology::{Topology, TopologyConfig},
+};
+
+/// The backends' servers (TCP and UDP) listen here.
+pub const BACKEND_PORT: u16 = 8080;
+
+/// How long a VIP may take to answer after a start or an apply.
+pub const PATIENCE: Duration = Duration::from_secs(20);
+
+/// A topology with `backends` backends serving TCP and UDP on [`BACKEND_PORT`].
+pub fn topology(backends: usize) -> Topology {
+    Topology::with_config(&TopologyConfig {
+        backends,
+        tcp_port: Some(BACKEND_PORT),
+        udp_port: Some(BACKEND_PORT),
+        ..TopologyConfig::default()
+    })
+    .unwrap()
+}
+
+/// `rune-agent apply -f -` of `yaml` against `agent`; panics with its stderr when
+/// it fails.
+pub fn apply(agent: &Agent, yaml: &str) {
+    let out = agent.cli(&["apply", "-f", "-"], Some(yaml));
+    assert!(
+        out.status.success(),
+        "apply failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The backend that answered: the first word of a backend server's reply.
+pub fn backend_name(reply: &str) -> String {
+    reply
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// Waits until a TCP request to `vip` from the client namespace gets an answer.
+pub fn wait_reachable(topo: &Topology, vip: SocketAddr) {
+    eventually(PATIENCE, &format!("{vip} answers"), || {
+        topo.tcp_request(vip, "ping").ok().map(drop)
+    });
+}
+
+/// `n` new TCP connections to `vip`; every one must succeed and see `vip` as its
+/// peer. Returns connections per backend name.
+pub fn tcp_spread(topo: &Topology, vip: SocketAddr, n: usize) -> BTreeMap<String, usize> {
+    let mut per = BTreeMap::new();
+    for i in 0..n {
+        let (reply, peer, _) = topo
+            .tcp_request(vip, &format!("req{i}"))
+            .unwrap_or_else(|e| panic!("connection {i} to {vip}: {e:#}"));
+        assert_eq!(peer, vip, "the client must see the VIP as its peer");
+        *per.entry(backend_name(&reply)).or_insert(0) += 1;
+    }
+    per
+}
+
+/// Every one of `backends` backends got 20–47 % of the `n` connections in `per`.
+pub fn assert_balanced(per: &BTreeMap<String, usize>, n: usize, backends: usize) {
+    assert_eq!(per.len(), backends, "every backend gets flows: {per:?}");
+    for (name, count) in per {
+        let share = *count as f64 / n as f64;
+        assert!(
+            (0.20..=0.47).contains(&share),
+            "{name} got {count} of {n} ({share:.2}): {per:?}"
+        );
+    }
+}
