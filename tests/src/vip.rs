@@ -6,7 +6,7 @@ use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
 use crate::{
     agent::{Agent, eventually},
-    topology::{Topology, TopologyConfig},
+    topology::{LongLived, Topology, TopologyConfig},
 };
 
 /// The backends' servers (TCP and UDP) listen here.
@@ -77,4 +77,70 @@ pub fn assert_balanced(per: &BTreeMap<String, usize>, n: usize, backends: usize)
             "{name} got {count} of {n} ({share:.2}): {per:?}"
         );
     }
+}
+
+/// Long-lived connections to `vip`, opened until each of `backends` backends holds
+/// at least one (at most 60), each with the name of the backend it landed on.
+pub fn hold_one_per_backend(
+    topo: &Topology,
+    vip: SocketAddr,
+    backends: usize,
+) -> Vec<(String, LongLived)> {
+    let mut long = Vec::new();
+    let mut held = BTreeMap::new();
+    for i in 0..60 {
+        let mut c = topo.tcp_open(vip).unwrap();
+        let name = backend_name(&c.exchange(&format!("open{i}")).unwrap());
+        *held.entry(name.clone()).or_insert(0) += 1;
+        long.push((name, c));
+        if held.len() == backends && i >= 5 {
+            break;
+        }
+    }
+    assert_eq!(
+        held.len(),
+        backends,
+        "every backend holds a long-lived connection"
+    );
+    long
+}
+
+/// Every connection in `held` still exchanges `line` with the backend it started on.
+pub fn assert_held_flows_stay<'a>(
+    held: impl IntoIterator<Item = &'a mut (String, LongLived)>,
+    line: &str,
+) {
+    for (name, c) in held {
+        let reply = c.exchange(line).unwrap();
+        assert_eq!(
+            &backend_name(&reply),
+            name,
+            "an established flow never moves"
+        );
+    }
+}
+
+/// After backend `victim` was marked terminating: new connections to `vip` stop
+/// reaching it (within [`PATIENCE`], then 60 in a row), while every connection in
+/// `held` keeps working on its backend.
+pub fn assert_terminating_gets_no_new_flows(
+    topo: &Topology,
+    vip: SocketAddr,
+    victim: &str,
+    held: &mut [(String, LongLived)],
+) {
+    eventually(
+        PATIENCE,
+        "the terminating backend gets no new flows",
+        || {
+            let per = tcp_spread(topo, vip, 30);
+            (!per.contains_key(victim)).then_some(())
+        },
+    );
+    let per = tcp_spread(topo, vip, 60);
+    assert!(
+        !per.contains_key(victim),
+        "no new flow to {victim}: {per:?}"
+    );
+    assert_held_flows_stay(held.iter_mut(), "still-there");
 }

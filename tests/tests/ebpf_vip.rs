@@ -22,8 +22,9 @@ use rune_agent_tests::{
     netns::{join_at, require_root},
     topology::Topology,
     vip::{
-        BACKEND_PORT, PATIENCE, apply, assert_balanced, backend_name, tcp_spread, topology,
-        wait_reachable,
+        BACKEND_PORT, PATIENCE, apply, assert_balanced, assert_held_flows_stay,
+        assert_terminating_gets_no_new_flows, backend_name, hold_one_per_backend, tcp_spread,
+        topology, wait_reachable,
     },
 };
 
@@ -312,18 +313,7 @@ fn terminating_backend_gets_no_new_flows_and_established_flows_stay() {
     wait_reachable(&topo, vip);
 
     // Long-lived connections until every backend holds at least one.
-    let mut long = Vec::new();
-    let mut held = BTreeMap::new();
-    for i in 0..60 {
-        let mut c = topo.tcp_open(vip).unwrap();
-        let name = backend_name(&c.exchange(&format!("open{i}")).unwrap());
-        *held.entry(name.clone()).or_insert(0) += 1;
-        long.push((name, c));
-        if held.len() == 3 && i >= 5 {
-            break;
-        }
-    }
-    assert_eq!(held.len(), 3, "every backend holds a long-lived connection");
+    let mut long = hold_one_per_backend(&topo, vip, 3);
 
     // backend-0 terminates: no new flows, its established ones keep working.
     let victim = topo.backends()[0].name().to_owned();
@@ -334,23 +324,7 @@ fn terminating_backend_gets_no_new_flows_and_established_flows_stay() {
         }
     }
     apply(&agent, &service_yaml(&eps, 30));
-    rune_agent_tests::agent::eventually(PATIENCE, "the terminating backend left the table", || {
-        let per = tcp_spread(&topo, vip, 30);
-        (!per.contains_key(&victim)).then_some(())
-    });
-    let per = tcp_spread(&topo, vip, 60);
-    assert!(
-        !per.contains_key(&victim),
-        "no new flow to {victim}: {per:?}"
-    );
-    for (name, c) in &mut long {
-        let reply = c.exchange("still-there").unwrap();
-        assert_eq!(
-            &backend_name(&reply),
-            name,
-            "an established flow never moves"
-        );
-    }
+    assert_terminating_gets_no_new_flows(&topo, vip, &victim, &mut long);
 
     // backend-0 is deleted: traffic continues on the rest; flows on the others stay.
     let rest: Vec<Ep> = all_ready(&topo)
@@ -361,14 +335,10 @@ fn terminating_backend_gets_no_new_flows_and_established_flows_stay() {
     let per = tcp_spread(&topo, vip, 60);
     assert!(!per.contains_key(&victim), "{per:?}");
     assert_eq!(per.len(), 2, "{per:?}");
-    for (name, c) in long.iter_mut().filter(|(n, _)| *n != victim) {
-        let reply = c.exchange("after-delete").unwrap();
-        assert_eq!(
-            &backend_name(&reply),
-            name,
-            "an established flow never moves"
-        );
-    }
+    assert_held_flows_stay(
+        long.iter_mut().filter(|(n, _)| *n != victim),
+        "after-delete",
+    );
 
     // An empty endpoint list refuses new flows, and the refusal is counted.
     assert_empty_service_refuses(&agent, &topo);

@@ -20,8 +20,9 @@ use rune_agent_tests::{
     netns::require_root,
     topology::Topology,
     vip::{
-        BACKEND_PORT, PATIENCE, apply, assert_balanced, backend_name, tcp_spread, topology,
-        wait_reachable,
+        BACKEND_PORT, PATIENCE, apply, assert_balanced, assert_held_flows_stay,
+        assert_terminating_gets_no_new_flows, backend_name, hold_one_per_backend, tcp_spread,
+        topology, wait_reachable,
     },
 };
 use serde_json::Value;
@@ -406,18 +407,8 @@ fn terminating_endpoint_gets_no_new_flows_established_stay_and_empty_refuses() {
     let vip = SocketAddr::new(VIP4.parse().unwrap(), TCP_PORT);
     wait_reachable(&topo, vip);
 
-    let mut long = Vec::new();
-    let mut held = BTreeMap::new();
-    for i in 0..60 {
-        let mut c = topo.tcp_open(vip).unwrap();
-        let name = backend_name(&c.exchange(&format!("open{i}")).unwrap());
-        *held.entry(name.clone()).or_insert(0) += 1;
-        long.push((name, c));
-        if held.len() == 3 && i >= 5 {
-            break;
-        }
-    }
-    assert_eq!(held.len(), 3, "every backend holds a long-lived connection");
+    // Long-lived connections until every backend holds at least one.
+    let mut long = hold_one_per_backend(&topo, vip, 3);
 
     let victim = topo.backends()[0].name().to_owned();
     let mut eps = all_ready(&topo);
@@ -427,23 +418,7 @@ fn terminating_endpoint_gets_no_new_flows_established_stay_and_empty_refuses() {
         }
     }
     apply(&agent, &web_yaml(&eps));
-    eventually(PATIENCE, "the terminating backend left the table", || {
-        let per = tcp_spread(&topo, vip, 30);
-        (!per.contains_key(&victim)).then_some(())
-    });
-    let per = tcp_spread(&topo, vip, 60);
-    assert!(
-        !per.contains_key(&victim),
-        "no new flow to {victim}: {per:?}"
-    );
-    for (name, c) in &mut long {
-        let reply = c.exchange("still-there").unwrap();
-        assert_eq!(
-            &backend_name(&reply),
-            name,
-            "an established flow never moves"
-        );
-    }
+    assert_terminating_gets_no_new_flows(&topo, vip, &victim, &mut long);
 
     // Deleted: traffic continues on the rest; every established flow keeps working.
     let rest: Vec<Ep> = all_ready(&topo)
@@ -454,14 +429,7 @@ fn terminating_endpoint_gets_no_new_flows_established_stay_and_empty_refuses() {
     let per = tcp_spread(&topo, vip, 60);
     assert_eq!(per.len(), 2, "{per:?}");
     assert!(!per.contains_key(&victim), "{per:?}");
-    for (name, c) in &mut long {
-        let reply = c.exchange("after-delete").unwrap();
-        assert_eq!(
-            &backend_name(&reply),
-            name,
-            "an established flow never moves"
-        );
-    }
+    assert_held_flows_stay(long.iter_mut(), "after-delete");
 
     // An empty endpoint list refuses new connections (TCP reset), counted.
     let refused = |t: &Value| -> u64 {

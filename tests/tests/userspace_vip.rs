@@ -25,8 +25,9 @@ use rune_agent_tests::{
     netns::{NetNs, require_root},
     topology::{CLIENT_TIMEOUT, Topology},
     vip::{
-        BACKEND_PORT, PATIENCE, apply, assert_balanced, backend_name, tcp_spread, topology,
-        wait_reachable,
+        BACKEND_PORT, PATIENCE, apply, assert_balanced, assert_held_flows_stay,
+        assert_terminating_gets_no_new_flows, backend_name, hold_one_per_backend, tcp_spread,
+        topology, wait_reachable,
     },
 };
 
@@ -292,18 +293,7 @@ fn terminating_backend_gets_no_new_flows_and_established_flows_stay() {
     wait_reachable(&topo, vip);
 
     // Long-lived connections until every backend holds at least one.
-    let mut long = Vec::new();
-    let mut held = BTreeMap::new();
-    for i in 0..60 {
-        let mut c = topo.tcp_open(vip).unwrap();
-        let name = backend_name(&c.exchange(&format!("open{i}")).unwrap());
-        *held.entry(name.clone()).or_insert(0) += 1;
-        long.push((name, c));
-        if held.len() == 3 && i >= 5 {
-            break;
-        }
-    }
-    assert_eq!(held.len(), 3, "every backend holds a long-lived connection");
+    let mut long = hold_one_per_backend(&topo, vip, 3);
 
     // backend-1 terminates: no new flows, its established ones keep exchanging.
     let victim = topo.backends()[0].name().to_owned();
@@ -313,27 +303,7 @@ fn terminating_backend_gets_no_new_flows_and_established_flows_stay() {
         e.terminating = victim_addrs.contains(&e.address);
     }
     apply(&agent, &service_yaml(&eps));
-    eventually(
-        PATIENCE,
-        "the terminating backend gets no new flows",
-        || {
-            let per = tcp_spread(&topo, vip, 30);
-            (!per.contains_key(&victim)).then_some(())
-        },
-    );
-    let per = tcp_spread(&topo, vip, 60);
-    assert!(
-        !per.contains_key(&victim),
-        "no new flow to {victim}: {per:?}"
-    );
-    for (name, c) in &mut long {
-        let reply = c.exchange("still-there").unwrap();
-        assert_eq!(
-            &backend_name(&reply),
-            name,
-            "an established flow never moves"
-        );
-    }
+    assert_terminating_gets_no_new_flows(&topo, vip, &victim, &mut long);
 
     // backend-1 is deleted: traffic continues on the rest; flows on the others stay.
     let rest: Vec<Ep> = all_ready(&topo)
@@ -347,14 +317,10 @@ fn terminating_backend_gets_no_new_flows_and_established_flows_stay() {
     });
     let per = tcp_spread(&topo, vip, 60);
     assert_eq!(per.len(), 2, "{per:?}");
-    for (name, c) in long.iter_mut().filter(|(n, _)| *n != victim) {
-        let reply = c.exchange("after-delete").unwrap();
-        assert_eq!(
-            &backend_name(&reply),
-            name,
-            "an established flow never moves"
-        );
-    }
+    assert_held_flows_stay(
+        long.iter_mut().filter(|(n, _)| *n != victim),
+        "after-delete",
+    );
 
     // An empty endpoint list refuses new connections (accepted, then closed), counted.
     apply(&agent, &service_yaml(&[]));
