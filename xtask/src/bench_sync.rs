@@ -391,6 +391,20 @@ impl Agent {
         }
         out
     }
+
+    /// How long the agent's apply of the whole snapshot took, by its log (waits up
+    /// to 10 s for the line); the first full delta may come before the cache holds
+    /// the store (empty), so the one with every service counts.
+    pub(crate) fn full_apply(&self) -> Option<Duration> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some((d, _)) = self.applies().iter().find(|(_, n)| *n == SERVICES) {
+                return Some(*d);
+            }
+            sleep(Duration::from_millis(10));
+        }
+        None
+    }
 }
 
 impl Drop for Agent {
@@ -498,16 +512,7 @@ fn measure_snapshot(agent: &Agent, pins: &Path) -> Result<Snapshot> {
     );
     // The agent logs its apply once the whole delta is written (stale backends
     // released): wait for that line, then read its memory.
-    let mut agent_apply = None;
-    let log_deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < log_deadline {
-        // The first full delta may come before the cache holds the store (empty).
-        if let Some((d, _)) = agent.applies().iter().find(|(_, n)| *n == SERVICES) {
-            agent_apply = Some(*d);
-            break;
-        }
-        sleep(Duration::from_millis(10));
-    }
+    let agent_apply = agent.full_apply();
     Ok(Snapshot {
         to_maps,
         pinned,

@@ -232,15 +232,7 @@ fn measure_snapshot(agent: &Agent, netns: &Netns) -> Result<Snapshot> {
         elements == SERVICES,
         "{elements} elements in service-ips, expected {SERVICES}"
     );
-    let mut agent_apply = None;
-    let log_deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < log_deadline {
-        if let Some((d, _)) = agent.applies().iter().find(|(_, n)| *n == SERVICES) {
-            agent_apply = Some(*d);
-            break;
-        }
-        sleep(Duration::from_millis(10));
-    }
+    let agent_apply = agent.full_apply();
     Ok(Snapshot {
         to_table,
         agent_apply,
