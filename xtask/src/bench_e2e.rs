@@ -24,7 +24,7 @@ use std::{
     fmt::Write as _,
     fs::File,
     net::{Ipv4Addr, SocketAddr},
-    os::{fd::AsRawFd as _, unix::process::CommandExt as _},
+    os::fd::AsRawFd as _,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::mpsc,
@@ -318,21 +318,8 @@ impl ModeAgent {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(File::create(&log)?);
-        let fd = ns.as_raw_fd();
-        // SAFETY: between fork and exec only async-signal-safe calls (setns, prctl) on
-        // a descriptor that stays open in the child until exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // Never outlive the bench.
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
+        crate::util::enter_netns_on_exec(&mut cmd, ns);
         let child = cmd.spawn().context("starting the agent")?;
-        drop(ns);
         Ok(Self { child, log })
     }
 }

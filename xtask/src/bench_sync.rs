@@ -33,10 +33,7 @@ use std::{
     fs::File,
     io::Write as _,
     net::Ipv4Addr,
-    os::{
-        fd::{AsFd as _, AsRawFd as _},
-        unix::process::CommandExt as _,
-    },
+    os::fd::{AsFd as _, AsRawFd as _},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     thread::sleep,
@@ -330,22 +327,9 @@ impl Agent {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
-        let fd = ns.as_raw_fd();
-        // SAFETY: between fork and exec only async-signal-safe calls (setns, prctl) on
-        // a descriptor that stays open in the child until exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // Never outlive the bench.
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
+        crate::util::enter_netns_on_exec(&mut cmd, ns);
         let started = Instant::now();
         let child = cmd.spawn().context("starting the agent")?;
-        drop(ns);
         Ok(Self {
             child,
             started,

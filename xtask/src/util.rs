@@ -56,3 +56,21 @@ pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() == 0 }
 }
+
+/// Makes `cmd`'s process enter the network namespace `ns` (setns between fork and
+/// exec) and die with the xtask (PR_SET_PDEATHSIG), so no bench child outlives it.
+/// `ns` is moved into the child's setup and stays open until exec.
+pub fn enter_netns_on_exec(cmd: &mut Command, ns: std::fs::File) {
+    use std::os::{fd::AsRawFd as _, unix::process::CommandExt as _};
+    // SAFETY: between fork and exec only async-signal-safe calls (setns, prctl) on
+    // a descriptor the closure owns.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}

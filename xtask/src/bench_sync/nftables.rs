@@ -29,7 +29,6 @@ use std::{
     fs::File,
     io::Write as _,
     net::Ipv4Addr,
-    os::{fd::AsRawFd as _, unix::process::CommandExt as _},
     path::Path,
     process::{Command, Stdio},
     thread::sleep,
@@ -44,17 +43,7 @@ fn nft(netns: &Netns, args: &[&str]) -> Result<Command> {
         File::open(netns.path()).with_context(|| format!("opening {}", netns.path().display()))?;
     let mut cmd = Command::new("nft");
     cmd.args(args);
-    // SAFETY: only setns and prctl between fork and exec; the fd is moved into
-    // the closure and stays open until exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            Ok(())
-        });
-    }
+    crate::util::enter_netns_on_exec(&mut cmd, ns);
     Ok(cmd)
 }
 
