@@ -19,9 +19,9 @@ pub fn limit_arenas() {
     }
 }
 
-/// Hands freed heap memory back to the OS. After the first full sync (every
-/// service at once, with the snapshot it came from) glibc would otherwise keep what
-/// the temporaries freed.
+/// Hands freed heap memory back to the OS, after the big changes (the data plane's
+/// first full sync, a DNS zone change of over 1,000 services): glibc would otherwise
+/// keep what their temporaries freed.
 pub fn trim() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only walks glibc's own arenas; it has no preconditions.

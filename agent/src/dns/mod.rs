@@ -385,7 +385,7 @@ async fn follow(
             // once deltas pause, give those pages back rather than keep them.
             () = tokio::time::sleep(TRIM_WHEN_QUIET), if changed_since_trim > TRIM_AFTER_CHANGES => {
                 changed_since_trim = 0;
-                trim_heap();
+                crate::heap::trim();
                 continue;
             }
         };
@@ -406,15 +406,6 @@ const TRIM_WHEN_QUIET: Duration = Duration::from_millis(200);
 /// Changes to more services than this (in one delta or several close together)
 /// return freed memory to the system once deltas pause.
 const TRIM_AFTER_CHANGES: usize = 1000;
-
-/// Returns free heap pages to the system (glibc keeps them otherwise).
-fn trim_heap() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim only releases free memory; it has no preconditions.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
 
 /// The handler hickory-server's TCP listeners call (the UDP loop shares it).
 struct SharedHandler(Arc<Handler>);
