@@ -102,21 +102,6 @@ const MAP_TYPES: [(&str, MapType); 4] = [
     ("percpu_array", MapType::PerCpuArray),
 ];
 
-/// The programs the agent attaches, by the hook they need.
-const PROGRAMS: [&str; 11] = [
-    lb::PROG_CONNECT4,
-    lb::PROG_CONNECT6,
-    lb::PROG_SENDMSG4,
-    lb::PROG_SENDMSG6,
-    lb::PROG_RECVMSG4,
-    lb::PROG_RECVMSG6,
-    lb::PROG_GETPEERNAME4,
-    lb::PROG_GETPEERNAME6,
-    lb::PROG_TC_INGRESS,
-    lb::PROG_TC_EGRESS,
-    lb::PROG_XDP_LB,
-];
-
 // bpf(2) constants (uapi/linux/bpf.h).
 const BPF_MAP_CREATE: libc::c_long = 0;
 const BPF_MAP_TYPE_ARRAY: u32 = 2;
@@ -481,7 +466,7 @@ fn agent_programs(cgroup: Result<Option<PathBuf>, String>) -> Vec<Check> {
         .name("preflight".into())
         .spawn(move || agent_programs_here(cgroup.ok().flatten()));
     let failed = |why: String| {
-        PROGRAMS
+        attach::PROGRAMS
             .iter()
             .map(|p| format!("load:{p}"))
             .chain(["attach:xdp", "attach:tc", "attach:cgroup"].map(str::to_owned))
@@ -529,7 +514,7 @@ fn agent_programs_here(cgroup: Option<PathBuf>) -> Vec<Check> {
     let mut ebpf = match loaded {
         Ok(ebpf) => ebpf,
         Err(why) => {
-            for p in PROGRAMS {
+            for p in attach::PROGRAMS {
                 checks.push(Check::new(format!("load:{p}"), false, why.clone(), EBPF));
             }
             for name in ["attach:xdp", "attach:tc", "attach:cgroup"] {
@@ -543,7 +528,7 @@ fn agent_programs_here(cgroup: Option<PathBuf>) -> Vec<Check> {
             return checks;
         }
     };
-    for name in PROGRAMS {
+    for name in attach::PROGRAMS {
         let result = match ebpf.program_mut(name) {
             Some(Program::Xdp(p)) => p.load().map_err(|e| load_error(&e)),
             Some(Program::SchedClassifier(p)) => p.load().map_err(|e| load_error(&e)),

@@ -50,8 +50,9 @@ pub struct Attachment {
     pub target: String,
 }
 
-/// The socket-LB programs, in the order they are attached.
-const CGROUP_PROGRAMS: [&str; 8] = [
+/// Every program the agent attaches: the socket-LB ones first (in the order they
+/// are attached), then tc ingress and egress, then XDP. Preflight loads each.
+pub const PROGRAMS: [&str; 11] = [
     lb::PROG_CONNECT4,
     lb::PROG_CONNECT6,
     lb::PROG_SENDMSG4,
@@ -60,7 +61,13 @@ const CGROUP_PROGRAMS: [&str; 8] = [
     lb::PROG_RECVMSG6,
     lb::PROG_GETPEERNAME4,
     lb::PROG_GETPEERNAME6,
+    lb::PROG_TC_INGRESS,
+    lb::PROG_TC_EGRESS,
+    lb::PROG_XDP_LB,
 ];
+
+/// The socket-LB programs: the first eight of [`PROGRAMS`].
+const CGROUP_PROGRAMS: &[&str] = PROGRAMS.split_at(8).0;
 
 /// The directory holding the link pins.
 fn links_dir(pin_dir: &Path) -> PathBuf {
