@@ -12,8 +12,9 @@ use std::{
 };
 
 use rune_agent_tests::{
-    agent::{Agent, eventually},
+    agent::eventually,
     bpf::PinDir,
+    modes::{Mode, marked_addresses, start_agent},
     netns::{NetNs, require_root},
     topology::{Topology, TopologyConfig},
     vip::{BACKEND_PORT, PATIENCE, apply, wait_reachable},
@@ -44,32 +45,6 @@ spec:
 ",
         eps.join(", ")
     )
-}
-
-/// A production agent in `mode` in the node namespace; the eBPF hooks (when that
-/// mode runs) go on the client-facing veth and the test's pin directory.
-fn start(topo: &Topology, state: &Path, pins: &PinDir, mode: &str) -> Agent {
-    let pin_dir = pins.path().display().to_string();
-    let mut agent = Agent::start_in(
-        topo.node(),
-        state,
-        &[
-            "--dataplane",
-            mode,
-            "--bpf-pin-dir",
-            &pin_dir,
-            "--cgroup",
-            "none",
-            "--interfaces",
-            topo.node_client_if(),
-            "--lb-max-frontends",
-            "64",
-            "--maglev-table-size",
-            "1021",
-        ],
-    );
-    agent.wait_ready(PATIENCE);
-    agent
 }
 
 fn vip() -> SocketAddr {
@@ -116,20 +91,6 @@ fn nft_table_exists(node: &NetNs) -> bool {
         .success()
 }
 
-/// The userspace mode's marked addresses on the node's `lo`.
-fn marked_addresses(node: &NetNs) -> Vec<IpAddr> {
-    use rune_agent::dataplane::proxy::vip_addrs::{AddressOps as _, NetlinkAddressOps};
-    node.run(|| {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(async { NetlinkAddressOps.list_ours().await })
-    })
-    .unwrap()
-    .unwrap()
-}
-
 #[test]
 fn switching_modes_leaves_nothing_of_the_old_mode() {
     require_root().unwrap();
@@ -145,7 +106,7 @@ fn switching_modes_leaves_nothing_of_the_old_mode() {
 
     // eBPF first; a clean stop leaves the programs attached and pinned (as Cilium
     // does, so a restart drops no flow).
-    let mut agent = start(&topo, state.path(), &pins, "ebpf");
+    let mut agent = start_agent(Mode::Ebpf, &topo, state.path(), &pins);
     apply(&agent, &service_yaml(&topo));
     wait_reachable(&topo, vip());
     assert_eq!(agent.terminate(PATIENCE), Some(0));
@@ -156,7 +117,7 @@ fn switching_modes_leaves_nothing_of_the_old_mode() {
     assert!(!rune_programs().is_empty(), "and its programs");
 
     // eBPF → nftables: the pins go, and with them the programs.
-    let mut agent = start(&topo, state.path(), &pins, "nftables");
+    let mut agent = start_agent(Mode::Nftables, &topo, state.path(), &pins);
     assert_eq!(
         pins_left(&pins),
         Vec::<String>::new(),
@@ -171,7 +132,7 @@ fn switching_modes_leaves_nothing_of_the_old_mode() {
     // A crashed nftables agent leaves its table; nftables → userspace removes it.
     agent.kill();
     assert!(nft_table_exists(node), "kill -9 leaves the table");
-    let mut agent = start(&topo, state.path(), &pins, "userspace");
+    let mut agent = start_agent(Mode::Userspace, &topo, state.path(), &pins);
     assert!(!nft_table_exists(node), "no nftables table remains");
     wait_reachable(&topo, vip());
     assert_eq!(marked_addresses(node), vec![VIP.parse::<IpAddr>().unwrap()]);
@@ -184,7 +145,7 @@ fn switching_modes_leaves_nothing_of_the_old_mode() {
         1,
         "kill -9 leaves the address"
     );
-    let mut agent = start(&topo, state.path(), &pins, "ebpf");
+    let mut agent = start_agent(Mode::Ebpf, &topo, state.path(), &pins);
     assert_eq!(
         marked_addresses(node),
         Vec::<IpAddr>::new(),

@@ -1,6 +1,8 @@
-//! The nftables data plane end to end: a production-mode agent with
-//! `--dataplane nftables` in the node namespace of a [`Topology`] DNATs VIP traffic
-//! from the client namespace in its own table `inet rune`.
+//! What only the nftables data plane does, end to end (the VIP scenarios every mode
+//! shares are in `vip_modes.rs`): a production-mode agent with `--dataplane
+//! nftables` in the node namespace of a [`Topology`] programs exactly its own table
+//! `inet rune`, changes only the changed service's objects, removes the table on
+//! stop and cleanup, and keeps ClientIP affinity.
 //!
 //! Needs root. Each test builds its own namespaces and removes them on drop; all
 //! `nft` commands run inside the test's node namespace (never the root one), and
@@ -12,79 +14,21 @@ use std::{
     net::{IpAddr, SocketAddr},
     path::Path,
     sync::Mutex,
-    time::Duration,
 };
 
 use rune_agent_tests::{
     agent::{Agent, eventually},
+    modes::{Ep, TCP_PORT, UDP_PORT, VIP4, VIP6, all_ready, service_yaml, web_yaml},
     netns::require_root,
     topology::Topology,
-    vip::{
-        BACKEND_PORT, PATIENCE, apply, assert_balanced, assert_held_flows_stay,
-        assert_terminating_gets_no_new_flows, backend_name, hold_one_per_backend, tcp_spread,
-        topology, wait_reachable,
-    },
+    vip::{PATIENCE, apply, backend_name, topology, wait_reachable},
 };
 use serde_json::Value;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-const VIP4: &str = "198.18.100.10";
-const VIP6: &str = "fd00:100::10";
 /// The VIP of a second service, to show that changes of one leave the other alone.
 const OTHER_VIP4: &str = "198.18.100.20";
-const TCP_PORT: u16 = 80;
-const UDP_PORT: u16 = 53;
-
-struct Ep {
-    address: IpAddr,
-    terminating: bool,
-}
-
-fn service_yaml(name: &str, vips: &str, endpoints: &[Ep]) -> String {
-    let mut eps = String::new();
-    for e in endpoints {
-        eps.push_str(&format!(
-            "    - {{address: \"{}\", node: node-b, terminating: {}}}\n",
-            e.address, e.terminating
-        ));
-    }
-    if endpoints.is_empty() {
-        eps.push_str("    []\n");
-    }
-    format!(
-        "apiVersion: rune/v1
-kind: Service
-metadata: {{name: {name}}}
-spec:
-  ports:
-    - {{name: http, port: {TCP_PORT}, protocol: TCP, targetPort: {BACKEND_PORT}}}
-    - {{name: dns, port: {UDP_PORT}, protocol: UDP, targetPort: {BACKEND_PORT}}}
-  discovery: {{vips: [{vips}]}}
----
-apiVersion: rune/v1
-kind: Endpoints
-metadata: {{name: {name}}}
-spec:
-  endpoints:
-{eps}"
-    )
-}
-
-fn web_yaml(endpoints: &[Ep]) -> String {
-    service_yaml("web", &format!("\"{VIP4}\", \"{VIP6}\""), endpoints)
-}
-
-fn all_ready(topo: &Topology) -> Vec<Ep> {
-    topo.backends()
-        .iter()
-        .flat_map(|b| b.addr().both())
-        .map(|address| Ep {
-            address,
-            terminating: false,
-        })
-        .collect()
-}
 
 fn start_agent(topo: &Topology, state: &Path, extra: &[&str]) -> Agent {
     // A start removes what other modes left: never the default pin dir.
@@ -254,10 +198,7 @@ fn table_holds_exactly_the_services_and_changes_touch_only_their_service() {
             terminating: false,
         })
         .collect();
-    apply(
-        &agent,
-        &service_yaml("other", &format!("\"{OTHER_VIP4}\""), &other_eps),
-    );
+    apply(&agent, &service_yaml("other", &[OTHER_VIP4], &other_eps));
     wait_reachable(
         &topo,
         SocketAddr::new(OTHER_VIP4.parse().unwrap(), TCP_PORT),
@@ -333,177 +274,6 @@ fn table_holds_exactly_the_services_and_changes_touch_only_their_service() {
         "cleanup removes inet rune"
     );
     assert_eq!(list_table(&topo, "bystander").unwrap(), bystander);
-}
-
-#[test]
-fn vip_traffic_is_balanced_for_tcp_udp_and_ipv6_and_other_traffic_is_untouched() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    require_root().unwrap();
-    let topo = topology(3);
-    let state = tempfile::tempdir().unwrap();
-    let agent = start_agent(&topo, state.path(), &[]);
-    apply(&agent, &web_yaml(&all_ready(&topo)));
-    let vip4 = SocketAddr::new(VIP4.parse().unwrap(), TCP_PORT);
-    wait_reachable(&topo, vip4);
-
-    let per = tcp_spread(&topo, vip4, 300);
-    assert_balanced(&per, 300, 3);
-
-    for b in topo.backends() {
-        let direct = SocketAddr::new(b.addr().v4.into(), BACKEND_PORT);
-        let (reply, peer, _) = topo.tcp_request(direct, "direct").unwrap();
-        assert_eq!(
-            backend_name(&reply),
-            b.name(),
-            "non-VIP traffic is not translated"
-        );
-        assert_eq!(peer, direct);
-    }
-
-    let udp_vip = SocketAddr::new(VIP4.parse().unwrap(), UDP_PORT);
-    let mut per_udp = BTreeMap::new();
-    for i in 0..300 {
-        let (reply, from) = topo
-            .udp_request(udp_vip, format!("q{i}").as_bytes())
-            .unwrap_or_else(|e| panic!("UDP request {i}: {e:#}"));
-        assert_eq!(from, udp_vip, "the reply must come from the VIP");
-        *per_udp
-            .entry(backend_name(&String::from_utf8_lossy(&reply)))
-            .or_insert(0) += 1;
-    }
-    assert_balanced(&per_udp, 300, 3);
-
-    let vip6 = SocketAddr::new(VIP6.parse().unwrap(), TCP_PORT);
-    let per6 = tcp_spread(&topo, vip6, 300);
-    assert_balanced(&per6, 300, 3);
-
-    let status = agent.cli(&["status"], None);
-    let text = String::from_utf8_lossy(&status.stdout);
-    assert!(text.contains("data plane: nftables"), "{text}");
-    let most_flows = text
-        .split("flows ")
-        .skip(1)
-        .filter_map(|t| {
-            t.split(|c: char| !c.is_ascii_digit())
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .max();
-    assert!(
-        most_flows.is_some_and(|n| n >= 300),
-        "the service chain counts new flows: {text}"
-    );
-}
-
-#[test]
-fn terminating_endpoint_gets_no_new_flows_established_stay_and_empty_refuses() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    require_root().unwrap();
-    let topo = topology(3);
-    let state = tempfile::tempdir().unwrap();
-    let agent = start_agent(&topo, state.path(), &[]);
-    apply(&agent, &web_yaml(&all_ready(&topo)));
-    let vip = SocketAddr::new(VIP4.parse().unwrap(), TCP_PORT);
-    wait_reachable(&topo, vip);
-
-    // Long-lived connections until every backend holds at least one.
-    let mut long = hold_one_per_backend(&topo, vip, 3);
-
-    let victim = topo.backends()[0].name().to_owned();
-    let mut eps = all_ready(&topo);
-    for e in &mut eps {
-        if topo.backends()[0].addr().both().contains(&e.address) {
-            e.terminating = true;
-        }
-    }
-    apply(&agent, &web_yaml(&eps));
-    assert_terminating_gets_no_new_flows(&topo, vip, &victim, &mut long);
-
-    // Deleted: traffic continues on the rest; every established flow keeps working.
-    let rest: Vec<Ep> = all_ready(&topo)
-        .into_iter()
-        .filter(|e| !topo.backends()[0].addr().both().contains(&e.address))
-        .collect();
-    apply(&agent, &web_yaml(&rest));
-    let per = tcp_spread(&topo, vip, 60);
-    assert_eq!(per.len(), 2, "{per:?}");
-    assert!(!per.contains_key(&victim), "{per:?}");
-    assert_held_flows_stay(long.iter_mut(), "after-delete");
-
-    // An empty endpoint list refuses new connections (TCP reset), counted.
-    let refused = |t: &Value| -> u64 {
-        objects(t)
-            .iter()
-            .filter_map(|o| o.get("rule"))
-            .filter(|r| r["chain"] == "reject-service")
-            .flat_map(|r| r["expr"].as_array().cloned().unwrap_or_default())
-            .find_map(|e| e["counter"]["packets"].as_u64())
-            .unwrap_or(0)
-    };
-    let before = refused(&list_table(&topo, "rune").unwrap());
-    apply(&agent, &web_yaml(&[]));
-    eventually(PATIENCE, "connections to the VIP are refused", || {
-        topo.tcp_request(vip, "refused?").is_err().then_some(())
-    });
-    let err = topo.tcp_request(vip, "refused?").unwrap_err();
-    assert!(
-        format!("{err:#}").to_lowercase().contains("refused"),
-        "a reset, not a timeout: {err:#}"
-    );
-    assert!(
-        refused(&list_table(&topo, "rune").unwrap()) > before,
-        "refusals are counted"
-    );
-}
-
-#[test]
-fn agent_kill_and_restart_drops_no_flow() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    require_root().unwrap();
-    let topo = topology(3);
-    let state = tempfile::tempdir().unwrap();
-    let mut agent = start_agent(&topo, state.path(), &[]);
-    apply(&agent, &web_yaml(&all_ready(&topo)));
-    let vip = SocketAddr::new(VIP4.parse().unwrap(), TCP_PORT);
-    wait_reachable(&topo, vip);
-    let mut long = topo.tcp_open(vip).unwrap();
-    let owner = backend_name(&long.exchange("before").unwrap());
-
-    const REQUESTS: usize = 2000;
-    let failures = std::thread::scope(|scope| {
-        let looper = scope.spawn(|| {
-            let mut failures = Vec::new();
-            for i in 0..REQUESTS {
-                if let Err(e) = topo.tcp_request(vip, &format!("loop{i}")) {
-                    failures.push(format!("request {i}: {e:#}"));
-                }
-            }
-            failures
-        });
-        std::thread::sleep(Duration::from_millis(300));
-        agent.kill();
-        assert!(
-            list_table(&topo, "rune").is_some(),
-            "the table stays in the kernel after SIGKILL"
-        );
-        std::thread::sleep(Duration::from_millis(300));
-        agent = start_agent(&topo, state.path(), &[]);
-        looper.join().unwrap()
-    });
-    assert!(
-        failures.is_empty(),
-        "{} failed: {:?}",
-        failures.len(),
-        &failures[..failures.len().min(5)]
-    );
-    let reply = long.exchange("after").unwrap();
-    assert_eq!(
-        backend_name(&reply),
-        owner,
-        "the long-lived connection survived"
-    );
-    assert_balanced(&tcp_spread(&topo, vip, 300), 300, 3);
 }
 
 #[test]
