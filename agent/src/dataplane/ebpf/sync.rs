@@ -196,10 +196,13 @@ const SCRATCH_CAPACITY: usize = 1024;
 /// What the sync engine remembers of a service.
 #[derive(Clone, Debug, Default)]
 struct ServiceState {
-    frontends: BTreeSet<FrontendKey>,
+    /// Its frontends, sorted (inline for one; a set per service cost ~280 B).
+    frontends: Frontends,
     uses: Uses,
-    /// For each backend in `uses`, the frontends of this service that lead (or led,
-    /// while the use lasts) to it: what replies from it may need as source.
+    /// For each backend in `uses`, the frontends of this service that led to it and
+    /// no longer do (kept while the use lasts): with those `view` leads to
+    /// ([`frontends_to`]), what replies from it may need as source. Usually empty
+    /// (all pairs kept here cost ~5.6 MB at 100,000 backends).
     reach: Reach,
     /// The service's key, shared by every backend's list of users.
     shared_key: Option<Arc<ServiceKey>>,
@@ -584,11 +587,19 @@ impl<M: LbMaps> LbSync<M> {
         // Which frontends lead to each backend: from the listed endpoints, plus what
         // led there before while the use lasts (flows through a frontend that no
         // longer leads to a backend still get their replies translated).
-        let mut reach = reach_of(view);
+        let mut derived = reach_of(view);
+        derived.normalize(|_| true);
+        let mut reach = derived.clone();
         if let Some(old) = self.services.get(&key) {
             reach.0.extend(old.reach.0.iter().copied());
+            if let Some(old_view) = &old.view {
+                reach.0.extend(reach_of(old_view).0);
+            }
         }
         reach.normalize(|addr| uses.contains_key(addr));
+        // Only what the new view does not give is kept.
+        reach.0.retain(|pair| derived.0.binary_search(pair).is_err());
+        reach.0.shrink_to_fit();
 
         // 1. Backends and their reverse-NAT entries, before any table names them.
         // In address order (`uses` is sorted): ids must not depend on hash order
@@ -598,6 +609,7 @@ impl<M: LbMaps> LbSync<M> {
         self.set_uses(&key, uses);
         if let Some(state) = self.services.get_mut(&key) {
             state.reach = reach;
+            state.view = Some(view.clone());
         }
         for addr in &addrs {
             self.ensure_backend(*addr)?;
@@ -630,11 +642,11 @@ impl<M: LbMaps> LbSync<M> {
             .get(&key)
             .map(|s| s.frontends.clone())
             .unwrap_or_default();
-        for fk in old_frontends.difference(&keep) {
+        for fk in old_frontends.iter().filter(|k| !keep.contains(*k)) {
             self.delete_owned_frontend(&key, fk)?;
         }
         if let Some(state) = self.services.get_mut(&key) {
-            state.frontends = keep;
+            state.frontends = keep.into_iter().collect();
             state.view = Some(view.clone());
         }
         Ok(())
@@ -679,6 +691,9 @@ impl<M: LbMaps> LbSync<M> {
         for service in &backend.users {
             if let Some(state) = self.services.get(&**service) {
                 want.extend(state.reach.of(addr).copied());
+                if let Some(view) = &state.view {
+                    want.extend(frontends_to(view, addr));
+                }
             }
         }
         let have = backend.revnat_written.then_some(&backend.revnat);
@@ -1053,6 +1068,31 @@ fn reach_of(view: &ServiceView) -> Reach {
         }
     }
     reach
+}
+
+/// The frontends of `view` (VIP of the same family × service port) that lead to
+/// backend `addr`: the pairs of [`reach_of`] for one backend.
+fn frontends_to(view: &ServiceView, addr: SocketAddr) -> impl Iterator<Item = FrontendKey> + '_ {
+    let spec = &view.service.spec;
+    let endpoints = if spec.discovery.headless {
+        None
+    } else {
+        view.endpoints.as_deref()
+    };
+    spec.ports.iter().flat_map(move |port| {
+        let proto = proto_number(port.protocol);
+        let leads = endpoints.is_some_and(|eps| {
+            eps.spec
+                .endpoints
+                .iter()
+                .any(|e| e.address == addr.ip() && vip::endpoint_port(e, port) == addr.port())
+        });
+        spec.discovery
+            .vips
+            .iter()
+            .filter(move |vip| leads && vip.is_ipv4() == addr.is_ipv4())
+            .map(move |vip| frontend_key(*vip, port.port, proto))
+    })
 }
 
 /// The reverse-NAT index key of backend `addr`.
