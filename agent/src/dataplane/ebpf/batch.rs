@@ -208,7 +208,7 @@ mod tests {
             let i = i as u32;
             let want = if i == 7 {
                 100
-            } else if i % 2 == 0 {
+            } else if i.is_multiple_of(2) {
                 u64::from(i) * 3 + 1
             } else {
                 0

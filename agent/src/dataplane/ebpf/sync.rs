@@ -598,7 +598,9 @@ impl<M: LbMaps> LbSync<M> {
         }
         reach.normalize(|addr| uses.contains_key(addr));
         // Only what the new view does not give is kept.
-        reach.0.retain(|pair| derived.0.binary_search(pair).is_err());
+        reach
+            .0
+            .retain(|pair| derived.0.binary_search(pair).is_err());
         reach.0.shrink_to_fit();
 
         // 1. Backends and their reverse-NAT entries, before any table names them.
