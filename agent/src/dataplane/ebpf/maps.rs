@@ -6,6 +6,7 @@
 //! decides (ids, tables, which entries change) is tested without privileges, and a
 //! map write that fails is tested without a broken kernel.
 
+use super::batch;
 use agent_common::lb::{
     self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, RevNatKey,
     RevNatValue, ServiceKeyV4, ServiceKeyV6, ServiceValue, TrafficStats,
@@ -98,6 +99,12 @@ pub trait LbMaps: Send {
     fn drops(&self) -> Result<Vec<(DropReason, u64)>, MapsError>;
     /// Conntrack entries in use (both families), for map-pressure metrics.
     fn flows(&self) -> Result<usize, MapsError>;
+    /// Writes what earlier calls queued (the kernel maps batch backend, reverse-NAT
+    /// and frontend writes, see [`KernelMaps`]); called at the end of every sync and
+    /// before the maps are read back.
+    fn flush(&mut self) -> Result<(), MapsError> {
+        Ok(())
+    }
     /// Lets go of what reading and writing tables held on to (the kernel maps'
     /// windows into the Maglev array); called at the end of every sync.
     fn release(&mut self) {}
@@ -117,6 +124,71 @@ pub struct KernelMaps {
     drops: PerCpuArray<MapData, u64>,
     maglev: MaglevArray,
     capacity: Capacity,
+    /// Writes queued for one batch call per map.
+    pending: Pending,
+    /// Whether the kernel takes batch writes (false after it refused one: then one
+    /// call per element, as before kernel 5.6).
+    batch_ok: bool,
+}
+
+/// Writes to the kernel maps, queued so that a sync makes one `bpf()` call per map
+/// instead of one per element (a full sync of 100,000 backends: ~200,000 calls).
+///
+/// Order is kept where it matters: a table slot is only written (through memory)
+/// after the queued backends and reverse-NAT entries are in the maps, so a table
+/// never names a backend the kernel does not have yet; frontends go last in every
+/// flush, after their tables; a delete or a conntrack purge first writes everything
+/// queued, so no queued write lands after it. Within one map, elements are written
+/// in the order they were queued (a later write of the same key wins).
+#[derive(Default)]
+struct Pending {
+    backend_ids: Vec<u32>,
+    backends: Vec<Backend>,
+    revnat_keys: Vec<RevNatKey>,
+    revnat_values: Vec<RevNatValue>,
+    v4_keys: Vec<ServiceKeyV4>,
+    v4_values: Vec<ServiceValue>,
+    v6_keys: Vec<ServiceKeyV6>,
+    v6_values: Vec<ServiceValue>,
+}
+
+/// Queued writes per map before they are written anyway (bounds the queue's memory:
+/// ~2.7 MB of reverse-NAT values).
+const MAX_PENDING: usize = 16_384;
+
+impl Pending {
+    fn is_full(&self) -> bool {
+        self.backend_ids.len() >= MAX_PENDING
+            || self.revnat_keys.len() >= MAX_PENDING
+            || self.v4_keys.len() >= MAX_PENDING
+            || self.v6_keys.len() >= MAX_PENDING
+    }
+}
+
+/// Writes `keys[i] → values[i]` into `map` with one batch call; `Ok(false)` when the
+/// kernel has no batch writes (the caller then writes one by one and stops trying).
+fn write_batch<K: aya::Pod, V: aya::Pod>(
+    batch_ok: &mut bool,
+    map: &MapData,
+    name: &'static str,
+    keys: &[K],
+    values: &[V],
+) -> Result<bool, MapsError> {
+    if keys.is_empty() {
+        return Ok(true);
+    }
+    if !*batch_ok {
+        return Ok(false);
+    }
+    match batch::update(map.fd().as_fd(), keys, values) {
+        Ok(()) => Ok(true),
+        Err(e) if batch::unsupported(&e) => {
+            tracing::info!(map = name, error = %e, "no batch map writes in this kernel: one call per element");
+            *batch_ok = false;
+            Ok(false)
+        }
+        Err(e) => Err(MapsError::new(name, "batch write", e)),
+    }
 }
 
 /// The Maglev array (`BPF_F_MMAPABLE`), reached through windows mapped into the
@@ -329,7 +401,90 @@ impl KernelMaps {
             drops: typed(maps, lb::DROPS)?,
             maglev,
             capacity,
+            pending: Pending::default(),
+            batch_ok: true,
         })
+    }
+
+    /// Writes the queued backends and reverse-NAT entries (what tables depend on).
+    fn flush_backends(&mut self) -> Result<(), MapsError> {
+        let p = &mut self.pending;
+        if !write_batch(
+            &mut self.batch_ok,
+            self.backends.map(),
+            lb::BACKENDS,
+            &p.backend_ids,
+            &p.backends,
+        )? {
+            for (id, b) in p.backend_ids.iter().zip(&p.backends) {
+                self.backends
+                    .set(*id, b, 0)
+                    .map_err(|e| MapsError::new(lb::BACKENDS, "write", e))?;
+            }
+        }
+        p.backend_ids.clear();
+        p.backends.clear();
+        if !write_batch(
+            &mut self.batch_ok,
+            self.revnat.map(),
+            lb::REVNAT,
+            &p.revnat_keys,
+            &p.revnat_values,
+        )? {
+            for (k, v) in p.revnat_keys.iter().zip(&p.revnat_values) {
+                self.revnat
+                    .insert(k, v, 0)
+                    .map_err(|e| MapsError::new(lb::REVNAT, "insert", e))?;
+            }
+        }
+        p.revnat_keys.clear();
+        p.revnat_values.clear();
+        Ok(())
+    }
+
+    /// Writes everything queued: backends and reverse-NAT entries, then frontends.
+    fn flush_all(&mut self) -> Result<(), MapsError> {
+        self.flush_backends()?;
+        let p = &mut self.pending;
+        if !write_batch(
+            &mut self.batch_ok,
+            self.svc_v4.map(),
+            lb::SERVICES_V4,
+            &p.v4_keys,
+            &p.v4_values,
+        )? {
+            for (k, v) in p.v4_keys.iter().zip(&p.v4_values) {
+                self.svc_v4
+                    .insert(k, v, 0)
+                    .map_err(|e| MapsError::new(lb::SERVICES_V4, "insert", e))?;
+            }
+        }
+        p.v4_keys.clear();
+        p.v4_values.clear();
+        if !write_batch(
+            &mut self.batch_ok,
+            self.svc_v6.map(),
+            lb::SERVICES_V6,
+            &p.v6_keys,
+            &p.v6_values,
+        )? {
+            for (k, v) in p.v6_keys.iter().zip(&p.v6_values) {
+                self.svc_v6
+                    .insert(k, v, 0)
+                    .map_err(|e| MapsError::new(lb::SERVICES_V6, "insert", e))?;
+            }
+        }
+        p.v6_keys.clear();
+        p.v6_values.clear();
+        Ok(())
+    }
+
+    /// Writes everything queued once a queue is long (bounded memory).
+    fn flush_if_full(&mut self) -> Result<(), MapsError> {
+        if self.pending.is_full() {
+            self.flush_all()?;
+        }
+        Ok(())
     }
 }
 
@@ -345,6 +500,29 @@ impl LbMaps for KernelMaps {
     }
 
     fn frontends(&self) -> Result<Vec<(FrontendKey, ServiceValue)>, MapsError> {
+        let capacity = self.capacity.frontends;
+        let v4 = batch::lookup_all::<ServiceKeyV4, ServiceValue>(
+            self.svc_v4.map().fd().as_fd(),
+            capacity,
+        );
+        let v6 = batch::lookup_all::<ServiceKeyV6, ServiceValue>(
+            self.svc_v6.map().fd().as_fd(),
+            capacity,
+        );
+        match (v4, v6) {
+            (Ok((k4, v4)), Ok((k6, v6))) => {
+                return Ok(k4
+                    .into_iter()
+                    .map(FrontendKey::V4)
+                    .zip(v4)
+                    .chain(k6.into_iter().map(FrontendKey::V6).zip(v6))
+                    .collect());
+            }
+            (Err(e), _) | (_, Err(e)) if !batch::unsupported(&e) => {
+                return Err(MapsError::new(lb::SERVICES_V4, "batch read", e));
+            }
+            _ => {}
+        }
         let mut out = Vec::new();
         for entry in self.svc_v4.iter() {
             let (k, v) = entry.map_err(|e| MapsError::new(lb::SERVICES_V4, "read", e))?;
@@ -358,6 +536,21 @@ impl LbMaps for KernelMaps {
     }
 
     fn backends(&self) -> Result<Vec<(u32, Backend)>, MapsError> {
+        // A few calls for the whole array (131,072 entries took as many calls).
+        match batch::lookup_all::<u32, Backend>(
+            self.backends.map().fd().as_fd(),
+            self.backends.len(),
+        ) {
+            Ok((ids, all)) => {
+                return Ok(ids
+                    .into_iter()
+                    .zip(all)
+                    .filter(|(_, b)| b.family != 0)
+                    .collect());
+            }
+            Err(e) if batch::unsupported(&e) => {}
+            Err(e) => return Err(MapsError::new(lb::BACKENDS, "batch read", e)),
+        }
         let mut out = Vec::new();
         for (id, entry) in self.backends.iter().enumerate() {
             let backend = entry.map_err(|e| MapsError::new(lb::BACKENDS, "read", e))?;
@@ -370,18 +563,20 @@ impl LbMaps for KernelMaps {
 
     fn put_frontend(&mut self, key: &FrontendKey, value: &ServiceValue) -> Result<(), MapsError> {
         match key {
-            FrontendKey::V4(k) => self
-                .svc_v4
-                .insert(k, value, 0)
-                .map_err(|e| MapsError::new(lb::SERVICES_V4, "insert", e)),
-            FrontendKey::V6(k) => self
-                .svc_v6
-                .insert(k, value, 0)
-                .map_err(|e| MapsError::new(lb::SERVICES_V6, "insert", e)),
+            FrontendKey::V4(k) => {
+                self.pending.v4_keys.push(*k);
+                self.pending.v4_values.push(*value);
+            }
+            FrontendKey::V6(k) => {
+                self.pending.v6_keys.push(*k);
+                self.pending.v6_values.push(*value);
+            }
         }
+        self.flush_if_full()
     }
 
     fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), MapsError> {
+        self.flush_all()?;
         let (result, name) = match key {
             FrontendKey::V4(k) => (self.svc_v4.remove(k), lb::SERVICES_V4),
             FrontendKey::V6(k) => (self.svc_v6.remove(k), lb::SERVICES_V6),
@@ -396,6 +591,15 @@ impl LbMaps for KernelMaps {
     }
 
     fn revnats(&self) -> Result<Vec<(RevNatKey, RevNatValue)>, MapsError> {
+        // A few calls instead of two per entry (100,000 after a restart).
+        match batch::lookup_all::<RevNatKey, RevNatValue>(
+            self.revnat.map().fd().as_fd(),
+            self.capacity.backends,
+        ) {
+            Ok((keys, values)) => return Ok(keys.into_iter().zip(values).collect()),
+            Err(e) if batch::unsupported(&e) => {}
+            Err(e) => return Err(MapsError::new(lb::REVNAT, "batch read", e)),
+        }
         self.revnat
             .iter()
             .map(|entry| entry.map_err(|e| MapsError::new(lb::REVNAT, "read", e)))
@@ -403,12 +607,13 @@ impl LbMaps for KernelMaps {
     }
 
     fn put_revnat(&mut self, key: &RevNatKey, value: &RevNatValue) -> Result<(), MapsError> {
-        self.revnat
-            .insert(key, value, 0)
-            .map_err(|e| MapsError::new(lb::REVNAT, "insert", e))
+        self.pending.revnat_keys.push(*key);
+        self.pending.revnat_values.push(*value);
+        self.flush_if_full()
     }
 
     fn delete_revnat(&mut self, key: &RevNatKey) -> Result<(), MapsError> {
+        self.flush_all()?;
         match self.revnat.remove(key) {
             Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
             Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
@@ -419,9 +624,12 @@ impl LbMaps for KernelMaps {
     }
 
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<(), MapsError> {
-        self.backends
-            .set(id, backend, 0)
-            .map_err(|e| MapsError::new(lb::BACKENDS, "write", e))
+        if id >= self.capacity.backends {
+            return Err(MapsError::new(lb::BACKENDS, "write", "index out of range"));
+        }
+        self.pending.backend_ids.push(id);
+        self.pending.backends.push(*backend);
+        self.flush_if_full()
     }
 
     fn table(&self, id: u32) -> Result<&[u32], MapsError> {
@@ -431,6 +639,8 @@ impl LbMaps for KernelMaps {
     }
 
     fn set_slots(&mut self, id: u32, changes: &[(usize, u32)]) -> Result<(), MapsError> {
+        // The backends the slots name must be in the maps first.
+        self.flush_backends()?;
         let size = self.capacity.table_size as usize;
         let start = id as usize * size;
         let table = self.maglev.table_mut(start, size)?;
@@ -447,6 +657,7 @@ impl LbMaps for KernelMaps {
         if backend_ids.is_empty() {
             return Ok(0);
         }
+        self.flush_all()?;
         let mut removed = 0;
         let stale_v4: Vec<CtKeyV4> = self
             .ct_v4
@@ -514,8 +725,28 @@ impl LbMaps for KernelMaps {
         Ok(self.ct_v4.keys().count() + self.ct_v6.keys().count())
     }
 
+    fn flush(&mut self) -> Result<(), MapsError> {
+        let flushed = self.flush_all();
+        if flushed.is_err() {
+            // What was not written is left to the next full sync (the engine marks
+            // itself stale), not retried by the next unrelated flush.
+            self.pending = Pending::default();
+        }
+        flushed
+    }
+
     fn release(&mut self) {
         self.maglev.unmap_all();
+        // A full sync's queues are large; keep only a small change's worth.
+        let p = &mut self.pending;
+        p.backend_ids.shrink_to(64);
+        p.backends.shrink_to(64);
+        p.revnat_keys.shrink_to(64);
+        p.revnat_values.shrink_to(64);
+        p.v4_keys.shrink_to(64);
+        p.v4_values.shrink_to(64);
+        p.v6_keys.shrink_to(64);
+        p.v6_values.shrink_to(64);
     }
 }
 
@@ -743,6 +974,9 @@ impl<M: LbMaps> LbMaps for FaultyMaps<M> {
     }
     fn flows(&self) -> Result<usize, MapsError> {
         self.inner.flows()
+    }
+    fn flush(&mut self) -> Result<(), MapsError> {
+        self.inner.flush()
     }
     fn release(&mut self) {
         self.inner.release();
