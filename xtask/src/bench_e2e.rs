@@ -56,6 +56,23 @@ impl Mode {
     /// Every mode, in the order they run.
     const ALL: [Mode; 3] = [Mode::Ebpf, Mode::Nftables, Mode::Userspace];
 
+    /// The modes to run: those named in `RUNE_BENCH_MODES` (comma-separated
+    /// `--dataplane` values, to iterate on one mode alone), else [`Mode::ALL`].
+    fn selected() -> Result<Vec<(usize, Mode)>> {
+        let all = Mode::ALL.into_iter().enumerate();
+        let Ok(list) = std::env::var("RUNE_BENCH_MODES") else {
+            return Ok(all.collect());
+        };
+        let wanted: Vec<&str> = list.split(',').map(str::trim).collect();
+        if let Some(unknown) = wanted
+            .iter()
+            .find(|w| !Mode::ALL.iter().any(|m| m.name() == **w))
+        {
+            bail!("RUNE_BENCH_MODES: unknown mode {unknown:?} (ebpf, nftables, userspace)");
+        }
+        Ok(all.filter(|(_, m)| wanted.contains(&m.name())).collect())
+    }
+
     /// The `--dataplane` value.
     fn name(self) -> &'static str {
         match self {
@@ -178,7 +195,8 @@ pub fn section(bin: &Path) -> Result<String> {
         backend_addr.port()
     );
     let mut rows = Vec::new();
-    for (m, mode) in Mode::ALL.into_iter().enumerate() {
+    // Each mode keeps its index in `Mode::ALL`: its client addresses stay its own.
+    for (m, mode) in Mode::selected()? {
         let state = TempDir::new(&format!("rune-bench-e2e-{pid}-{m}"))?;
         let pins = PinDir(format!("/sys/fs/bpf/rune-bench-e2e-{pid}-{m}").into());
         apply_offline(bin, &state.0, &yaml)?;
