@@ -22,7 +22,7 @@ use crate::{
 };
 use async_trait::async_trait;
 use nft::{Nft, NftError};
-use ruleset::{REJECT_CHAIN, Ruleset, port_plans};
+use ruleset::{Ruleset, port_plans};
 use std::{
     collections::BTreeMap,
     sync::{
@@ -85,12 +85,7 @@ fn apply_err(e: NftError) -> DataPlaneError {
 /// Removes table `inet rune` and everything in it (nothing when there is none).
 /// For `rune-agent cleanup` and mode switches.
 pub fn cleanup() -> Result<bool, NftError> {
-    let nft = Nft::default();
-    let existed = nft.list_table(true)?.is_some();
-    if existed {
-        nft.apply(&ruleset::delete_script())?;
-    }
-    Ok(existed)
+    Nft::default().delete_table()
 }
 
 fn apply_blocking(nft: &Nft, state: &Mutex<State>, delta: &Delta) -> Result<(), NftError> {
@@ -147,7 +142,7 @@ impl DataPlane for NftablesDataPlane {
     }
 
     fn status(&self) -> Vec<ServicePortStatus> {
-        let counters = self.nft.chain_counters().unwrap_or_default();
+        let counters = self.nft.port_counters().unwrap_or_default();
         let st = lock(&self.state);
         let node = &self.config.node_name;
         let mut out = Vec::new();
@@ -158,7 +153,10 @@ impl DataPlane for NftablesDataPlane {
                     .iter()
                     .filter(|p| p.port == row.port && p.protocol == row.protocol)
                     .filter(|p| !p.backends.is_empty())
-                    .map(|p| counters.get(&p.chain).copied())
+                    .map(|p| {
+                        let key = (p.vip, ruleset::proto(p.protocol).to_owned(), p.port);
+                        counters.get(&key).copied()
+                    })
                     .sum();
                 row.counters = flows.map(|flows| TrafficCounters {
                     flows,
@@ -171,11 +169,7 @@ impl DataPlane for NftablesDataPlane {
     }
 
     fn programs(&self) -> Vec<String> {
-        let refused = self
-            .nft
-            .chain_counters()
-            .ok()
-            .and_then(|c| c.get(REJECT_CHAIN).copied());
+        let refused = self.nft.refused().ok().flatten();
         let services = lock(&self.state).ruleset.len();
         vec![format!(
             "nftables table {}: {services} services; connections refused (no endpoints): {}",
