@@ -8,6 +8,7 @@
 //! translates the replies, so established flows survive endpoint changes and agent
 //! restarts; a restarted agent adopts the table it finds in one transaction.
 
+pub mod netlink;
 pub mod nft;
 pub mod ruleset;
 
@@ -98,7 +99,17 @@ fn apply_blocking(nft: &Nft, state: &Mutex<State>, delta: &Delta) -> Result<(), 
     let mut st = lock(state);
     let plan = st.ruleset.plan(delta, &existing);
     let lines = plan.script.lines().count();
-    nft.apply(&plan.script)?;
+    // An element-only change goes to the kernel as one netlink batch; should the
+    // kernel refuse it (nothing applied), `nft` gets the same transaction.
+    let sent = match netlink::element_ops(&plan.script).filter(|_| !delta.full) {
+        Some(ops) => netlink::apply(&ops)
+            .inspect_err(|e| tracing::warn!(error = %e, "netlink batch failed, retrying with nft"))
+            .is_ok(),
+        None => false,
+    };
+    if !sent {
+        nft.apply(&plan.script)?;
+    }
     st.ruleset.commit(plan);
     if delta.full {
         st.views.clear();
@@ -113,6 +124,7 @@ fn apply_blocking(nft: &Nft, state: &Mutex<State>, delta: &Delta) -> Result<(), 
         full = delta.full,
         adopted = existing.table,
         commands = lines,
+        netlink = sent,
         elapsed_us = started.elapsed().as_micros() as u64,
         "nftables table updated"
     );

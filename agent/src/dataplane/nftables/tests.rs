@@ -409,3 +409,70 @@ fn full_delta_adopts_an_existing_table_in_one_transaction() {
         .expect("deleted");
     assert!(flush < delete);
 }
+
+#[test]
+fn element_only_changes_become_netlink_element_commands_with_kernel_bytes() {
+    use super::netlink::{ElementData, element_ops};
+    let ops = element_ops(
+        "delete element inet rune backends4-tcp { 198.18.100.10 . 80 . 1 }\n\
+         add element inet rune backends4-tcp { 198.18.100.10 . 80 . 1 : 198.18.1.4 . 8080 }\n\
+         add element inet rune service-vips6 { fd00:100::10 . udp . 53 : goto pick6-2 }\n",
+    )
+    .expect("element commands only");
+    assert_eq!(ops.len(), 3);
+    assert!(!ops[0].add && ops[0].data.is_none());
+    // Address, port big-endian padded to 4 bytes, numgen index host-endian.
+    let mut key = vec![198, 18, 100, 10, 0, 80, 0, 0];
+    key.extend_from_slice(&1u32.to_ne_bytes());
+    assert_eq!(ops[0].key, key);
+    assert_eq!(ops[1].key, key);
+    assert_eq!(
+        ops[1].data,
+        Some(ElementData::Bytes(vec![198, 18, 1, 4, 0x1f, 0x90, 0, 0]))
+    );
+    let mut key6 = vec![0xfd, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10];
+    key6.extend_from_slice(&[17, 0, 0, 0, 0, 53, 0, 0]);
+    assert_eq!(ops[2].map, "service-vips6");
+    assert_eq!(ops[2].key, key6);
+    assert_eq!(ops[2].data, Some(ElementData::Goto("pick6-2".into())));
+    // Anything but single-element commands stays with nft.
+    assert!(element_ops("add chain inet rune pick4-3\n").is_none());
+    assert!(
+        element_ops("add element inet rune backends4-tcp { 198.18.100.10 . 80 . 0 : 198.18.1.2 . 8080, 198.18.100.10 . 80 . 1 : 198.18.1.3 . 8080 }\n")
+            .is_none()
+    );
+    assert!(element_ops("").is_none());
+}
+
+#[test]
+fn an_endpoint_change_plan_goes_over_netlink_and_a_new_backend_count_does_not() {
+    use super::netlink::element_ops;
+    let mut rs = programmed(vec![view(
+        "a",
+        "198.18.100.10",
+        &["198.18.1.2", "198.18.1.3"],
+    )]);
+    let same_n = rs.plan(
+        &delta(
+            false,
+            vec![view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"])],
+            vec![],
+        ),
+        &Existing::default(),
+    );
+    assert_eq!(element_ops(&same_n.script).map(|o| o.len()), Some(2));
+    rs.commit(same_n);
+    let new_n = rs.plan(
+        &delta(
+            false,
+            vec![view(
+                "a",
+                "198.18.100.10",
+                &["198.18.1.2", "198.18.1.4", "198.18.1.5"],
+            )],
+            vec![],
+        ),
+        &Existing::default(),
+    );
+    assert!(element_ops(&new_n.script).is_none(), "{}", new_n.script);
+}
