@@ -48,6 +48,8 @@ pub struct NftablesConfig {
 struct State {
     ruleset: Ruleset,
     views: BTreeMap<ServiceKey, ServiceView>,
+    /// Opened by the first element-only change; dropped after a failure.
+    netlink: Option<netlink::Socket>,
 }
 
 /// The nftables data plane.
@@ -69,6 +71,7 @@ impl NftablesDataPlane {
             state: Arc::new(Mutex::new(State {
                 ruleset: Ruleset::new(config.node_name.clone()),
                 views: BTreeMap::new(),
+                netlink: None,
             })),
             config,
             shut: AtomicBool::new(false),
@@ -102,9 +105,23 @@ fn apply_blocking(nft: &Nft, state: &Mutex<State>, delta: &Delta) -> Result<(), 
     // An element-only change goes to the kernel as one netlink batch; should the
     // kernel refuse it (nothing applied), `nft` gets the same transaction.
     let sent = match netlink::element_ops(&plan.script).filter(|_| !delta.full) {
-        Some(ops) => netlink::apply(&ops)
-            .inspect_err(|e| tracing::warn!(error = %e, "netlink batch failed, retrying with nft"))
-            .is_ok(),
+        Some(ops) => {
+            let result = match st.netlink.take() {
+                Some(socket) => Ok(socket),
+                None => netlink::Socket::open(),
+            }
+            .and_then(|mut socket| socket.apply(&ops).map(|()| socket));
+            match result {
+                Ok(socket) => {
+                    st.netlink = Some(socket);
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "netlink batch failed, retrying with nft");
+                    false
+                }
+            }
+        }
         None => false,
     };
     if !sent {

@@ -269,43 +269,65 @@ pub fn batch(ops: &[ElementOp], first_seq: u32) -> (Vec<u8>, Vec<u32>) {
     (out, acked)
 }
 
-/// Sends `ops` as one batch on a fresh netfilter socket (in the calling thread's
-/// network namespace) and waits for the kernel's answer to each command.
-pub fn apply(ops: &[ElementOp]) -> Result<(), NetlinkError> {
-    // SAFETY: plain socket syscalls on a descriptor this function owns and closes.
-    unsafe {
-        let fd = libc::socket(
-            libc::AF_NETLINK,
-            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            NETLINK_NETFILTER,
-        );
+/// A netfilter netlink socket kept open between batches: closing one makes the
+/// kernel wait for a grace period (~15 ms measured), more than the batch costs.
+#[derive(Debug)]
+pub struct Socket {
+    fd: std::os::fd::OwnedFd,
+    seq: u32,
+}
+
+impl Socket {
+    /// Opens a socket in the calling thread's network namespace.
+    pub fn open() -> Result<Self, NetlinkError> {
+        use std::os::fd::FromRawFd as _;
+        // SAFETY: plain socket syscall; the descriptor is owned from here on.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_NETLINK,
+                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+                NETLINK_NETFILTER,
+            )
+        };
         if fd < 0 {
             return Err(io::Error::last_os_error().into());
         }
-        let result = send_and_wait(fd, ops);
-        libc::close(fd);
-        result
+        // SAFETY: `fd` was just opened and nothing else owns it.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        let timeout = libc::timeval {
+            tv_sec: 5,
+            tv_usec: 0,
+        };
+        // SAFETY: valid fd and option buffer of the right size.
+        unsafe {
+            libc::setsockopt(
+                std::os::fd::AsRawFd::as_raw_fd(&fd),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&timeout as *const libc::timeval).cast(),
+                size_of::<libc::timeval>() as libc::socklen_t,
+            );
+        }
+        Ok(Self { fd, seq: 0 })
+    }
+
+    /// Sends `ops` as one batch and waits for the kernel's answer to each command.
+    pub fn apply(&mut self, ops: &[ElementOp]) -> Result<(), NetlinkError> {
+        let first = self.seq.wrapping_add(1);
+        self.seq = first.wrapping_add(ops.len() as u32 + 2);
+        // SAFETY: the socket is open for as long as `self` lives.
+        unsafe { send_and_wait(std::os::fd::AsRawFd::as_raw_fd(&self.fd), ops, first) }
     }
 }
 
 /// # Safety
 /// `fd` is an open netlink socket.
-unsafe fn send_and_wait(fd: libc::c_int, ops: &[ElementOp]) -> Result<(), NetlinkError> {
-    let timeout = libc::timeval {
-        tv_sec: 5,
-        tv_usec: 0,
-    };
-    // SAFETY: valid fd and option buffer of the right size.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&timeout as *const libc::timeval).cast(),
-            size_of::<libc::timeval>() as libc::socklen_t,
-        );
-    }
-    let (bytes, mut waiting) = batch(ops, 1);
+unsafe fn send_and_wait(
+    fd: libc::c_int,
+    ops: &[ElementOp],
+    first_seq: u32,
+) -> Result<(), NetlinkError> {
+    let (bytes, mut waiting) = batch(ops, first_seq);
     // SAFETY: the buffer is valid for its length.
     let sent = unsafe { libc::send(fd, bytes.as_ptr().cast(), bytes.len(), 0) };
     if sent < 0 {
