@@ -161,7 +161,7 @@ pub(super) fn section(
     writeln!(
         t,
         "Snapshot runs: {} ms; the agent logged {} for its full-delta transaction (building \
-         the script and `nft -f -`). Changes: the agent's own apply per delta (plan + `nft -f -`) \
+         the script and `nft -f -`). Changes: the agent's own apply per delta (plan + netlink batch or `nft -f -`) \
          p50/p99 {:.2}/{:.2} ms ({} deltas); {} of {} changes were already in the kernel at \
          the first look at its log after the apply command returned{}.",
         all.join(", "),
