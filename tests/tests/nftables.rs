@@ -69,7 +69,19 @@ fn objects(table: &Value) -> Vec<Value> {
         .collect()
 }
 
-/// The elements of map `map` in a listing, as `addr . proto . port -> verdict` text.
+/// A concatenation of a listing (`a . b . c`).
+fn concat_text(value: &Value) -> String {
+    let parts: Vec<String> = value["concat"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_owned))
+        .collect();
+    parts.join(" . ")
+}
+
+/// The elements of map `map` in a listing, as `key -> value` text (a verdict's
+/// target chain, or a data map's `addr . port`), sorted.
 fn map_elements(table: &Value, map: &str) -> Vec<String> {
     let mut out = Vec::new();
     for o in objects(table) {
@@ -78,22 +90,27 @@ fn map_elements(table: &Value, map: &str) -> Vec<String> {
             continue;
         }
         for el in m["elem"].as_array().into_iter().flatten() {
-            let key: Vec<String> = el[0]["concat"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_owned))
-                .collect();
-            let verdict = &el[1];
-            let target = verdict["goto"]["target"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned();
-            out.push(format!("{} -> {target}", key.join(" . ")));
+            // Elements of a map with counters come wrapped with theirs.
+            let key = el[0].get("elem").map_or(&el[0], |e| &e["val"]);
+            let value = match el[1]["goto"]["target"].as_str() {
+                Some(target) => target.to_owned(),
+                None => concat_text(&el[1]),
+            };
+            out.push(format!("{} -> {value}", concat_text(key)));
         }
     }
     out.sort();
     out
+}
+
+/// The backends (`addr . port`) of one IPv4 service port in its data map.
+fn backends_of(table: &Value, vip: &str, proto: &str, port: u16) -> Vec<String> {
+    let prefix = format!("{vip} . {port} . ");
+    map_elements(table, &format!("backends4-{proto}"))
+        .into_iter()
+        .filter(|e| e.starts_with(&prefix))
+        .filter_map(|e| e.split(" -> ").nth(1).map(str::to_owned))
+        .collect()
 }
 
 /// The rules of chain `chain`, as JSON text (counters zeroed out).
@@ -114,9 +131,10 @@ fn chain_rules(table: &Value, chain: &str) -> Vec<String> {
         .collect()
 }
 
-/// Every object of `table` whose name mentions service `name` (chains, rules, sets
-/// and map elements), handles and counters left out: what a change of it may touch.
-fn objects_of(table: &Value, name: &str) -> Vec<String> {
+/// Every object of `table` whose name mentions service `name` (chains, rules,
+/// sets) and every map element keyed by one of its `vips`, handles and counters
+/// left out: what a change of it may touch.
+fn objects_of(table: &Value, name: &str, vips: &[&str]) -> Vec<String> {
     let needle = format!("default/{name}/");
     let mut out: Vec<String> = objects(table)
         .iter()
@@ -140,15 +158,19 @@ fn objects_of(table: &Value, name: &str) -> Vec<String> {
         })
         .collect();
     for map in [
-        "service-ips",
-        "service-ips6",
+        "service-vips",
+        "service-vips6",
         "no-endpoints",
         "no-endpoints6",
+        "backends4-tcp",
+        "backends4-udp",
+        "backends6-tcp",
+        "backends6-udp",
     ] {
         out.extend(
             map_elements(table, map)
                 .into_iter()
-                .filter(|e| e.contains(&needle)),
+                .filter(|e| vips.iter().any(|v| e.starts_with(&format!("{v} . ")))),
         );
     }
     out.sort();
@@ -205,47 +227,63 @@ fn table_holds_exactly_the_services_and_changes_touch_only_their_service() {
     );
 
     let table = list_table(&topo, "rune").expect("table inet rune");
+    // Each service port goes to the shared chain for its backend count.
     assert_eq!(
-        map_elements(&table, "service-ips"),
+        map_elements(&table, "service-vips"),
         vec![
-            format!("{VIP4} . tcp . {TCP_PORT} -> svc4-default/web/tcp/{TCP_PORT}"),
-            format!("{VIP4} . udp . {UDP_PORT} -> svc4-default/web/udp/{UDP_PORT}"),
-            format!("{OTHER_VIP4} . tcp . {TCP_PORT} -> svc4-default/other/tcp/{TCP_PORT}"),
-            format!("{OTHER_VIP4} . udp . {UDP_PORT} -> svc4-default/other/udp/{UDP_PORT}"),
+            format!("{VIP4} . tcp . {TCP_PORT} -> pick4-3"),
+            format!("{VIP4} . udp . {UDP_PORT} -> pick4-3"),
+            format!("{OTHER_VIP4} . tcp . {TCP_PORT} -> pick4-2"),
+            format!("{OTHER_VIP4} . udp . {UDP_PORT} -> pick4-2"),
         ]
     );
     assert_eq!(
-        map_elements(&table, "service-ips6"),
+        map_elements(&table, "service-vips6"),
         vec![
-            format!("{VIP6} . tcp . {TCP_PORT} -> svc6-default/web/tcp/{TCP_PORT}"),
-            format!("{VIP6} . udp . {UDP_PORT} -> svc6-default/web/udp/{UDP_PORT}"),
+            format!("{VIP6} . tcp . {TCP_PORT} -> pick6-3"),
+            format!("{VIP6} . udp . {UDP_PORT} -> pick6-3"),
         ]
     );
     assert!(map_elements(&table, "no-endpoints").is_empty());
-    // The web chain DNATs to exactly the three IPv4 backends.
-    // A counter, then one DNAT rule per backend.
-    let web = chain_rules(&table, &format!("svc4-default/web/tcp/{TCP_PORT}"));
-    assert_eq!(web.len(), 4, "{web:?}");
-    for (rule, b) in web[1..].iter().zip(topo.backends()) {
-        assert!(rule.contains(&format!("\"{}\"", b.addr().v4)), "{web:?}");
-    }
+    // The web port's backends are exactly the three IPv4 backends, as data.
+    let backend_text =
+        |b: &rune_agent_tests::topology::Backend| format!("{} . {BACKEND_PORT}", b.addr().v4);
+    let mut expected: Vec<String> = topo.backends().iter().map(backend_text).collect();
+    expected.sort();
+    assert_eq!(backends_of(&table, VIP4, "tcp", TCP_PORT), expected);
+    // No chain per service: the shared pick chains DNAT through the data map.
+    let chains: Vec<String> = objects(&table)
+        .iter()
+        .filter_map(|o| o["chain"]["name"].as_str().map(str::to_owned))
+        .collect();
+    assert!(!chains.iter().any(|c| c.starts_with("svc")), "{chains:?}");
+    let pick = chain_rules(&table, "pick4-3");
+    assert_eq!(pick.len(), 2, "{pick:?}");
+    assert!(pick[0].contains("backends4-tcp"), "{pick:?}");
+    assert!(pick[1].contains("backends4-udp"), "{pick:?}");
     assert_eq!(list_table(&topo, "bystander").unwrap(), bystander);
 
-    // One endpoint change of `web`: `other`'s objects are exactly as before.
-    let other_before = objects_of(&table, "other");
-    let web_before = objects_of(&table, "web");
+    // One endpoint change of `web`: `other`'s objects are exactly as before, and
+    // web's port moves to the two-backend chain.
+    let (web_vips, other_vips) = ([VIP4, VIP6], [OTHER_VIP4]);
+    let other_before = objects_of(&table, "other", &other_vips);
+    let web_before = objects_of(&table, "web", &web_vips);
     let mut eps = all_ready(&topo);
     eps.retain(|e| e.address != IpAddr::from(topo.backends()[0].addr().v4));
     apply(&agent, &web_yaml(&eps));
     let after = eventually(PATIENCE, "the change reached the table", || {
         let t = list_table(&topo, "rune")?;
-        (objects_of(&t, "web") != web_before).then_some(t)
+        (objects_of(&t, "web", &web_vips) != web_before).then_some(t)
     });
-    assert_eq!(objects_of(&after, "other"), other_before);
-    let web = chain_rules(&after, &format!("svc4-default/web/tcp/{TCP_PORT}"));
-    assert_eq!(web.len(), 3, "{web:?}");
-    let victim = format!("\"{}\"", topo.backends()[0].addr().v4);
-    assert!(!web.concat().contains(&victim), "{web:?}");
+    assert_eq!(objects_of(&after, "other", &other_vips), other_before);
+    let victim = backend_text(&topo.backends()[0]);
+    let remaining: Vec<String> = expected.into_iter().filter(|b| *b != victim).collect();
+    let web = backends_of(&after, VIP4, "tcp", TCP_PORT);
+    assert_eq!(web, remaining, "{web:?}");
+    assert!(
+        map_elements(&after, "service-vips")
+            .contains(&format!("{VIP4} . tcp . {TCP_PORT} -> pick4-2"))
+    );
 
     // Stop removes our table and only ours.
     assert_eq!(agent.terminate(PATIENCE), Some(0));

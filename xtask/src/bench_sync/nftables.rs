@@ -1,19 +1,21 @@
 //! The same sync figures in nftables mode (`--dataplane nftables`), next to eBPF's.
 //!
 //! * **Snapshot to programmed table**: the same 10,000 services × 10 endpoints in a
-//!   fresh store; the figure is the time from spawning the agent to the moment the
-//!   last service's VIP is an element of `service-ips` (`nft get element`, polled
-//!   every 2 ms). The agent programs the whole snapshot in one transaction, so one
-//!   element present means all are; afterwards (not timed) the map must hold all
-//!   10,000 elements. Three runs, fresh store and fresh namespace each; median.
+//!   fresh store; the figure is the time from spawning the agent to the moment its
+//!   log shows the transaction with every service done (polled every 2 ms; the
+//!   agent logs after `nft -f` returned, i.e. after the kernel committed it).
+//!   nft 1.0.6 reads every element of every set before `get element` or `list
+//!   chain` (~2 s of CPU at 100,000 backends), so polling the kernel would cost
+//!   more than what it measures; afterwards (not timed) `service-vips` must hold
+//!   all 10,000 services and `backends4-tcp` all 100,000 backends. Three runs,
+//!   fresh store and fresh namespace each; median.
 //! * **One endpoint change, event to kernel**: 200 times one service's endpoint 0 is
 //!   replaced through `rune-agent apply -f -`; the interval runs from the command's
-//!   return until `nft list chain` of that service's chain shows the DNAT to the new
-//!   address and none to the old (0 when the first listing already does, as in the
-//!   eBPF figures). Each listing takes tens of ms with 10,000 services (nft reads
-//!   the table's chains first), which bounds the resolution: the agent's own time
-//!   per change, from its log, is reported beside it. (`nft monitor` would be
-//!   exact, but with 10,000 services it printed nothing within a minute.)
+//!   return until the agent's log shows the next transaction done (0 when it already
+//!   does at the first look, as in the eBPF figures). After the series (not timed)
+//!   one listing of `backends4-tcp` must show every changed service with its new
+//!   backend and without the old one. (`nft monitor` would be exact, but with
+//!   10,000 services it printed nothing within a minute.)
 //!
 //! The agent runs in a namespace of its own (`rune-bench-nft-<pid>`), so its table
 //! is created, measured and removed there only.
@@ -159,9 +161,9 @@ pub(super) fn section(
     writeln!(
         t,
         "Snapshot runs: {} ms; the agent logged {} for its full-delta transaction (building \
-         the script and `nft -f -`). Changes: the agent's own apply per delta (plan + `nft -f -`) \
+         the script and `nft -f -`). Changes: the agent's own apply per delta (plan + netlink batch or `nft -f -`) \
          p50/p99 {:.2}/{:.2} ms ({} deltas); {} of {} changes were already in the kernel at \
-         the first listing after the apply command returned{}.",
+         the first look at its log after the apply command returned{}.",
         all.join(", "),
         m.agent_apply
             .map_or_else(|| "nothing".to_owned(), |d| format!("{:.0} ms", ms(d))),
@@ -179,23 +181,39 @@ pub(super) fn section(
     Ok(t)
 }
 
-fn element_present(netns: &Netns, service: usize) -> Result<bool> {
-    let el = format!("{{ {} . tcp . {SERVICE_PORT} }}", vip(service));
-    let out = nft(
-        netns,
-        &["get", "element", "inet", "rune", "service-ips", &el],
-    )?
-    .stdout(Stdio::null())
-    .stderr(Stdio::null())
-    .status()?;
-    Ok(out.success())
+/// The elements of map `map` of our table as `(key, value)` texts (`a . b . c`).
+fn map_elements(netns: &Netns, map: &str) -> Result<Vec<(String, String)>> {
+    let out = nft(netns, &["-j", "list", "map", "inet", "rune", map])?.output()?;
+    ensure!(out.status.success(), "nft list map {map} failed");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let text = |v: &serde_json::Value| -> String {
+        match v.get("concat").and_then(|c| c.as_array()) {
+            Some(parts) => parts
+                .iter()
+                .map(|p| p.as_str().map_or_else(|| p.to_string(), str::to_owned))
+                .collect::<Vec<_>>()
+                .join(" . "),
+            None => v.to_string(),
+        }
+    };
+    Ok(json["nftables"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|o| o.get("map")?.get("elem")?.as_array())
+        .flatten()
+        .map(|el| {
+            // Elements of a map with counters come wrapped with theirs.
+            let key = el[0].get("elem").map_or(&el[0], |e| &e["val"]);
+            (text(key), text(&el[1]))
+        })
+        .collect())
 }
 
 fn measure_snapshot(agent: &Agent, netns: &Netns) -> Result<Snapshot> {
     let deadline = agent.started + SYNC_LIMIT;
-    let last = SERVICES - 1;
     loop {
-        if element_present(netns, last)? {
+        if agent.applies().iter().any(|(_, n)| *n == SERVICES) {
             break;
         }
         ensure_alive(agent)?;
@@ -206,20 +224,17 @@ fn measure_snapshot(agent: &Agent, netns: &Netns) -> Result<Snapshot> {
         sleep(Duration::from_millis(2));
     }
     let to_table = agent.started.elapsed();
-    // Not timed: every service is in the map.
-    let out = nft(netns, &["-j", "list", "map", "inet", "rune", "service-ips"])?.output()?;
-    ensure!(out.status.success(), "nft list map failed");
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let elements = json["nftables"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|o| o.get("map")?.get("elem")?.as_array())
-        .map(Vec::len)
-        .sum::<usize>();
+    // Not timed: every service and every backend is in the kernel.
+    let services = map_elements(netns, "service-vips")?.len();
     ensure!(
-        elements == SERVICES,
-        "{elements} elements in service-ips, expected {SERVICES}"
+        services == SERVICES,
+        "{services} elements in service-vips, expected {SERVICES}"
+    );
+    let backends = map_elements(netns, "backends4-tcp")?.len();
+    ensure!(
+        backends == SERVICES * ENDPOINTS,
+        "{backends} elements in backends4-tcp, expected {}",
+        SERVICES * ENDPOINTS
     );
     let agent_apply = agent.full_apply();
     Ok(Snapshot {
@@ -227,14 +242,6 @@ fn measure_snapshot(agent: &Agent, netns: &Netns) -> Result<Snapshot> {
         agent_apply,
         rss_kib: agent.rss()?.vm,
     })
-}
-
-/// The rules of `chain` as `nft` lists them now (empty when it cannot be read).
-fn chain_text(netns: &Netns, chain: &str) -> Result<String> {
-    let out = nft(netns, &["list", "chain", "inet", "rune", chain])?
-        .stderr(Stdio::null())
-        .output()?;
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 fn measure_changes(bin: &Path, agent: &Agent, netns: &Netns, state: &Path) -> Result<Changes> {
@@ -248,6 +255,7 @@ fn measure_changes(bin: &Path, agent: &Agent, netns: &Netns, state: &Path) -> Re
         stopped_early: false,
     };
     let series = Instant::now();
+    let mut changed = Vec::new();
     for k in 0..CHANGES {
         if series.elapsed() > CHANGES_LIMIT {
             c.stopped_early = true;
@@ -259,7 +267,7 @@ fn measure_changes(bin: &Path, agent: &Agent, netns: &Netns, state: &Path) -> Re
         let mut addrs: Vec<Ipv4Addr> = (1..ENDPOINTS).map(|j| endpoint_addr(i, j)).collect();
         addrs.push(new);
         let yaml = endpoints_yaml(i, &addrs);
-        let chain = format!("svc4-default/{}/tcp/{SERVICE_PORT}", service_name(i));
+        let applies = agent.applies().len();
         let spawned = Instant::now();
         let mut cmd = Command::new(bin)
             .arg("--state-dir")
@@ -274,15 +282,13 @@ fn measure_changes(bin: &Path, agent: &Agent, netns: &Netns, state: &Path) -> Re
             .write_all(yaml.as_bytes())?;
         ensure!(cmd.wait()?.success(), "rune-agent apply failed");
         let returned = Instant::now();
-        // Programmed once the chain DNATs to the new address and not the old one.
-        let programmed =
-            |text: &str| text.contains(&format!(" {new}:")) && !text.contains(&format!(" {old}:"));
+        // In the kernel once the agent logged its next transaction.
         let mut polls = 0;
         let announced = loop {
-            let text = chain_text(netns, &chain)?;
+            let done = agent.applies().len() > applies;
             polls += 1;
             let at = Instant::now();
-            if programmed(&text) {
+            if done {
                 break if polls == 1 { returned } else { at };
             }
             ensure!(
@@ -298,6 +304,24 @@ fn measure_changes(bin: &Path, agent: &Agent, netns: &Netns, state: &Path) -> Re
         c.from_spawn.push(ms(announced - spawned));
         c.cli.push(ms(returned - spawned));
         ensure_alive(agent)?;
+        changed.push((i, old, new));
+    }
+    // Not timed: every change is in the kernel.
+    let elements = map_elements(netns, "backends4-tcp")?;
+    for (i, old, new) in changed {
+        let prefix = format!("{} . {SERVICE_PORT} . ", vip(i));
+        let backends: Vec<&str> = elements
+            .iter()
+            .filter(|(k, _)| k.starts_with(&prefix))
+            .map(|(_, v)| v.as_str())
+            .collect();
+        let has = |a: Ipv4Addr| backends.iter().any(|b| b.starts_with(&format!("{a} . ")));
+        ensure!(
+            has(new) && !has(old) && backends.len() == ENDPOINTS,
+            "service {} ({}): backends {backends:?} after replacing {old} with {new}",
+            i,
+            service_name(i)
+        );
     }
     c.agent = agent.applies()[applies_before..]
         .iter()

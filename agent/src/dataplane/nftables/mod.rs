@@ -8,6 +8,7 @@
 //! translates the replies, so established flows survive endpoint changes and agent
 //! restarts; a restarted agent adopts the table it finds in one transaction.
 
+pub mod netlink;
 pub mod nft;
 pub mod ruleset;
 
@@ -22,7 +23,7 @@ use crate::{
 };
 use async_trait::async_trait;
 use nft::{Nft, NftError};
-use ruleset::{REJECT_CHAIN, Ruleset, port_plans};
+use ruleset::{Ruleset, port_plans};
 use std::{
     collections::BTreeMap,
     sync::{
@@ -47,6 +48,8 @@ pub struct NftablesConfig {
 struct State {
     ruleset: Ruleset,
     views: BTreeMap<ServiceKey, ServiceView>,
+    /// Opened by the first element-only change; dropped after a failure.
+    netlink: Option<netlink::Socket>,
 }
 
 /// The nftables data plane.
@@ -68,6 +71,7 @@ impl NftablesDataPlane {
             state: Arc::new(Mutex::new(State {
                 ruleset: Ruleset::new(config.node_name.clone()),
                 views: BTreeMap::new(),
+                netlink: None,
             })),
             config,
             shut: AtomicBool::new(false),
@@ -85,12 +89,7 @@ fn apply_err(e: NftError) -> DataPlaneError {
 /// Removes table `inet rune` and everything in it (nothing when there is none).
 /// For `rune-agent cleanup` and mode switches.
 pub fn cleanup() -> Result<bool, NftError> {
-    let nft = Nft::default();
-    let existed = nft.list_table(true)?.is_some();
-    if existed {
-        nft.apply(&ruleset::delete_script())?;
-    }
-    Ok(existed)
+    Nft::default().delete_table()
 }
 
 fn apply_blocking(nft: &Nft, state: &Mutex<State>, delta: &Delta) -> Result<(), NftError> {
@@ -103,7 +102,31 @@ fn apply_blocking(nft: &Nft, state: &Mutex<State>, delta: &Delta) -> Result<(), 
     let mut st = lock(state);
     let plan = st.ruleset.plan(delta, &existing);
     let lines = plan.script.lines().count();
-    nft.apply(&plan.script)?;
+    // An element-only change goes to the kernel as one netlink batch; should the
+    // kernel refuse it (nothing applied), `nft` gets the same transaction.
+    let sent = match netlink::element_ops(&plan.script).filter(|_| !delta.full) {
+        Some(ops) => {
+            let result = match st.netlink.take() {
+                Some(socket) => Ok(socket),
+                None => netlink::Socket::open(),
+            }
+            .and_then(|mut socket| socket.apply(&ops).map(|()| socket));
+            match result {
+                Ok(socket) => {
+                    st.netlink = Some(socket);
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "netlink batch failed, retrying with nft");
+                    false
+                }
+            }
+        }
+        None => false,
+    };
+    if !sent {
+        nft.apply(&plan.script)?;
+    }
     st.ruleset.commit(plan);
     if delta.full {
         st.views.clear();
@@ -118,6 +141,7 @@ fn apply_blocking(nft: &Nft, state: &Mutex<State>, delta: &Delta) -> Result<(), 
         full = delta.full,
         adopted = existing.table,
         commands = lines,
+        netlink = sent,
         elapsed_us = started.elapsed().as_micros() as u64,
         "nftables table updated"
     );
@@ -147,7 +171,7 @@ impl DataPlane for NftablesDataPlane {
     }
 
     fn status(&self) -> Vec<ServicePortStatus> {
-        let counters = self.nft.chain_counters().unwrap_or_default();
+        let counters = self.nft.port_counters().unwrap_or_default();
         let st = lock(&self.state);
         let node = &self.config.node_name;
         let mut out = Vec::new();
@@ -158,7 +182,10 @@ impl DataPlane for NftablesDataPlane {
                     .iter()
                     .filter(|p| p.port == row.port && p.protocol == row.protocol)
                     .filter(|p| !p.backends.is_empty())
-                    .map(|p| counters.get(&p.chain).copied())
+                    .map(|p| {
+                        let key = (p.vip, ruleset::proto(p.protocol).to_owned(), p.port);
+                        counters.get(&key).copied()
+                    })
                     .sum();
                 row.counters = flows.map(|flows| TrafficCounters {
                     flows,
@@ -171,11 +198,7 @@ impl DataPlane for NftablesDataPlane {
     }
 
     fn programs(&self) -> Vec<String> {
-        let refused = self
-            .nft
-            .chain_counters()
-            .ok()
-            .and_then(|c| c.get(REJECT_CHAIN).copied());
+        let refused = self.nft.refused().ok().flatten();
         let services = lock(&self.state).ruleset.len();
         vec![format!(
             "nftables table {}: {services} services; connections refused (no endpoints): {}",

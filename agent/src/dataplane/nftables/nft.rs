@@ -1,10 +1,16 @@
 //! Runs `nft`: one script per transaction (`nft -f -` applies a whole script
 //! atomically, or nothing of it), and reads table `inet rune` back as JSON.
+//!
+//! nft 1.0.6 reads every set element of every table before it lists a table, a
+//! chain, a counter or even `list tables` or `get element` (seconds with 100,000
+//! backends); `list chains` and `list map NAME` (that map's elements only) stay
+//! cheap, so those are what the agent reads.
 
-use super::ruleset::{Existing, TABLE, TABLE_NAME};
+use super::ruleset::{Existing, REJECT_CHAIN, SERVICE_MAP_V4, SERVICE_MAP_V6, TABLE, TABLE_NAME};
 use std::{
     collections::HashMap,
     io::Write as _,
+    net::IpAddr,
     process::{Command, Stdio},
 };
 
@@ -92,64 +98,135 @@ impl Nft {
         self.run(&["-f", "-"], Some(script)).map(drop)
     }
 
-    /// Whether `nft` runs and may read the ruleset (root, CAP_NET_ADMIN).
+    /// Whether `nft` runs and may read the ruleset (root, CAP_NET_ADMIN). Lists
+    /// chains only: cheap however many elements the table holds.
     pub fn check(&self) -> Result<(), NftError> {
-        self.run(&["list", "tables"], None).map(drop)
+        self.run(&["list", "chains"], None).map(drop)
     }
 
-    /// Our table as `nft -j` lists it (`terse`: without set elements); `None` when
-    /// there is no such table.
-    pub fn list_table(&self, terse: bool) -> Result<Option<serde_json::Value>, NftError> {
+    /// Runs `nft -j ARGS` and parses its output.
+    fn json(&self, args: &[&str]) -> Result<serde_json::Value, NftError> {
+        let mut all = vec!["-j"];
+        all.extend(args);
+        let out = self.run(&all, None)?;
+        serde_json::from_str(&out).map_err(|e| NftError::Output {
+            args: all.join(" "),
+            reason: e.to_string(),
+        })
+    }
+
+    /// The names of our table's chains; `None` when the table has none (or does not
+    /// exist).
+    fn chains(&self) -> Result<Option<Vec<String>>, NftError> {
+        let family = TABLE.split_once(' ').map_or("inet", |(f, _)| f);
+        let json = self.json(&["list", "chains", family])?;
+        let chains: Vec<String> = objects(&json)
+            .filter_map(|o| o.get("chain"))
+            .filter(|c| c.get("table").and_then(|t| t.as_str()) == Some(TABLE_NAME))
+            .filter_map(|c| c.get("name")?.as_str().map(str::to_owned))
+            .collect();
+        Ok((!chains.is_empty()).then_some(chains))
+    }
+
+    /// Removes our table; whether there was one.
+    pub fn delete_table(&self) -> Result<bool, NftError> {
         let (family, name) = TABLE.split_once(' ').unwrap_or(("inet", TABLE_NAME));
-        let tables = self.run(&["-j", "list", "tables", family], None)?;
-        if !tables.contains(&format!("\"name\": \"{name}\""))
-            && !tables.contains(&format!("\"name\":\"{name}\""))
-        {
-            return Ok(None);
+        match self.run(&["delete", "table", family, name], None) {
+            Ok(_) => Ok(true),
+            Err(NftError::Failed { stderr, .. })
+                if stderr.contains("No such file or directory") =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(e),
         }
-        let mut args = vec!["-j"];
-        if terse {
-            args.push("-t");
-        }
-        args.extend(["list", "table", family, name]);
-        let out = self.run(&args, None)?;
-        serde_json::from_str(&out)
-            .map(Some)
-            .map_err(|e| NftError::Output {
-                args: args.join(" "),
-                reason: e.to_string(),
-            })
     }
 
-    /// The names of what our table holds (for adopting it).
+    /// The names of what our table holds (for adopting it), from its chains alone
+    /// (listing sets would read all their elements): each affinity set `aff…` is
+    /// made and removed with its chain `ep…`, and the fixed maps are re-declared and
+    /// flushed by every full sync.
     pub fn existing(&self) -> Result<Existing, NftError> {
-        let Some(json) = self.list_table(true)? else {
+        let Some(chains) = self.chains()? else {
             return Ok(Existing::default());
         };
         let mut existing = Existing {
             table: true,
             ..Existing::default()
         };
-        for obj in objects(&json) {
-            let name =
-                |o: &serde_json::Value| o.get("name").and_then(|n| n.as_str()).map(str::to_owned);
-            if let Some(c) = obj.get("chain") {
-                existing.chains.extend(name(c));
-            } else if let Some(s) = obj.get("set").or_else(|| obj.get("map")) {
-                existing.sets.extend(name(s));
+        for chain in chains {
+            if let Some(id) = chain.strip_prefix("ep") {
+                existing.sets.insert(format!("aff{id}"));
             }
+            existing.chains.insert(chain);
         }
         Ok(existing)
     }
 
-    /// New-flow counters per chain (the packets of the first `counter` of each
-    /// chain: in nat chains only a connection's first packet passes).
-    pub fn chain_counters(&self) -> Result<HashMap<String, u64>, NftError> {
-        let Some(json) = self.list_table(true)? else {
+    /// New flows per service port, `(VIP, protocol, port)`: the counters of the
+    /// service maps' elements (in nat chains only a connection's first packet
+    /// passes).
+    pub fn port_counters(&self) -> Result<HashMap<(IpAddr, String, u16), u64>, NftError> {
+        if self.chains()?.is_none() {
             return Ok(HashMap::new());
-        };
-        Ok(counters(&json))
+        }
+        let mut out = HashMap::new();
+        for map in [SERVICE_MAP_V4, SERVICE_MAP_V6] {
+            let family = TABLE.split_once(' ').map_or("inet", |(f, _)| f);
+            let json = self.json(&["list", "map", family, TABLE_NAME, map])?;
+            out.extend(element_counters(&json));
+        }
+        Ok(out)
     }
+
+    /// Connections refused for lack of endpoints (the counter of `reject-service`).
+    /// Listing a chain makes nft 1.0.6 read every element first: slow with large
+    /// tables, so only `status` asks.
+    pub fn refused(&self) -> Result<Option<u64>, NftError> {
+        if self.chains()?.is_none() {
+            return Ok(None);
+        }
+        let family = TABLE.split_once(' ').map_or("inet", |(f, _)| f);
+        let json = self.json(&["list", "chain", family, TABLE_NAME, REJECT_CHAIN])?;
+        Ok(counters(&json).get(REJECT_CHAIN).copied())
+    }
+}
+
+/// `(VIP, protocol, port) → packets` of a listed service map's elements.
+fn element_counters(json: &serde_json::Value) -> HashMap<(IpAddr, String, u16), u64> {
+    let mut out = HashMap::new();
+    for obj in objects(json) {
+        let elems = obj
+            .get("map")
+            .and_then(|m| m.get("elem"))
+            .and_then(|e| e.as_array());
+        for pair in elems.into_iter().flatten() {
+            let Some(elem) = pair.get(0).and_then(|p| p.get("elem")) else {
+                continue;
+            };
+            let Some(key) = elem.get("val").and_then(|v| v.get("concat")) else {
+                continue;
+            };
+            let vip = key
+                .get(0)
+                .and_then(|v| v.as_str())
+                .and_then(|v| v.parse().ok());
+            let proto = key.get(1).and_then(|v| v.as_str());
+            let port = key
+                .get(2)
+                .and_then(|v| v.as_u64())
+                .and_then(|p| u16::try_from(p).ok());
+            let packets = elem
+                .get("counter")
+                .and_then(|c| c.get("packets"))
+                .and_then(|p| p.as_u64());
+            if let (Some(vip), Some(proto), Some(port), Some(packets)) = (vip, proto, port, packets)
+            {
+                out.insert((vip, proto.to_owned(), port), packets);
+            }
+        }
+    }
+    out
 }
 
 /// The objects of an `nft -j` listing.

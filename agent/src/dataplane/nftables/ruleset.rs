@@ -1,24 +1,33 @@
 //! The desired content of table `inet rune`, and the `nft` script that gets the
 //! kernel there from what was programmed before. Pure: no process, no kernel.
 //!
-//! Layout (kube-proxy's nftables mode is the model):
+//! Layout: few chains, and per-service state only in map elements, so that a change
+//! of one service is a handful of element commands the kernel applies without
+//! re-validating any chain.
 //!
-//! * maps `service-ips` / `service-ips6`: `VIP . proto . port : goto svc…` for each
-//!   service port with eligible backends; `no-endpoints` / `no-endpoints6`: the same
-//!   keys `: goto reject-service` for ports that refuse;
+//! * maps `service-vips` / `service-vips6` (with a counter per element: new flows of
+//!   each service port): `VIP . proto . port : goto pick4-N` for a port with N
+//!   eligible backends; `no-endpoints` / `no-endpoints6`: the same keys `: goto
+//!   reject-service` for ports that refuse;
+//! * data maps `backends4-tcp`, `backends4-udp`, `backends6-tcp`, `backends6-udp`:
+//!   `VIP . port . i : addr . port` for backend `i` (0..N) of each balanced port;
+//! * one shared chain per family and backend count in use (`pick4-N`, `pick6-N`),
+//!   one rule per protocol: `dnat ip to ip daddr . tcp dport . numgen random mod N
+//!   map @backends4-tcp`. Only these few rules bind the data maps (binding a map to
+//!   a rule walks its elements);
 //! * base chains `nat-prerouting` / `nat-output` (nat, dstnat) jump to `services`,
 //!   which looks the packet up in the service maps; `filter-prerouting` /
 //!   `filter-output` (filter, dstnat − 10) send new connections to refusing ports to
 //!   `reject-service` (TCP reset / ICMP port unreachable, counted);
-//! * one chain per service port and family (`svc4-NS/NAME/tcp/80`): a counter of
-//!   new flows, then one DNAT rule per eligible backend, backend `i` of `n` matched
-//!   by `numgen random mod (n−i) 0` (the last unconditionally): each gets 1/n;
-//! * with ClientIP affinity, per endpoint a set of client addresses with the
-//!   affinity timeout (`aff4-…`) and a chain (`ep4-…`) that refreshes it and DNATs;
-//!   the service chain first sends known clients to their endpoint's chain.
+//! * with ClientIP affinity (which the shared chains cannot express), the port keeps
+//!   a chain of its own (`svc4-NS/NAME/tcp/80`): per endpoint a set of client
+//!   addresses with the affinity timeout (`aff4-…`) and a chain (`ep4-…`) that
+//!   refreshes it and DNATs; known clients go to their endpoint, the rest are
+//!   balanced by a `numgen` cascade.
 //!
-//! Every object belongs to one service, so a change of one service produces commands
-//! for that service's objects only.
+//! Every element, and every chain but the shared ones, belongs to one service, so a
+//! change of one service produces commands for that service's objects only (plus a
+//! `pick` chain the first time a backend count is used).
 
 use crate::{
     dataplane::vip,
@@ -38,13 +47,106 @@ pub const TABLE_NAME: &str = "rune";
 /// The chain that refuses connections to ports without endpoints.
 pub const REJECT_CHAIN: &str = "reject-service";
 
-const SERVICE_MAP_V4: &str = "service-ips";
-const SERVICE_MAP_V6: &str = "service-ips6";
+/// The IPv4 service map (`VIP . proto . port : verdict`, a counter per element).
+pub const SERVICE_MAP_V4: &str = "service-vips";
+/// The IPv6 service map.
+pub const SERVICE_MAP_V6: &str = "service-vips6";
 const REFUSE_MAP_V4: &str = "no-endpoints";
 const REFUSE_MAP_V6: &str = "no-endpoints6";
+/// The data maps, `VIP . port . index : backend addr . port`, one per family and
+/// protocol (`backends4-tcp` …).
+pub const BACKEND_MAPS: [&str; 4] = [
+    "backends4-tcp",
+    "backends4-udp",
+    "backends6-tcp",
+    "backends6-udp",
+];
 
 /// Maps that hold per-service elements (flushed and refilled by a full sync).
-pub const ELEMENT_MAPS: [&str; 4] = [SERVICE_MAP_V4, SERVICE_MAP_V6, REFUSE_MAP_V4, REFUSE_MAP_V6];
+pub const ELEMENT_MAPS: [&str; 8] = [
+    SERVICE_MAP_V4,
+    SERVICE_MAP_V6,
+    REFUSE_MAP_V4,
+    REFUSE_MAP_V6,
+    BACKEND_MAPS[0],
+    BACKEND_MAPS[1],
+    BACKEND_MAPS[2],
+    BACKEND_MAPS[3],
+];
+
+/// The data map of family `f` (`'4'`/`'6'`) and protocol `p` (`tcp`/`udp`).
+fn backend_map(f: char, p: &str) -> &'static str {
+    match (f, p) {
+        ('4', "tcp") => BACKEND_MAPS[0],
+        ('4', _) => BACKEND_MAPS[1],
+        (_, "tcp") => BACKEND_MAPS[2],
+        _ => BACKEND_MAPS[3],
+    }
+}
+
+/// The definitions of [`ELEMENT_MAPS`]. The data maps are declared with `typeof`
+/// (numgen's type has no name), one per protocol: the `tcp dport` / `udp dport`
+/// of the map's value makes nft add that protocol as a dependency to the rule
+/// that uses it (and nft 1.0.6 cannot read back a `th dport` value type).
+fn map_definitions() -> [(&'static str, &'static str); 8] {
+    [
+        (
+            SERVICE_MAP_V4,
+            "type ipv4_addr . inet_proto . inet_service : verdict ; counter ;",
+        ),
+        (
+            SERVICE_MAP_V6,
+            "type ipv6_addr . inet_proto . inet_service : verdict ; counter ;",
+        ),
+        (
+            REFUSE_MAP_V4,
+            "type ipv4_addr . inet_proto . inet_service : verdict ;",
+        ),
+        (
+            REFUSE_MAP_V6,
+            "type ipv6_addr . inet_proto . inet_service : verdict ;",
+        ),
+        (
+            BACKEND_MAPS[0],
+            "typeof ip daddr . tcp dport . numgen random mod 1 : ip daddr . tcp dport ;",
+        ),
+        (
+            BACKEND_MAPS[1],
+            "typeof ip daddr . udp dport . numgen random mod 1 : ip daddr . udp dport ;",
+        ),
+        (
+            BACKEND_MAPS[2],
+            "typeof ip6 daddr . tcp dport . numgen random mod 1 : ip6 daddr . tcp dport ;",
+        ),
+        (
+            BACKEND_MAPS[3],
+            "typeof ip6 daddr . udp dport . numgen random mod 1 : ip6 daddr . udp dport ;",
+        ),
+    ]
+}
+
+/// The shared chain that balances over `n` backends of family `f` (`'4'`/`'6'`).
+pub fn pick_chain(f: char, n: usize) -> String {
+    format!("pick{f}-{n}")
+}
+
+/// The rules of [`pick_chain`], one per protocol: backend `numgen random mod n` of
+/// the packet's service port, looked up in the protocol's data map.
+fn pick_rules(f: char, n: usize) -> Vec<String> {
+    let ipf = if f == '4' { "ip" } else { "ip6" };
+    ["tcp", "udp"]
+        .into_iter()
+        .map(|p| {
+            let map = backend_map(f, p);
+            format!("dnat {ipf} to {ipf} daddr . {p} dport . numgen random mod {n} map @{map}")
+        })
+        .collect()
+}
+
+/// Whether `chain` is a shared pick chain.
+fn is_pick_chain(chain: &str) -> bool {
+    chain.starts_with("pick4-") || chain.starts_with("pick6-")
+}
 
 /// The fixed part of the table: maps, dispatch and hook chains with their rules.
 /// Chains are listed with their definition (hook or none) and rules.
@@ -63,8 +165,8 @@ fn skeleton() -> Vec<(&'static str, &'static str, &'static [&'static str])> {
             "services",
             "",
             &[
-                "ip daddr . meta l4proto . th dport vmap @service-ips",
-                "ip6 daddr . meta l4proto . th dport vmap @service-ips6",
+                "ip daddr . meta l4proto . th dport vmap @service-vips",
+                "ip6 daddr . meta l4proto . th dport vmap @service-vips6",
             ],
         ),
         (
@@ -108,7 +210,7 @@ pub fn skeleton_chains() -> BTreeSet<&'static str> {
 pub struct ServiceObjects {
     /// Map elements: (map, key) → value.
     pub elements: BTreeMap<(&'static str, String), String>,
-    /// Chains with their rules.
+    /// Chains with their rules (affinity only: the pick chains are shared).
     pub chains: BTreeMap<String, Vec<String>>,
     /// Sets (affinity) with their definition.
     pub sets: BTreeMap<String, String>,
@@ -125,11 +227,13 @@ pub struct PortPlan {
     pub port: u16,
     /// Eligible backends (sorted); empty: the port refuses.
     pub backends: Vec<SocketAddr>,
-    /// The service port's chain (also when refusing: the name it would have).
+    /// The service port's own chain (with ClientIP affinity; the name it would have
+    /// otherwise).
     pub chain: String,
 }
 
-fn proto(p: Protocol) -> &'static str {
+/// The protocol as nft names it.
+pub fn proto(p: Protocol) -> &'static str {
     match p {
         Protocol::Tcp => "tcp",
         Protocol::Udp => "udp",
@@ -225,48 +329,67 @@ fn add_port(objects: &mut ServiceObjects, plan: &PortPlan, affinity: Option<u32>
         return;
     }
     let map = if v4 { SERVICE_MAP_V4 } else { SERVICE_MAP_V6 };
+    let n = plan.backends.len();
+    let Some(timeout) = affinity else {
+        // Shared layout: the backends are data, the pick chain is shared.
+        let data = backend_map(f, p);
+        for (i, b) in plan.backends.iter().enumerate() {
+            objects.elements.insert(
+                (data, format!("{} . {} . {i}", plan.vip, plan.port)),
+                format!("{} . {}", b.ip(), b.port()),
+            );
+        }
+        objects
+            .elements
+            .insert((map, key), format!("goto {}", pick_chain(f, n)));
+        return;
+    };
     objects
         .elements
         .insert((map, key), format!("goto {}", plan.chain));
-    let n = plan.backends.len();
     // The counter comes first: it counts every new flow of the port.
     let mut rules = vec!["counter".to_owned()];
-    match affinity {
-        None => {
-            for (i, b) in plan.backends.iter().enumerate() {
-                rules.push(format!(
-                    "{}meta l4proto {p} dnat {ipf} to {}",
-                    pick(i, n),
-                    dnat_dest(*b)
-                ));
-            }
-        }
-        Some(timeout) => {
-            let base = plan.chain.trim_start_matches(&format!("svc{f}-")[..]);
-            let mut picks = Vec::new();
-            for (i, b) in plan.backends.iter().enumerate() {
-                let id = format!("{base}/{}/{}", ident_addr(b.ip()), b.port());
-                let set = format!("aff{f}-{id}");
-                let chain = format!("ep{f}-{id}");
-                let addr_type = if v4 { "ipv4_addr" } else { "ipv6_addr" };
-                objects.sets.insert(
-                    set.clone(),
-                    format!("{{ type {addr_type}; flags dynamic,timeout; timeout {timeout}s; }}"),
-                );
-                objects.chains.insert(
-                    chain.clone(),
-                    vec![format!(
-                        "update @{set} {{ {ipf} saddr }} meta l4proto {p} dnat {ipf} to {}",
-                        dnat_dest(*b)
-                    )],
-                );
-                rules.push(format!("{ipf} saddr @{set} goto {chain}"));
-                picks.push(format!("{}goto {chain}", pick(i, n)));
-            }
-            rules.extend(picks);
-        }
+    let base = plan.chain.trim_start_matches(&format!("svc{f}-")[..]);
+    let mut picks = Vec::new();
+    for (i, b) in plan.backends.iter().enumerate() {
+        let id = format!("{base}/{}/{}", ident_addr(b.ip()), b.port());
+        let set = format!("aff{f}-{id}");
+        let chain = format!("ep{f}-{id}");
+        let addr_type = if v4 { "ipv4_addr" } else { "ipv6_addr" };
+        objects.sets.insert(
+            set.clone(),
+            format!("{{ type {addr_type}; flags dynamic,timeout; timeout {timeout}s; }}"),
+        );
+        objects.chains.insert(
+            chain.clone(),
+            vec![format!(
+                "update @{set} {{ {ipf} saddr }} meta l4proto {p} dnat {ipf} to {}",
+                dnat_dest(*b)
+            )],
+        );
+        rules.push(format!("{ipf} saddr @{set} goto {chain}"));
+        picks.push(format!("{}goto {chain}", pick(i, n)));
     }
+    rules.extend(picks);
     objects.chains.insert(plan.chain.clone(), rules);
+}
+
+/// The shared pick chains `objects` sends packets to.
+fn picks_used(objects: &ServiceObjects) -> impl Iterator<Item = &str> {
+    objects
+        .elements
+        .values()
+        .filter_map(|v| v.strip_prefix("goto "))
+        .filter(|c| is_pick_chain(c))
+}
+
+/// The rules of a shared pick chain, from its name.
+fn pick_chain_rules(chain: &str) -> Vec<String> {
+    let parsed = chain
+        .strip_prefix("pick")
+        .and_then(|rest| rest.split_once('-'))
+        .and_then(|(f, n)| Some((f.chars().next()?, n.parse().ok()?)));
+    parsed.map_or_else(Vec::new, |(f, n)| pick_rules(f, n))
 }
 
 /// What is in the kernel's table before a full sync (names only), for adoption.
@@ -287,6 +410,8 @@ pub struct Ruleset {
     services: HashMap<ServiceKey, ServiceObjects>,
     /// Which service holds each map element (a VIP may move between services).
     owners: HashMap<(&'static str, String), ServiceKey>,
+    /// The shared pick chains in the kernel (kept once made, until a full sync).
+    picks: BTreeSet<String>,
 }
 
 /// One transaction, and the state it leads to once the kernel took it.
@@ -295,6 +420,8 @@ pub struct Plan {
     /// The `nft -f` script (empty when nothing changes).
     pub script: String,
     next: Vec<(ServiceKey, Option<ServiceObjects>)>,
+    /// Pick chains this transaction makes (full: every pick chain after it).
+    picks: BTreeSet<String>,
     full: bool,
 }
 
@@ -344,7 +471,9 @@ impl Ruleset {
         if plan.full {
             self.services.clear();
             self.owners.clear();
+            self.picks.clear();
         }
+        self.picks.extend(plan.picks);
         for (key, objects) in plan.next {
             if let Some(old) = self.services.remove(&key) {
                 for el in old.elements.keys() {
@@ -376,8 +505,10 @@ impl Ruleset {
         let mut chain_cmds = String::new();
         let mut set_cmds = String::new();
         let mut seen_elements = BTreeSet::new();
+        let mut picks = BTreeSet::new();
         for view in &delta.upserted {
             let objects = service_objects(view, &self.node);
+            picks.extend(picks_used(&objects).map(str::to_owned));
             for (name, def) in &objects.sets {
                 desired_sets.insert(name.clone());
                 let _ = writeln!(set_cmds, "add set {TABLE} {name} {def}");
@@ -408,17 +539,9 @@ impl Ruleset {
         //    this one transaction, so packets see the old or the new table, never a
         //    gap.
         let _ = writeln!(s, "add table {TABLE}");
-        for (map, ty) in [
-            (SERVICE_MAP_V4, "ipv4_addr"),
-            (SERVICE_MAP_V6, "ipv6_addr"),
-            (REFUSE_MAP_V4, "ipv4_addr"),
-            (REFUSE_MAP_V6, "ipv6_addr"),
-        ] {
-            let _ = writeln!(
-                s,
-                "add map {TABLE} {map} {{ type {ty} . inet_proto . inet_service : verdict ; }}"
-            );
-            if existing.sets.contains(map) {
+        for (map, def) in map_definitions() {
+            let _ = writeln!(s, "add map {TABLE} {map} {{ {def} }}");
+            if existing.table {
                 let _ = writeln!(s, "flush map {TABLE} {map}");
             }
         }
@@ -432,6 +555,13 @@ impl Ruleset {
             let _ = writeln!(s, "add chain {TABLE} {name} {def}");
             for r in rules {
                 let _ = writeln!(s, "add rule {TABLE} {name} {r}");
+            }
+        }
+        for chain in &picks {
+            desired_chains.insert(chain.clone());
+            let _ = writeln!(s, "add chain {TABLE} {chain}");
+            for rule in pick_chain_rules(chain) {
+                let _ = writeln!(s, "add rule {TABLE} {chain} {rule}");
             }
         }
         s.push_str(&set_cmds);
@@ -462,6 +592,7 @@ impl Ruleset {
         Plan {
             script: s,
             next,
+            picks,
             full: true,
         }
     }
@@ -499,11 +630,24 @@ impl Ruleset {
                 }
             }
         }
+        // A backend count used for the first time gets its pick chain.
+        let mut picks = BTreeSet::new();
+        for (_, new) in &next {
+            for chain in new.iter().flat_map(picks_used) {
+                if !self.picks.contains(chain) && picks.insert(chain.to_owned()) {
+                    let _ = writeln!(s, "add chain {TABLE} {chain}");
+                    for rule in pick_chain_rules(chain) {
+                        let _ = writeln!(s, "add rule {TABLE} {chain} {rule}");
+                    }
+                }
+            }
+        }
         // Additions of elements come after every deletion (see diff_service).
         s.push_str(&tail);
         Plan {
             script: reorder(&s),
             next,
+            picks,
             full: false,
         }
     }

@@ -58,13 +58,14 @@ fn programmed(views: Vec<ServiceView>) -> Ruleset {
 }
 
 #[test]
-fn full_delta_builds_table_maps_and_one_chain_per_service_port() {
+fn full_delta_builds_maps_elements_and_one_shared_chain_per_backend_count() {
     let rs = Ruleset::new("node-a");
     let plan = rs.plan(
         &delta(
             true,
             vec![
                 view("web", "198.18.100.10", &["198.18.1.2", "198.18.1.3"]),
+                view("api", "198.18.100.11", &["198.18.1.4", "198.18.1.5"]),
                 view("v6", "\"fd00:100::10\"", &["\"fd00:1::2\""]),
             ],
             vec![],
@@ -75,27 +76,46 @@ fn full_delta_builds_table_maps_and_one_chain_per_service_port() {
     assert!(s.starts_with(&format!("add table {TABLE}\n")), "{s}");
     assert!(s.contains("add chain inet rune nat-prerouting { type nat hook prerouting"));
     assert!(s.contains("add chain inet rune nat-output { type nat hook output"));
+    // Two services with two backends share one chain; no chain per service.
     assert!(
         s.contains(
-            "add chain inet rune svc4-default/web/tcp/80\n\
-             add rule inet rune svc4-default/web/tcp/80 counter\n\
-             add rule inet rune svc4-default/web/tcp/80 numgen random mod 2 0 meta l4proto tcp dnat ip to 198.18.1.2:8080\n\
-             add rule inet rune svc4-default/web/tcp/80 meta l4proto tcp dnat ip to 198.18.1.3:8080\n"
+            "add chain inet rune pick4-2\n\
+             add rule inet rune pick4-2 dnat ip to ip daddr . tcp dport . numgen random mod 2 map @backends4-tcp\n\
+             add rule inet rune pick4-2 dnat ip to ip daddr . udp dport . numgen random mod 2 map @backends4-udp\n"
         ),
         "{s}"
     );
     assert!(
         s.contains(
-            "add rule inet rune svc6-default/v6/tcp/80 counter\n\
-             add rule inet rune svc6-default/v6/tcp/80 meta l4proto tcp dnat ip6 to [fd00:1::2]:8080\n"
+            "add rule inet rune pick6-1 dnat ip6 to ip6 daddr . tcp dport . numgen random mod 1 map @backends6-tcp\n"
         ),
         "{s}"
     );
-    assert!(s.contains("add element inet rune service-ips { 198.18.100.10 . tcp . 80 : goto svc4-default/web/tcp/80 }"), "{s}");
-    assert!(s.contains("add element inet rune service-ips6 { fd00:100::10 . tcp . 80 : goto svc6-default/v6/tcp/80 }"), "{s}");
+    assert_eq!(s.matches("add chain inet rune pick").count(), 2, "{s}");
+    assert!(!s.contains("svc4-") && !s.contains("svc6-"), "{s}");
+    assert!(s.contains("add element inet rune service-vips { 198.18.100.10 . tcp . 80 : goto pick4-2, 198.18.100.11 . tcp . 80 : goto pick4-2 }"), "{s}");
+    assert!(
+        s.contains(
+            "add element inet rune service-vips6 { fd00:100::10 . tcp . 80 : goto pick6-1 }"
+        ),
+        "{s}"
+    );
+    assert!(s.contains("add element inet rune backends4-tcp { 198.18.100.10 . 80 . 0 : 198.18.1.2 . 8080, 198.18.100.10 . 80 . 1 : 198.18.1.3 . 8080, 198.18.100.11 . 80 . 0 : 198.18.1.4 . 8080, 198.18.100.11 . 80 . 1 : 198.18.1.5 . 8080 }"), "{s}");
+    assert!(
+        s.contains(
+            "add element inet rune backends6-tcp { fd00:100::10 . 80 . 0 : fd00:1::2 . 8080 }"
+        ),
+        "{s}"
+    );
+    // Maps and chains exist before the elements that name them.
+    let chain = s.find("add chain inet rune pick4-2").expect("chain");
+    let element = s
+        .find("add element inet rune service-vips ")
+        .expect("element");
+    assert!(chain < element, "{s}");
     // Nothing is ever said about another table, and nothing deleted on a fresh one.
     assert!(s.lines().all(|l| l.contains(" inet rune")), "{s}");
-    assert!(!s.contains("delete"), "{s}");
+    assert!(!s.contains("delete") && !s.contains("flush"), "{s}");
 }
 
 #[test]
@@ -110,14 +130,26 @@ fn only_ready_non_terminating_endpoints_get_new_flows() {
             "{address: 198.18.1.4, ready: false}",
         ]),
     )]);
-    let chain = &rs
+    let o = rs
         .service(&ServiceKey::new("default", "web"))
-        .expect("programmed")
-        .chains["svc4-default/web/tcp/80"];
+        .expect("programmed");
+    let elements: Vec<(&str, &str, &str)> = o
+        .elements
+        .iter()
+        .map(|((map, key), value)| (*map, key.as_str(), value.as_str()))
+        .collect();
     assert_eq!(
-        chain,
-        &vec!["counter", "meta l4proto tcp dnat ip to 198.18.1.2:8080"]
+        elements,
+        vec![
+            (
+                "backends4-tcp",
+                "198.18.100.10 . 80 . 0",
+                "198.18.1.2 . 8080"
+            ),
+            ("service-vips", "198.18.100.10 . tcp . 80", "goto pick4-1"),
+        ]
     );
+    assert!(o.chains.is_empty());
 }
 
 #[test]
@@ -191,12 +223,50 @@ fn one_endpoint_change_rewrites_only_that_service() {
         ),
         &Existing::default(),
     );
+    // Only the changed backend's element: no chain, no rule, nothing of b.
     assert_eq!(
         plan.script,
-        "flush chain inet rune svc4-default/a/tcp/80\n\
-         add rule inet rune svc4-default/a/tcp/80 counter\n\
-         add rule inet rune svc4-default/a/tcp/80 numgen random mod 2 0 meta l4proto tcp dnat ip to 198.18.1.2:8080\n\
-         add rule inet rune svc4-default/a/tcp/80 meta l4proto tcp dnat ip to 198.18.1.4:8080\n"
+        "delete element inet rune backends4-tcp { 198.18.100.10 . 80 . 1 }\n\
+         add element inet rune backends4-tcp { 198.18.100.10 . 80 . 1 : 198.18.1.4 . 8080 }\n"
+    );
+    rs.commit(plan);
+    // A new backend count: the service's elements, and the pick chain it first needs.
+    let plan = rs.plan(
+        &delta(
+            false,
+            vec![view(
+                "a",
+                "198.18.100.10",
+                &["198.18.1.2", "198.18.1.4", "198.18.1.6"],
+            )],
+            vec![],
+        ),
+        &Existing::default(),
+    );
+    assert_eq!(
+        plan.script,
+        "delete element inet rune service-vips { 198.18.100.10 . tcp . 80 }\n\
+         add chain inet rune pick4-3\n\
+         add rule inet rune pick4-3 dnat ip to ip daddr . tcp dport . numgen random mod 3 map @backends4-tcp\n\
+         add rule inet rune pick4-3 dnat ip to ip daddr . udp dport . numgen random mod 3 map @backends4-udp\n\
+         add element inet rune backends4-tcp { 198.18.100.10 . 80 . 2 : 198.18.1.6 . 8080 }\n\
+         add element inet rune service-vips { 198.18.100.10 . tcp . 80 : goto pick4-3 }\n"
+    );
+    rs.commit(plan);
+    // Back to two: the pick chain made before stays (shared), nothing else new.
+    let plan = rs.plan(
+        &delta(
+            false,
+            vec![view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"])],
+            vec![],
+        ),
+        &Existing::default(),
+    );
+    assert_eq!(
+        plan.script,
+        "delete element inet rune backends4-tcp { 198.18.100.10 . 80 . 2 }\n\
+         delete element inet rune service-vips { 198.18.100.10 . tcp . 80 }\n\
+         add element inet rune service-vips { 198.18.100.10 . tcp . 80 : goto pick4-2 }\n"
     );
     rs.commit(plan);
     // The same state again: nothing to do.
@@ -224,9 +294,9 @@ fn emptied_then_refilled_service_moves_between_maps_and_removal_deletes_its_obje
     );
     assert_eq!(
         plan.script,
-        "delete element inet rune service-ips { 198.18.100.10 . tcp . 80 }\n\
-         add element inet rune no-endpoints { 198.18.100.10 . tcp . 80 : goto reject-service }\n\
-         delete chain inet rune svc4-default/a/tcp/80\n"
+        "delete element inet rune backends4-tcp { 198.18.100.10 . 80 . 0 }\n\
+         delete element inet rune service-vips { 198.18.100.10 . tcp . 80 }\n\
+         add element inet rune no-endpoints { 198.18.100.10 . tcp . 80 : goto reject-service }\n"
     );
     rs.commit(plan);
     let plan = rs.plan(
@@ -253,12 +323,21 @@ fn a_vip_moving_to_another_service_is_deleted_once_before_it_is_added() {
         &Existing::default(),
     );
     let s = &plan.script;
-    assert_eq!(s.matches("delete element").count(), 1, "{s}");
-    let del = s.find("delete element").expect("deleted");
+    // Each of a's elements (service map, one backend) deleted once, before b's.
+    assert_eq!(
+        s.matches("delete element inet rune service-vips { 198.18.100.10 . tcp . 80 }")
+            .count(),
+        1,
+        "{s}"
+    );
+    assert_eq!(s.matches("delete element").count(), 2, "{s}");
+    let del = s.rfind("delete element").expect("deleted");
     let add = s.find("add element").expect("added");
     assert!(del < add, "{s}");
     assert!(
-        s.contains("delete chain inet rune svc4-default/a/tcp/80"),
+        s.contains(
+            "add element inet rune backends4-tcp { 198.18.100.10 . 80 . 0 : 198.18.1.3 . 8080 }"
+        ),
         "{s}"
     );
     rs.commit(plan);
@@ -273,13 +352,14 @@ fn full_delta_adopts_an_existing_table_in_one_transaction() {
         chains: [
             "nat-prerouting",
             "services",
-            "svc4-default/a/tcp/80",
+            "pick4-1",
+            "pick4-7",
             "svc4-default/gone/tcp/80",
         ]
         .into_iter()
         .map(str::to_owned)
         .collect(),
-        sets: ["service-ips", "aff4-default/gone/tcp/80/198.18.1.9/8080"]
+        sets: ["aff4-default/gone/tcp/80/198.18.1.9/8080"]
             .into_iter()
             .map(str::to_owned)
             .collect(),
@@ -295,11 +375,23 @@ fn full_delta_adopts_an_existing_table_in_one_transaction() {
     let s = &plan.script;
     // Never deleted as a whole: flushed and refilled.
     assert!(!s.contains("delete table"), "{s}");
-    assert!(s.contains("flush map inet rune service-ips\n"), "{s}");
-    assert!(
-        s.contains("flush chain inet rune svc4-default/a/tcp/80\n"),
-        "{s}"
-    );
+    for map in [
+        "service-vips",
+        "service-vips6",
+        "no-endpoints",
+        "no-endpoints6",
+        "backends4-tcp",
+        "backends4-udp",
+        "backends6-tcp",
+        "backends6-udp",
+    ] {
+        assert!(s.contains(&format!("flush map inet rune {map}\n")), "{s}");
+    }
+    // The pick chain still in use is flushed and refilled, the unused one goes.
+    assert!(s.contains("flush chain inet rune pick4-1\n"), "{s}");
+    assert!(s.contains("add rule inet rune pick4-1 dnat"), "{s}");
+    assert!(!s.contains("delete chain inet rune pick4-1\n"), "{s}");
+    assert!(s.contains("delete chain inet rune pick4-7\n"), "{s}");
     assert!(
         s.contains("delete chain inet rune svc4-default/gone/tcp/80\n"),
         "{s}"
@@ -308,7 +400,6 @@ fn full_delta_adopts_an_existing_table_in_one_transaction() {
         s.contains("delete set inet rune aff4-default/gone/tcp/80/198.18.1.9/8080\n"),
         "{s}"
     );
-    assert!(!s.contains("delete chain inet rune svc4-default/a/"), "{s}");
     assert!(!s.contains("delete chain inet rune services"), "{s}");
     let flush = s
         .find("flush chain inet rune svc4-default/gone")
@@ -317,4 +408,71 @@ fn full_delta_adopts_an_existing_table_in_one_transaction() {
         .find("delete chain inet rune svc4-default/gone")
         .expect("deleted");
     assert!(flush < delete);
+}
+
+#[test]
+fn element_only_changes_become_netlink_element_commands_with_kernel_bytes() {
+    use super::netlink::{ElementData, element_ops};
+    let ops = element_ops(
+        "delete element inet rune backends4-tcp { 198.18.100.10 . 80 . 1 }\n\
+         add element inet rune backends4-tcp { 198.18.100.10 . 80 . 1 : 198.18.1.4 . 8080 }\n\
+         add element inet rune service-vips6 { fd00:100::10 . udp . 53 : goto pick6-2 }\n",
+    )
+    .expect("element commands only");
+    assert_eq!(ops.len(), 3);
+    assert!(!ops[0].add && ops[0].data.is_none());
+    // Address, port big-endian padded to 4 bytes, numgen index host-endian.
+    let mut key = vec![198, 18, 100, 10, 0, 80, 0, 0];
+    key.extend_from_slice(&1u32.to_ne_bytes());
+    assert_eq!(ops[0].key, key);
+    assert_eq!(ops[1].key, key);
+    assert_eq!(
+        ops[1].data,
+        Some(ElementData::Bytes(vec![198, 18, 1, 4, 0x1f, 0x90, 0, 0]))
+    );
+    let mut key6 = vec![0xfd, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10];
+    key6.extend_from_slice(&[17, 0, 0, 0, 0, 53, 0, 0]);
+    assert_eq!(ops[2].map, "service-vips6");
+    assert_eq!(ops[2].key, key6);
+    assert_eq!(ops[2].data, Some(ElementData::Goto("pick6-2".into())));
+    // Anything but single-element commands stays with nft.
+    assert!(element_ops("add chain inet rune pick4-3\n").is_none());
+    assert!(
+        element_ops("add element inet rune backends4-tcp { 198.18.100.10 . 80 . 0 : 198.18.1.2 . 8080, 198.18.100.10 . 80 . 1 : 198.18.1.3 . 8080 }\n")
+            .is_none()
+    );
+    assert!(element_ops("").is_none());
+}
+
+#[test]
+fn an_endpoint_change_plan_goes_over_netlink_and_a_new_backend_count_does_not() {
+    use super::netlink::element_ops;
+    let mut rs = programmed(vec![view(
+        "a",
+        "198.18.100.10",
+        &["198.18.1.2", "198.18.1.3"],
+    )]);
+    let same_n = rs.plan(
+        &delta(
+            false,
+            vec![view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"])],
+            vec![],
+        ),
+        &Existing::default(),
+    );
+    assert_eq!(element_ops(&same_n.script).map(|o| o.len()), Some(2));
+    rs.commit(same_n);
+    let new_n = rs.plan(
+        &delta(
+            false,
+            vec![view(
+                "a",
+                "198.18.100.10",
+                &["198.18.1.2", "198.18.1.4", "198.18.1.5"],
+            )],
+            vec![],
+        ),
+        &Existing::default(),
+    );
+    assert!(element_ops(&new_n.script).is_none(), "{}", new_n.script);
 }
