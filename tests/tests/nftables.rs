@@ -21,7 +21,7 @@ use rune_agent_tests::{
     modes::{Ep, TCP_PORT, UDP_PORT, VIP4, VIP6, all_ready, service_yaml, web_yaml},
     netns::require_root,
     topology::Topology,
-    vip::{PATIENCE, apply, backend_name, topology, wait_reachable},
+    vip::{BACKEND_PORT, PATIENCE, apply, backend_name, topology, wait_reachable},
 };
 use serde_json::Value;
 
