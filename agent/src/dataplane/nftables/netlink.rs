@@ -4,6 +4,9 @@
 //! node. Anything else (chains, sets, full syncs) still goes through `nft -f`.
 //!
 //! The batch is atomic like `nft -f`: the kernel applies all of it or nothing.
+//!
+//! Encoded here rather than through a crate: rustables is GPL-3.0, and nftnl binds
+//! the C libnftnl, whose sets take keys only (no map data, no element deletes).
 
 use super::ruleset::{BACKEND_MAPS, TABLE_NAME};
 use std::{io, net::IpAddr};
