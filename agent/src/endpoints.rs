@@ -11,7 +11,7 @@ use crate::{
     agent::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
     metrics::{KindLabels, Metrics},
     model::{Endpoints, Kind, Object, ObjectKey, Service, ServiceKey},
-    orderedlog::{Event, OrderedLog, Revision, Snapshot},
+    orderedlog::{Event, LogError, OrderedLog, Revision, Snapshot},
     sync::lock,
 };
 use futures::{FutureExt, StreamExt};
@@ -372,7 +372,13 @@ pub struct CacheFeed {
     synced: ReadySetter,
     readiness: Readiness,
     tasks: TaskTracker,
+    /// The first snapshot, when its read was started before this subsystem (see
+    /// [`CacheFeed::with_first_snapshot`]).
+    first: Mutex<Option<FirstSnapshot>>,
 }
+
+/// A snapshot read already under way.
+pub type FirstSnapshot = tokio::task::JoinHandle<Result<Snapshot, LogError>>;
 
 impl CacheFeed {
     /// A feed from `log` into `cache`, keeping `rune_objects` and
@@ -386,7 +392,17 @@ impl CacheFeed {
             synced,
             readiness,
             tasks: TaskTracker::new(),
+            first: Mutex::new(None),
         }
+    }
+
+    /// Uses `first` (a read of `log`'s snapshot started earlier, e.g. while preflight
+    /// and the data plane load run) as the first snapshot; should it fail, the feed
+    /// reads one itself as usual.
+    #[must_use]
+    pub fn with_first_snapshot(self, first: FirstSnapshot) -> Self {
+        *lock(&self.first) = Some(first);
+        self
     }
 }
 
@@ -403,6 +419,7 @@ impl Subsystem for CacheFeed {
             self.metrics.clone(),
             self.synced.clone(),
             ctx.cancel.clone(),
+            lock(&self.first).take(),
         ));
         Ok(())
     }
@@ -444,6 +461,7 @@ async fn follow(
     metrics: Arc<Metrics>,
     synced: ReadySetter,
     cancel: CancellationToken,
+    mut first: Option<FirstSnapshot>,
 ) {
     let mut backoff = INITIAL_BACKOFF;
     let pause = |d: Duration| {
@@ -456,9 +474,24 @@ async fn follow(
         }
     };
     loop {
-        let snapshot = tokio::select! {
-            () = cancel.cancelled() => return,
-            s = log.snapshot() => s,
+        let early = match first.take() {
+            Some(read) => tokio::select! {
+                () = cancel.cancelled() => return,
+                r = read => match r {
+                    Ok(Ok(s)) => Some(Ok(s)),
+                    Ok(Err(e)) => Some(Err(e)),
+                    // The read task panicked or was cancelled: read again below.
+                    Err(_) => None,
+                },
+            },
+            None => None,
+        };
+        let snapshot = match early {
+            Some(s) => s,
+            None => tokio::select! {
+                () = cancel.cancelled() => return,
+                s = log.snapshot() => s,
+            },
         };
         let snapshot = match snapshot {
             Ok(s) => s,

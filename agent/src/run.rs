@@ -20,7 +20,10 @@ use crate::{
     identity::Identity,
     localapi::{self, LocalApiServer, StatusFn},
     metrics::{Metrics, MetricsServer},
-    orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
+    orderedlog::{
+        OrderedLog as _,
+        embedded::{EmbeddedLog, EmbeddedOptions},
+    },
     preflight::{self, DataplaneMode},
     status::{AgentStatus, NodeStatus, SubsystemLine},
 };
@@ -46,6 +49,13 @@ pub async fn run(config: Config) -> Result<()> {
             history: config.log_history,
         },
     )?);
+    // The first snapshot is read (on the blocking pool) while preflight and the data
+    // plane's load run: at 10,000 services each takes a few hundred milliseconds, and
+    // the two cores of a small node do them side by side.
+    let first_snapshot = {
+        let store = store.clone();
+        tokio::spawn(async move { store.snapshot().await })
+    };
     let metrics = Arc::new(Metrics::new());
     let cache = Arc::new(EndpointCache::new());
     // Production runs preflight first; dev mode always uses the loopback proxies.
@@ -151,7 +161,9 @@ pub async fn run(config: Config) -> Result<()> {
         store.clone(),
         status,
     )))?;
-    agent.register(Arc::new(CacheFeed::new(store, cache.clone(), metrics)))?;
+    agent.register(Arc::new(
+        CacheFeed::new(store, cache.clone(), metrics).with_first_snapshot(first_snapshot),
+    ))?;
     agent.register(Arc::new(Reconciler::new(plane, cache)))?;
     agent.register(dns)?;
 

@@ -178,7 +178,7 @@ struct CompactingLog {
 
 #[async_trait::async_trait]
 impl OrderedLog for CompactingLog {
-    async fn snapshot(&self) -> Result<Snapshot, crate::orderedlog::LogError> {
+    async fn snapshot(&self) -> Result<Snapshot, LogError> {
         let mut s = self.snapshots.lock().unwrap();
         Ok(if s.len() > 1 {
             s.remove(0)
@@ -187,13 +187,10 @@ impl OrderedLog for CompactingLog {
         })
     }
 
-    async fn watch(
-        &self,
-        from: Revision,
-    ) -> Result<crate::orderedlog::EventStream, crate::orderedlog::LogError> {
+    async fn watch(&self, from: Revision) -> Result<crate::orderedlog::EventStream, LogError> {
         *self.watches.lock().unwrap() += 1;
         if from == 1 {
-            let err = crate::orderedlog::LogError::Compacted {
+            let err = LogError::Compacted {
                 requested: 1,
                 oldest: 4,
             };
@@ -238,6 +235,46 @@ async fn the_feed_resyncs_after_a_compaction() {
     assert!(cache.view(&ServiceKey::new("default", "b")).is_some());
     assert_eq!(*log.watches.lock().unwrap(), 2);
     assert_eq!(metrics.revision_applied.get(), 5);
+    ctx.cancel.cancel();
+    tokio::time::timeout(Duration::from_secs(5), feed.stop())
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+/// A snapshot read started before the feed (as `run` does, beside preflight) is the
+/// feed's first one: it watches from that snapshot's revision.
+#[tokio::test]
+async fn the_feed_starts_from_a_snapshot_read_earlier() {
+    let log = Arc::new(CompactingLog {
+        snapshots: Mutex::new(vec![Snapshot {
+            revision: 5,
+            objects: vec![service("b", 81)],
+        }]),
+        watches: Mutex::new(0),
+    });
+    let early = tokio::spawn(async {
+        Ok(Snapshot {
+            revision: 1,
+            objects: vec![service("a", 80)],
+        })
+    });
+    let cache = Arc::new(EndpointCache::loaded());
+    let metrics = Arc::new(Metrics::new());
+    let feed = CacheFeed::new(log.clone(), cache.clone(), metrics).with_first_snapshot(early);
+    let ctx = StartContext::new(CancellationToken::new(), crate::agent::Mode::Dev);
+    feed.start(&ctx).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while cache.revision() != 5 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("resynced to revision 5");
+    // The early snapshot (revision 1) was watched from, which this log answers with
+    // a compaction; the log's own snapshot (revision 5) came after.
+    assert_eq!(*log.watches.lock().unwrap(), 2);
+    assert!(cache.view(&ServiceKey::new("default", "b")).is_some());
     ctx.cancel.cancel();
     tokio::time::timeout(Duration::from_secs(5), feed.stop())
         .await
