@@ -477,12 +477,8 @@ async fn follow(
         let early = match first.take() {
             Some(read) => tokio::select! {
                 () = cancel.cancelled() => return,
-                r = read => match r {
-                    Ok(Ok(s)) => Some(Ok(s)),
-                    Ok(Err(e)) => Some(Err(e)),
-                    // The read task panicked or was cancelled: read again below.
-                    Err(_) => None,
-                },
+                // A read task that panicked or was cancelled: read again below.
+                r = read => r.ok(),
             },
             None => None,
         };
