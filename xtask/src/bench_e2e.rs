@@ -46,6 +46,11 @@ const ADDRS_PER_MODE: u8 = 4 * ROUNDS + 2;
 enum Mode {
     /// eBPF: tc DNAT on the node's client-facing veth.
     Ebpf,
+    /// eBPF: XDP DNAT on that veth (reverse NAT still in tc egress). The client's
+    /// veth sends full checksums in this mode (`ethtool -K c-node tx off` for its
+    /// direct and VIP runs alike), as a NIC delivers them: XDP sees no skb and
+    /// cannot fix a partial one.
+    EbpfXdp,
     /// nftables DNAT in the node's table `inet rune`.
     Nftables,
     /// Userspace proxies listening on the VIPs themselves (added to the node's lo).
@@ -54,7 +59,7 @@ enum Mode {
 
 impl Mode {
     /// Every mode, in the order they run.
-    const ALL: [Mode; 3] = [Mode::Ebpf, Mode::Nftables, Mode::Userspace];
+    const ALL: [Mode; 4] = [Mode::Ebpf, Mode::EbpfXdp, Mode::Nftables, Mode::Userspace];
 
     /// The modes to run: those named in `RUNE_BENCH_MODES` (comma-separated
     /// `--dataplane` values, to iterate on one mode alone), else [`Mode::ALL`].
@@ -68,15 +73,25 @@ impl Mode {
             .iter()
             .find(|w| !Mode::ALL.iter().any(|m| m.name() == **w))
         {
-            bail!("RUNE_BENCH_MODES: unknown mode {unknown:?} (ebpf, nftables, userspace)");
+            bail!(
+                "RUNE_BENCH_MODES: unknown mode {unknown:?} (ebpf, ebpf-xdp, nftables, userspace)"
+            );
         }
         Ok(all.filter(|(_, m)| wanted.contains(&m.name())).collect())
     }
 
-    /// The `--dataplane` value.
+    /// Its name in `RUNE_BENCH_MODES`.
     fn name(self) -> &'static str {
         match self {
-            Mode::Ebpf => "ebpf",
+            Mode::EbpfXdp => "ebpf-xdp",
+            _ => self.dataplane(),
+        }
+    }
+
+    /// The `--dataplane` value.
+    fn dataplane(self) -> &'static str {
+        match self {
+            Mode::Ebpf | Mode::EbpfXdp => "ebpf",
             Mode::Nftables => "nftables",
             Mode::Userspace => "userspace",
         }
@@ -85,6 +100,7 @@ impl Mode {
     fn label(self) -> &'static str {
         match self {
             Mode::Ebpf => "eBPF (tc)",
+            Mode::EbpfXdp => "eBPF (XDP)",
             Mode::Nftables => "nftables DNAT",
             Mode::Userspace => "userspace proxy on the VIP",
         }
@@ -93,21 +109,27 @@ impl Mode {
     /// `rune-agent run` flags beyond the state dir, metrics and DNS addresses.
     fn flags(self, pins: &Path) -> Vec<String> {
         match self {
-            Mode::Ebpf => vec![
-                "--dataplane".into(),
-                self.name().into(),
-                "--cgroup".into(),
-                "none".into(),
-                "--interfaces".into(),
-                "n-client".into(),
-                "--bpf-pin-dir".into(),
-                pins.display().to_string(),
-            ],
+            Mode::Ebpf | Mode::EbpfXdp => {
+                let mut flags: Vec<String> = vec![
+                    "--dataplane".into(),
+                    self.dataplane().into(),
+                    "--cgroup".into(),
+                    "none".into(),
+                    "--interfaces".into(),
+                    "n-client".into(),
+                    "--bpf-pin-dir".into(),
+                    pins.display().to_string(),
+                ];
+                if self == Mode::EbpfXdp {
+                    flags.extend(["--xdp-interfaces".into(), "n-client".into()]);
+                }
+                flags
+            }
             // A start removes what other modes left: the bench's own pin dir, never
             // the default one.
             Mode::Nftables | Mode::Userspace => vec![
                 "--dataplane".into(),
-                self.name().into(),
+                self.dataplane().into(),
                 "--bpf-pin-dir".into(),
                 pins.display().to_string(),
             ],
@@ -117,7 +139,7 @@ impl Mode {
     /// The target ratio for `scenario` (issues #3 and #4), if any.
     fn target(self, scenario: Scenario) -> &'static str {
         match (self, scenario) {
-            (Mode::Ebpf, _) => ">= 0.95x",
+            (Mode::Ebpf | Mode::EbpfXdp, _) => ">= 0.95x",
             (Mode::Nftables, _) => ">= 0.85x",
             (Mode::Userspace, Scenario::RoundTrips) => ">= 0.6x",
             (Mode::Userspace, Scenario::Connections) => "",
@@ -200,6 +222,10 @@ pub fn section(bin: &Path) -> Result<String> {
         let state = TempDir::new(&format!("rune-bench-e2e-{pid}-{m}"))?;
         let pins = PinDir(format!("/sys/fs/bpf/rune-bench-e2e-{pid}-{m}").into());
         apply_offline(bin, &state.0, &yaml)?;
+        let xdp = mode == Mode::EbpfXdp;
+        if xdp {
+            client_tx_checksum(&client, false)?;
+        }
         let agent = ModeAgent::start(bin, &node, &state.0, &mode.flags(&pins.0))?;
         let measured = measure(&client, backend_addr, m).with_context(|| {
             format!(
@@ -211,6 +237,9 @@ pub fn section(bin: &Path) -> Result<String> {
         // Stops the agent; then the pins go (detaching the eBPF programs).
         drop(agent);
         drop(pins);
+        if xdp {
+            client_tx_checksum(&client, true)?;
+        }
         rows.extend(measured.into_iter().map(|(s, d, v)| (mode, s, d, v)));
     }
 
@@ -426,6 +455,24 @@ fn wire(client: &Netns, node: &Netns, backend: &Netns) -> Result<()> {
     crate::util::run_status(
         "enable forwarding in the node namespace",
         Command::new("ip").args(["netns", "exec", n, "sysctl", "-qw", "net.ipv4.ip_forward=1"]),
+    )
+}
+
+/// Turns TX checksum offload of the client's veth on or off (`ethtool -K c-node tx
+/// on|off` inside the client namespace).
+fn client_tx_checksum(client: &Netns, on: bool) -> Result<()> {
+    crate::util::run_status(
+        "set TX checksum offload of the client's veth (ethtool)",
+        Command::new("ip").args([
+            "netns",
+            "exec",
+            &client_name(client),
+            "ethtool",
+            "-K",
+            "c-node",
+            "tx",
+            if on { "on" } else { "off" },
+        ]),
     )
 }
 
