@@ -87,9 +87,14 @@ fn balanced_for_tcp_udp_and_ipv6(mode: Mode) {
     let per = tcp_spread(&topo, vip4, 300);
     assert_balanced(&per, 300, 3);
 
+    // From the client's second address: in the eBPF modes a conntrack entry of an
+    // ended VIP flow stays until the LRU evicts it, and a direct connection from the
+    // same client port to the same backend would get its replies translated back to
+    // the VIP (a known limitation, see the README's eBPF section).
     for b in topo.backends() {
         let direct = SocketAddr::new(b.addr().v4.into(), BACKEND_PORT);
-        let (reply, peer, _) = topo.tcp_request(direct, "direct").unwrap();
+        let src = topo.client_alt_addr().like(direct.ip());
+        let (reply, peer, _) = topo.tcp_request_from(Some(src), direct, "direct").unwrap();
         assert_eq!(
             backend_name(&reply),
             b.name(),
