@@ -62,7 +62,7 @@ impl Mode {
     const ALL: [Mode; 4] = [Mode::Ebpf, Mode::EbpfXdp, Mode::Nftables, Mode::Userspace];
 
     /// The modes to run: those named in `RUNE_BENCH_MODES` (comma-separated
-    /// `--dataplane` values, to iterate on one mode alone), else [`Mode::ALL`].
+    /// [`Mode::name`]s, to iterate on one mode alone), else [`Mode::ALL`].
     fn selected() -> Result<Vec<(usize, Mode)>> {
         let all = Mode::ALL.into_iter().enumerate();
         let Ok(list) = std::env::var("RUNE_BENCH_MODES") else {
