@@ -13,10 +13,9 @@
 //! Every load loop is bounded in time and stops by itself; all traffic stays on
 //! 127.0.0.0/8.
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, bail};
 use std::{
     fmt::Write as _,
-    io::Write as _,
     net::{Ipv4Addr, SocketAddr},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -396,18 +395,7 @@ impl AgentProc {
     }
 
     pub(crate) fn apply(&self, yaml: &str) -> Result<()> {
-        let mut c = Command::new(&self.bin)
-            .args(["apply", "-f", "-", "--state-dir"])
-            .arg(&self.state)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()?;
-        c.stdin
-            .take()
-            .context("stdin")?
-            .write_all(yaml.as_bytes())?;
-        ensure!(c.wait()?.success(), "rune-agent apply failed");
-        Ok(())
+        crate::util::rune_apply(&self.bin, &self.state, yaml)
     }
 
     /// The agent's process id.

@@ -273,21 +273,7 @@ pub fn section(bin: &Path) -> Result<String> {
 /// Writes the bench service into the store of a stopped agent (the CLI writes the
 /// store directly), so that agent and CLI never race for it.
 fn apply_offline(bin: &Path, state: &Path, yaml: &str) -> Result<()> {
-    let mut child = Command::new(bin)
-        .arg("--state-dir")
-        .arg(state)
-        .args(["apply", "-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()?;
-    if let Some(mut stdin) = child.stdin.take() {
-        use std::io::Write as _;
-        stdin.write_all(yaml.as_bytes())?;
-    }
-    if !child.wait()?.success() {
-        bail!("applying the bench service failed");
-    }
-    Ok(())
+    crate::util::rune_apply(bin, state, yaml).context("applying the bench service")
 }
 
 /// The scenarios against the VIP and straight to the backend, interleaved, from a

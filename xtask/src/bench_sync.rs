@@ -31,7 +31,6 @@
 use std::{
     fmt::Write as _,
     fs::File,
-    io::Write as _,
     net::Ipv4Addr,
     os::fd::{AsFd as _, AsRawFd as _},
     path::{Path, PathBuf},
@@ -636,18 +635,7 @@ fn measure_changes(bin: &Path, agent: &Agent, state: &Path, pins: &Path) -> Resu
         let yaml = endpoints_yaml(i, &addrs);
 
         let spawned = Instant::now();
-        let mut cmd = Command::new(bin)
-            .arg("--state-dir")
-            .arg(state)
-            .args(["apply", "-f", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()?;
-        cmd.stdin
-            .take()
-            .context("stdin")?
-            .write_all(yaml.as_bytes())?;
-        ensure!(cmd.wait()?.success(), "rune-agent apply failed");
+        crate::util::rune_apply(bin, state, &yaml)?;
         let returned = Instant::now();
         // The table is rewritten once no slot names the replaced backend.
         let gone = |t: &[u32]| !t.contains(&old_id) && !t.contains(&0);

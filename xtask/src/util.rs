@@ -74,3 +74,31 @@ pub fn enter_netns_on_exec(cmd: &mut Command, ns: std::fs::File) {
         });
     }
 }
+
+/// `BIN --state-dir STATE apply -f -` with `yaml` on its stdin; fails unless the
+/// command succeeds. Used by every bench that stores objects (into a stopped
+/// agent's store, or through a running agent's socket).
+pub fn rune_apply(
+    bin: &std::path::Path,
+    state: &std::path::Path,
+    yaml: &str,
+) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut child = Command::new(bin)
+        .arg("--state-dir")
+        .arg(state)
+        .args(["apply", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .with_context(|| format!("running {} apply", bin.display()))?;
+    child
+        .stdin
+        .take()
+        .context("the apply command's stdin")?
+        .write_all(yaml.as_bytes())?;
+    if !child.wait()?.success() {
+        bail!("rune-agent apply failed");
+    }
+    Ok(())
+}

@@ -29,7 +29,6 @@ use anyhow::{Context as _, Result, ensure};
 use std::{
     fmt::Write as _,
     fs::File,
-    io::Write as _,
     net::Ipv4Addr,
     path::Path,
     process::{Command, Stdio},
@@ -269,18 +268,7 @@ fn measure_changes(bin: &Path, agent: &Agent, netns: &Netns, state: &Path) -> Re
         let yaml = endpoints_yaml(i, &addrs);
         let applies = agent.applies().len();
         let spawned = Instant::now();
-        let mut cmd = Command::new(bin)
-            .arg("--state-dir")
-            .arg(state)
-            .args(["apply", "-f", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()?;
-        cmd.stdin
-            .take()
-            .context("stdin")?
-            .write_all(yaml.as_bytes())?;
-        ensure!(cmd.wait()?.success(), "rune-agent apply failed");
+        crate::util::rune_apply(bin, state, &yaml)?;
         let returned = Instant::now();
         // In the kernel once the agent logged its next transaction.
         let mut polls = 0;
