@@ -156,9 +156,23 @@ pub struct CtKeyV6 {
     pub pad: [u8; 3],
 }
 
-/// A conntrack entry's value (both families): where the flow goes. Small on
-/// purpose: a new flow writes one entry, and the whole element should sit in as
-/// few cache lines as possible.
+/// A conntrack entry's value (both families): where the flow goes, and what tells
+/// a reply of this flow from a later, direct (non-VIP) flow on the same addresses
+/// and ports. Small on purpose: a new flow writes one entry, and the whole element
+/// should sit in as few cache lines as possible.
+///
+/// At the backend a VIP flow and a direct flow from the same client address and
+/// port have the same 4-tuple, so the reverse NAT needs more than the tuple:
+///
+/// * TCP: a packet from the backend with SYN set starts a connection. It belongs to
+///   this flow only if it is a SYN-ACK acknowledging the SYN the client sent
+///   through the VIP (`syn_ack`); any other SYN from the backend means the VIP flow
+///   is over: the entry is deleted and the packet left as it is. A client's SYN
+///   with a new sequence number (a new connection on the same tuple) re-initialises
+///   the entry. Established packets only read the entry.
+/// * UDP (no handshake): replies are translated while the entry is younger than
+///   [`CT_UDP_TIMEOUT_SECS`] (`last_seen`, refreshed by packets in either direction
+///   at most once per [`ct_now`] unit).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct CtValue {
@@ -166,6 +180,36 @@ pub struct CtValue {
     pub backend_id: u32,
     /// The frontend's id ([`ServiceValue::id`]).
     pub service_id: u32,
+    /// TCP: the acknowledgment number (network order) a SYN-ACK of this flow
+    /// carries, the client's initial sequence number + 1; 0 when the entry was
+    /// made by a packet other than a SYN (a flow picked up mid-stream). UDP: 0.
+    pub syn_ack: u32,
+    /// UDP: [`ct_now`] at the flow's last packet (either direction). TCP: 0.
+    pub last_seen: u32,
+}
+
+/// Right shift from `bpf_ktime_get_ns()` (CLOCK_MONOTONIC, ns) to
+/// [`CtValue::last_seen`] units of 2^30 ns (~1.07 s).
+pub const CT_TIME_SHIFT: u32 = 30;
+
+/// How long a UDP flow's replies are reverse-translated after its last packet.
+pub const CT_UDP_TIMEOUT_SECS: u64 = 60;
+
+/// [`CT_UDP_TIMEOUT_SECS`] in [`CtValue::last_seen`] units (rounded up).
+pub const CT_UDP_TIMEOUT_UNITS: u32 =
+    (CT_UDP_TIMEOUT_SECS * 1_000_000_000).div_ceil(1 << CT_TIME_SHIFT) as u32;
+
+/// A CLOCK_MONOTONIC time in ns as a [`CtValue::last_seen`] value.
+#[must_use]
+pub const fn ct_now(monotonic_ns: u64) -> u32 {
+    (monotonic_ns >> CT_TIME_SHIFT) as u32
+}
+
+/// Whether a UDP entry last seen at `last_seen` is still live at `now` (both
+/// [`ct_now`] values; wrapping, so the comparison survives the counter's wrap).
+#[must_use]
+pub const fn ct_udp_live(last_seen: u32, now: u32) -> bool {
+    now.wrapping_sub(last_seen) <= CT_UDP_TIMEOUT_UNITS
 }
 
 /// Key of [`REVNAT`]: a backend's address and port, as the backend's replies carry
@@ -404,7 +448,7 @@ const _: () = assert!(size_of::<ServiceValue>() == 16);
 const _: () = assert!(size_of::<Backend>() == 20);
 const _: () = assert!(size_of::<CtKeyV4>() == 16);
 const _: () = assert!(size_of::<CtKeyV6>() == 40);
-const _: () = assert!(size_of::<CtValue>() == 8);
+const _: () = assert!(size_of::<CtValue>() == 16);
 const _: () = assert!(size_of::<RevNatKey>() == 20);
 const _: () = assert!(size_of::<RevNatFrontend>() == 20);
 const _: () = assert!(size_of::<RevNatValue>() == 8 + 20 * REVNAT_MAX_FRONTENDS);
@@ -448,6 +492,17 @@ mod tests {
         let octets: [u8; 16] = core::array::from_fn(|i| i as u8);
         assert_eq!(addr_octets(&addr_from_octets(&octets)), octets);
         assert_eq!(addr_from_octets(&[1, 2, 3]), [0; 4]);
+    }
+
+    #[test]
+    fn udp_entries_live_for_the_timeout_across_the_wrap() {
+        assert_eq!(CT_UDP_TIMEOUT_UNITS, 56);
+        let now = ct_now(3_600 * 1_000_000_000);
+        assert!(ct_udp_live(now, now));
+        assert!(ct_udp_live(now - CT_UDP_TIMEOUT_UNITS, now));
+        assert!(!ct_udp_live(now - CT_UDP_TIMEOUT_UNITS - 1, now));
+        assert!(ct_udp_live(u32::MAX - 5, 10));
+        assert!(!ct_udp_live(u32::MAX - 60, 10));
     }
 
     #[test]

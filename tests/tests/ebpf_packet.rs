@@ -397,6 +397,12 @@ impl Lb {
         v4.keys().count() + v6.keys().count()
     }
 
+    fn set_ct_v4(&mut self, key: &CtKeyV4, value: CtValue) {
+        let mut m: HashMap<&mut MapData, CtKeyV4, CtValue> =
+            HashMap::try_from(self.ebpf.map_mut(lb::CONNTRACK_V4).unwrap()).unwrap();
+        m.insert(key, value, 0).unwrap();
+    }
+
     fn ct_v6(&self, key: &CtKeyV6) -> Option<CtValue> {
         let m: HashMap<&MapData, CtKeyV6, CtValue> =
             HashMap::try_from(self.ebpf.map(lb::CONNTRACK_V6).unwrap()).unwrap();
@@ -410,6 +416,13 @@ fn vip_packet(svc: &Svc, client: IpAddr, sport: u16) -> PacketSpec {
     } else {
         PacketSpec::udp(client, sport, svc.vip, svc.port)
     }
+}
+
+/// A TCP segment with only ACK set: an established flow's packet.
+fn tcp_ack(src: IpAddr, sport: u16, dst: IpAddr, dport: u16) -> PacketSpec {
+    let mut spec = PacketSpec::tcp(src, sport, dst, dport);
+    spec.tcp_flags = TCP_ACK;
+    spec
 }
 
 /// Runs a VIP packet through `prog` and checks it left translated to the backend
@@ -541,8 +554,11 @@ fn tc_ingress_translates_and_egress_reply_comes_from_the_vip() {
 
     // The backend's reply leaves through the client-facing interface's egress.
     let (addr, port) = backend_of(id);
-    let reply = PacketSpec::tcp(addr, port, client, 41000).build();
-    let out = lb.run(lb::PROG_TC_EGRESS, &reply).unwrap();
+    // The SYN-ACK answering the client's SYN (sequence number + 1).
+    let mut reply = PacketSpec::tcp(addr, port, client, 41000);
+    reply.tcp_flags = TCP_SYN | TCP_ACK;
+    reply.ack = spec.seq.wrapping_add(1);
+    let out = lb.run(lb::PROG_TC_EGRESS, &reply.build()).unwrap();
     assert_eq!(out.retval, TC_ACT_OK);
     let got = parse_and_verify(&out.data).unwrap();
     assert_eq!((got.src, got.sport), (IpAddr::V4(VIP4), 80));
@@ -550,9 +566,204 @@ fn tc_ingress_translates_and_egress_reply_comes_from_the_vip() {
     assert_eq!(lb.service_stats(SVC_TCP4.id).packets, 4);
 
     // A packet from the backend to another client port is not a reply of this flow.
-    let stray = PacketSpec::tcp(addr, port, client, 41001).build();
+    let stray = tcp_ack(addr, port, client, 41001).build();
     let out = lb.run(lb::PROG_TC_EGRESS, &stray).unwrap();
     assert_eq!((out.retval, &out.data), (TC_ACT_OK, &stray));
+}
+
+/// The conntrack key of `spec` (IPv4), as the client sent it.
+fn ct_key_v4(spec: &PacketSpec) -> CtKeyV4 {
+    let word = |a: IpAddr| match a {
+        IpAddr::V4(a) => u32::from_ne_bytes(a.octets()),
+        IpAddr::V6(_) => panic!("an IPv4 packet"),
+    };
+    CtKeyV4 {
+        saddr: word(spec.src),
+        daddr: word(spec.dst),
+        sport: spec.sport.to_be(),
+        dport: spec.dport.to_be(),
+        proto: spec.proto,
+        pad: [0; 3],
+    }
+}
+
+/// Runs a backend's packet through tc egress: `Some((source, source port))` when it
+/// was translated (checksums verified), `None` when it left byte-identical.
+fn egress(lb: &Lb, spec: &PacketSpec) -> Option<(IpAddr, u16)> {
+    let frame = spec.build();
+    let out = lb.run(lb::PROG_TC_EGRESS, &frame).unwrap();
+    assert_eq!(out.retval, TC_ACT_OK);
+    if out.data == frame {
+        return None;
+    }
+    let got = parse_and_verify(&out.data).unwrap();
+    assert_eq!((got.dst, got.dport), (spec.dst, spec.dport));
+    Some((got.src, got.sport))
+}
+
+/// TCP: a SYN through the VIP records the SYN-ACK it expects; only that SYN-ACK (and
+/// non-SYN packets) are replies. A SYN-ACK of a later direct connection from the same
+/// client address and port to the backend leaves untranslated and ends the stale
+/// entry; a new SYN on the tuple re-initialises it. Through XDP and tc ingress.
+#[test]
+fn tcp_conntrack_follows_the_handshake_and_stale_entries_end() {
+    for (n, prog) in [lb::PROG_XDP_LB, lb::PROG_TC_INGRESS]
+        .into_iter()
+        .enumerate()
+    {
+        let mut lb = Lb::new();
+        let client = IpAddr::V4(CLIENT4);
+        let vip = (IpAddr::V4(VIP4), 80);
+        let sport = 48000 + n as u16;
+        let syn = vip_packet(&SVC_TCP4, client, sport);
+        let key = ct_key_v4(&syn);
+        let id = expect_dnat(&lb, prog, &syn, &SVC_TCP4);
+        let ct = lb.ct_v4(&key).expect("entry");
+        assert_eq!(ct.syn_ack, syn.seq.wrapping_add(1).to_be(), "{prog}");
+        assert_eq!(ct.last_seen, 0, "{prog}: TCP keeps no time");
+        let (addr, port) = backend_of(id);
+        let mut syn_ack = PacketSpec::tcp(addr, port, client, sport);
+        syn_ack.tcp_flags = TCP_SYN | TCP_ACK;
+        syn_ack.ack = syn.seq.wrapping_add(1);
+        // The SYN-ACK, and its retransmission, come from the VIP.
+        assert_eq!(egress(&lb, &syn_ack), Some(vip), "{prog}");
+        assert_eq!(egress(&lb, &syn_ack), Some(vip), "{prog}");
+        // A retransmitted SYN is the same flow; the client's ACK and data too.
+        assert_eq!(expect_dnat_to(&lb, prog, &syn, id), id);
+        let ack = tcp_ack(client, sport, vip.0, vip.1);
+        assert_eq!(expect_dnat_to(&lb, prog, &ack, id), id);
+        assert_eq!(
+            lb.ct_v4(&key),
+            Some(ct),
+            "{prog}: established packets write nothing"
+        );
+        assert_eq!(egress(&lb, &tcp_ack(addr, port, client, sport)), Some(vip));
+        let stats = lb.service_stats(SVC_TCP4.id);
+        assert_eq!((stats.flows, stats.packets), (1, 6), "{prog}: {stats:?}");
+
+        // The flow ended; the client connects directly to the backend from the same
+        // address and port: the backend's SYN-ACK answers another SYN.
+        let mut direct = syn_ack.clone();
+        direct.ack = 0x5555_0001;
+        assert_eq!(
+            egress(&lb, &direct),
+            None,
+            "{prog}: direct SYN-ACK untouched"
+        );
+        assert_eq!(lb.ct_v4(&key), None, "{prog}: the stale entry is gone");
+        assert_eq!(egress(&lb, &tcp_ack(addr, port, client, sport)), None);
+
+        // A new connection through the VIP on the same tuple: a new flow.
+        let mut syn2 = syn.clone();
+        syn2.seq = 0x7777_0000;
+        assert_eq!(expect_dnat(&lb, prog, &syn2, &SVC_TCP4), id);
+        assert_eq!(lb.service_stats(SVC_TCP4.id).flows, 2, "{prog}");
+        // Its entry now expects the new SYN-ACK: the old one is not a reply.
+        assert_eq!(egress(&lb, &syn_ack), None, "{prog}: old SYN-ACK");
+        assert_eq!(lb.ct_v4(&key), None);
+        // A flow picked up mid-stream (no SYN seen) expects no SYN-ACK at all.
+        assert_eq!(expect_dnat(&lb, prog, &ack, &SVC_TCP4), id);
+        assert_eq!(lb.ct_v4(&key).map(|c| c.syn_ack), Some(0));
+        syn_ack.ack = syn2.seq.wrapping_add(1);
+        assert_eq!(
+            egress(&lb, &syn_ack),
+            None,
+            "{prog}: SYN-ACK after mid-stream"
+        );
+
+        // A new SYN on the tuple of an established flow whose backend is draining
+        // goes where the table says; a retransmitted SYN stays.
+        assert_eq!(expect_dnat(&lb, prog, &syn, &SVC_TCP4), id);
+        let other = SVC_TCP4
+            .backends
+            .iter()
+            .copied()
+            .find(|&b| b != id)
+            .unwrap();
+        {
+            let (oaddr, oport) = backend_of(id);
+            let mut m: Array<_, Backend> =
+                Array::try_from(lb.ebpf.map_mut(lb::BACKENDS).unwrap()).unwrap();
+            m.set(
+                id,
+                Backend {
+                    addr: addr_from_octets(&octets(oaddr)),
+                    port: oport.to_be(),
+                    family: FAMILY_V4,
+                    state: lb::BACKEND_DRAINING,
+                },
+                0,
+            )
+            .unwrap();
+            let mut maglev: Array<_, [u32; 2]> =
+                Array::try_from(lb.ebpf.map_mut(lb::MAGLEV).unwrap()).unwrap();
+            for slot in 0..TABLE {
+                rune_agent_tests::bpf::set_maglev_slot(&mut maglev, slot, other);
+            }
+        }
+        assert_eq!(
+            expect_dnat_to(&lb, prog, &syn, id),
+            id,
+            "{prog}: retransmit"
+        );
+        assert_eq!(
+            expect_dnat_to(&lb, prog, &syn2, other),
+            other,
+            "{prog}: new SYN"
+        );
+        assert_eq!(lb.ct_v4(&key).map(|c| c.backend_id), Some(other));
+        lb.set_backend(id, true);
+    }
+}
+
+/// UDP: replies are translated while the flow's entry is younger than the UDP
+/// timeout (refreshed by packets either way); after it they leave untranslated and
+/// the entry goes; the client's next datagram is a new flow.
+#[test]
+fn udp_replies_stop_after_the_timeout() {
+    let mut lb = Lb::new();
+    let client = IpAddr::V4(CLIENT4);
+    let vip = (IpAddr::V4(VIP4), 53);
+    let spec = vip_packet(&SVC_UDP4, client, 49000);
+    let key = ct_key_v4(&spec);
+    let id = expect_dnat(&lb, lb::PROG_TC_INGRESS, &spec, &SVC_UDP4);
+    let ct = lb.ct_v4(&key).expect("entry");
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to write.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    let now = lb::ct_now(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64);
+    assert!(now.wrapping_sub(ct.last_seen) <= 1, "{ct:?} at {now}");
+    assert_eq!(ct.syn_ack, 0);
+    let (addr, port) = backend_of(id);
+    let reply = PacketSpec::udp(addr, port, client, 49000);
+    assert_eq!(egress(&lb, &reply), Some(vip));
+
+    // Quiet for a little less than the timeout: still a reply, and refreshed.
+    let aged = |units: u32| CtValue {
+        last_seen: ct.last_seen.wrapping_sub(units),
+        ..ct
+    };
+    lb.set_ct_v4(&key, aged(lb::CT_UDP_TIMEOUT_UNITS - 2));
+    assert_eq!(egress(&lb, &reply), Some(vip));
+    let refreshed = lb.ct_v4(&key).expect("entry").last_seen;
+    assert!(
+        now.wrapping_sub(refreshed) <= 1,
+        "refreshed: {refreshed} at {now}"
+    );
+
+    // Quiet for longer than the timeout: the backend's datagram is not a reply.
+    lb.set_ct_v4(&key, aged(lb::CT_UDP_TIMEOUT_UNITS + 2));
+    assert_eq!(egress(&lb, &reply), None);
+    assert_eq!(lb.ct_v4(&key), None, "the expired entry is gone");
+    // An expired entry seen first by the client's next datagram: a new flow.
+    expect_dnat(&lb, lb::PROG_XDP_LB, &spec, &SVC_UDP4);
+    lb.set_ct_v4(&key, aged(lb::CT_UDP_TIMEOUT_UNITS + 2));
+    assert_eq!(expect_dnat_to(&lb, lb::PROG_XDP_LB, &spec, id), id);
+    assert_eq!(lb.service_stats(SVC_UDP4.id).flows, 3);
+    assert_eq!(egress(&lb, &reply), Some(vip));
 }
 
 #[test]
@@ -578,7 +789,7 @@ fn ipv6_vip_hit_and_reply() {
     let udp = vip_packet(&SVC_UDP6, client, 42001);
     let uid = expect_dnat(&lb, lb::PROG_TC_INGRESS, &udp, &SVC_UDP6);
     for (proto_spec, id, sport, vport) in [
-        (PacketSpec::tcp as fn(_, _, _, _) -> _, id, 42000, 443),
+        (tcp_ack as fn(_, _, _, _) -> _, id, 42000, 443),
         (PacketSpec::udp, uid, 42001, 53),
     ] {
         let (addr, port) = backend_of(id);
@@ -926,7 +1137,7 @@ fn shared_backend_replies_come_from_the_vip_of_their_flow() {
         let out = lb
             .run(
                 lb::PROG_TC_EGRESS,
-                &PacketSpec::tcp(addr, port, client, sport).build(),
+                &tcp_ack(addr, port, client, sport).build(),
             )
             .unwrap();
         assert_eq!(out.retval, TC_ACT_OK);
@@ -941,7 +1152,7 @@ fn shared_backend_replies_come_from_the_vip_of_their_flow() {
         // Another backend of the service writing to that client port: untouched.
         let other = svc.backends.iter().copied().find(|&o| o != id).unwrap();
         let (oaddr, oport) = backend_of(other);
-        let stray = PacketSpec::tcp(oaddr, oport, client, sport).build();
+        let stray = tcp_ack(oaddr, oport, client, sport).build();
         let out = lb.run(lb::PROG_TC_EGRESS, &stray).unwrap();
         assert_eq!(
             (out.retval, &out.data),
@@ -1030,7 +1241,7 @@ fn pinned_conntrack_of_another_layout_is_reported() {
         Err(e) => e.to_string(),
     };
     assert!(
-        err.contains(lb::CONNTRACK_V4) && err.contains("(16, 32)") && err.contains("(16, 8)"),
+        err.contains(lb::CONNTRACK_V4) && err.contains("(16, 32)") && err.contains("(16, 16)"),
         "{err}"
     );
     assert!(err.contains("rune-agent cleanup --bpf-pin-dir"), "{err}");

@@ -4,12 +4,14 @@
 //! * [`dnat`] (tc ingress, XDP): a TCP/UDP packet whose (daddr, dport, proto) is a
 //!   frontend goes to the backend its conntrack entry names, else to a new one from
 //!   `select::pick_backend` (one conntrack entry is stored, keyed as the client
-//!   sent the packet); its daddr/dport are rewritten to the backend's and the
-//!   checksums updated.
+//!   sent the packet; [`ct::lookup`] and [`ct::insert`] decide); its daddr/dport are rewritten to the
+//!   backend's and the checksums updated.
 //! * [`snat`] (tc egress): a packet from a backend (found in the agent-filled
 //!   `RUNE_REVNAT` index, which lists the frontends leading to it) whose conntrack
 //!   entry, looked up as (client, candidate VIP, client port, candidate port), names
-//!   that backend gets the VIP and service port back as its source.
+//!   that backend and takes the packet as a reply of its flow ([`ct::is_reply`]: not
+//!   a SYN-ACK of another connection, not an expired UDP flow) gets the VIP and
+//!   service port back as its source.
 //! * A new flow to a frontend without backends is refused ([`refuse`]): TCP with a
 //!   RST, UDP with an ICMP/ICMPv6 port unreachable, sent back by the hook.
 //!
@@ -28,6 +30,7 @@
 //! `CHECKSUM_COMPLETE` skbs.
 
 pub mod csum;
+pub mod ct;
 pub mod parse;
 pub mod refuse;
 
@@ -39,8 +42,10 @@ use agent_common::{
     },
 };
 
+use aya_ebpf::maps::LruHashMap;
+
 use crate::{
-    maps::{RUNE_BACKENDS, RUNE_CT_V4, RUNE_CT_V6, RUNE_REVNAT, RUNE_SVC_V4, RUNE_SVC_V6},
+    maps::{RUNE_CT_V4, RUNE_CT_V6, RUNE_REVNAT, RUNE_SVC_V4, RUNE_SVC_V6},
     select,
 };
 use parse::{ETH_LEN, ETH_P_IP, ETH_P_IPV6, L4Pos, TCP_LEN, UDP_LEN, load, store};
@@ -199,15 +204,6 @@ fn full_l4<C: NatCtx>(
     }
 }
 
-/// The backend of a flow: its conntrack entry's if that backend still exists, else a
-/// new pick. Returns the id, the backend, and whether the flow is new.
-#[inline(always)]
-fn ct_backend(existing: Option<u32>, family: u8) -> Option<(u32, Backend)> {
-    let id = existing?;
-    let backend = *RUNE_BACKENDS.get(id)?;
-    (backend.family == family).then_some((id, backend))
-}
-
 #[inline(always)]
 fn dnat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropReason> {
     let Some(pos) = parse::ipv4(data, end) else {
@@ -240,10 +236,10 @@ fn dnat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
         proto: pos.proto,
         pad: [0; 3],
     };
-    // SAFETY: the value is read at once.
-    let existing = unsafe { RUNE_CT_V4.get(&key) }.map(|ct| ct.backend_id);
-    let (id, backend, new_flow) = match ct_backend(existing, FAMILY_V4) {
-        Some((id, backend)) => (id, backend, false),
+    let seg = ct::Segment::read(&pos, end);
+    let found = ct::lookup(&RUNE_CT_V4, &key, svc.id, &seg, FAMILY_V4);
+    let (id, backend, new_flow) = match found {
+        Some(found) => found,
         None => {
             let hash = flow_hash_v4(u32::from_be(saddr), u16::from_be(sport), FLOW_HASH_SEED);
             let (id, backend) = match pick(&svc, &[saddr, 0, 0, 0], hash, FAMILY_V4) {
@@ -260,15 +256,7 @@ fn dnat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
                 }
                 Err(e) => return Err(e),
             };
-            let value = CtValue {
-                backend_id: id,
-                service_id: svc.id,
-            };
-            // A full LRU map is rare (it evicts); the flow still goes to its backend,
-            // whose Maglev slot is stable, and the failure is counted.
-            if RUNE_CT_V4.insert(&key, &value, 0).is_err() {
-                select::count_drop(DropReason::MapFull);
-            }
+            ct::insert(&RUNE_CT_V4, &key, id, svc.id, &seg);
             (id, backend, true)
         }
     };
@@ -323,10 +311,10 @@ fn dnat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
         proto: pos.proto,
         pad: [0; 3],
     };
-    // SAFETY: the value is read at once.
-    let existing = unsafe { RUNE_CT_V6.get(&key) }.map(|ct| ct.backend_id);
-    let (id, backend, new_flow) = match ct_backend(existing, FAMILY_V6) {
-        Some((id, backend)) => (id, backend, false),
+    let seg = ct::Segment::read(&pos, end);
+    let found = ct::lookup(&RUNE_CT_V6, &key, svc.id, &seg, FAMILY_V6);
+    let (id, backend, new_flow) = match found {
+        Some(found) => found,
         None => {
             let words = [
                 u32::from_be(saddr[0]),
@@ -349,13 +337,7 @@ fn dnat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
                 }
                 Err(e) => return Err(e),
             };
-            let value = CtValue {
-                backend_id: id,
-                service_id: svc.id,
-            };
-            if RUNE_CT_V6.insert(&key, &value, 0).is_err() {
-                select::count_drop(DropReason::MapFull);
-            }
+            ct::insert(&RUNE_CT_V6, &key, id, svc.id, &seg);
             (id, backend, true)
         }
     };
@@ -395,15 +377,17 @@ fn pick(
 }
 
 /// The frontend a backend's reply belongs to: the backend's [`RevNatValue`] lists
-/// the candidates, and the first whose conntrack entry (built by `ct_key` from the
-/// candidate's VIP and port) names this backend wins. Returns the VIP, the service
-/// port and the conntrack entry.
+/// the candidates, and the first whose conntrack entry in `ct` (keyed by `ct_key`
+/// from the candidate's VIP and port) names this backend and takes `seg` as a reply
+/// ([`ct::is_reply`]) wins; an entry that names the backend but whose flow is over
+/// is deleted on the way. Returns the VIP, the service port and the entry.
 #[inline(always)]
 fn reply_frontend<K>(
     revnat: &RevNatValue,
     proto: u8,
+    seg: &ct::Segment,
     ct_key: impl Fn(&Addr, u16) -> K,
-    lookup: impl Fn(&K) -> Option<CtValue>,
+    ct: &LruHashMap<K, CtValue>,
 ) -> Option<(Addr, u16, CtValue)> {
     let count = revnat.count as usize;
     for i in 0..REVNAT_MAX_FRONTENDS {
@@ -414,11 +398,20 @@ fn reply_frontend<K>(
         if f.proto != proto {
             continue;
         }
-        if let Some(ct) = lookup(&ct_key(&f.addr, f.port))
-            && ct.backend_id == revnat.backend_id
-        {
-            return Some((f.addr, f.port, ct));
+        let key = ct_key(&f.addr, f.port);
+        let Some(entry) = ct.get_ptr_mut(&key) else {
+            continue;
+        };
+        // SAFETY: a pointer from a successful lookup stays valid for this run.
+        let value = unsafe { *entry };
+        if value.backend_id != revnat.backend_id {
+            continue;
         }
+        if ct::is_reply(entry, seg) {
+            return Some((f.addr, f.port, value));
+        }
+        // Deleting a missing entry (another CPU was first) is fine.
+        let _ = ct.remove(&key);
     }
     None
 }
@@ -447,9 +440,11 @@ fn snat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
     let Some(revnat) = (unsafe { RUNE_REVNAT.get(&rkey) }) else {
         return Ok(Verdict::Untouched);
     };
+    let seg = ct::Segment::read(&pos, end);
     let found = reply_frontend(
         revnat,
         pos.proto,
+        &seg,
         |vip, vport| CtKeyV4 {
             saddr: daddr,
             daddr: vip[0],
@@ -458,8 +453,7 @@ fn snat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
             proto: pos.proto,
             pad: [0; 3],
         },
-        // SAFETY: the value is copied out at once.
-        |key| unsafe { RUNE_CT_V4.get(key) }.copied(),
+        &RUNE_CT_V4,
     );
     let Some((vip, vport, ct)) = found else {
         return Ok(Verdict::Untouched);
@@ -516,9 +510,11 @@ fn snat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
     let Some(revnat) = (unsafe { RUNE_REVNAT.get(&rkey) }) else {
         return Ok(Verdict::Untouched);
     };
+    let seg = ct::Segment::read(&pos, end);
     let found = reply_frontend(
         revnat,
         pos.proto,
+        &seg,
         |vip, vport| CtKeyV6 {
             saddr: daddr,
             daddr: *vip,
@@ -527,8 +523,7 @@ fn snat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
             proto: pos.proto,
             pad: [0; 3],
         },
-        // SAFETY: the value is copied out at once.
-        |key| unsafe { RUNE_CT_V6.get(key) }.copied(),
+        &RUNE_CT_V6,
     );
     let Some((vip, vport, ct)) = found else {
         return Ok(Verdict::Untouched);

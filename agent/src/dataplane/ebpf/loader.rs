@@ -15,7 +15,7 @@ use agent_common::lb;
 use agent_common::{PacketStats, XDP_PASS_PROGRAM, XDP_STATS_MAP};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{MapError, PerCpuArray},
+    maps::{HashMap, Map, MapData, MapError, PerCpuArray},
     programs::{ProgramError, Xdp, xdp::XdpLinkId},
 };
 use std::path::Path;
@@ -131,6 +131,15 @@ pub enum EbpfError {
         found: (u32, u32),
         /// Key and value sizes this agent needs.
         want: (u32, u32),
+    },
+
+    /// Conntrack of the previous layout could not be copied into the new maps.
+    #[error("carrying eBPF map {name} over from the previous layout failed: {reason}")]
+    CarryOver {
+        /// The map's name.
+        name: &'static str,
+        /// aya's reason.
+        reason: String,
     },
 
     /// The object has no map of this name.
@@ -267,6 +276,7 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
     }
     ensure_pin_dir(pin_dir)?;
     check_pinned_layouts(pin_dir)?;
+    let legacy = LegacyConntrack::unpin(pin_dir)?;
     let slots = sizes.frontends.saturating_mul(sizes.table_size);
     let mut loader = EbpfLoader::new();
     loader
@@ -282,26 +292,30 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
         .map_max_entries(lb::CONNTRACK_V6, sizes.flows)
         .map_max_entries(lb::SOCK_REVERSE, sizes.flows)
         .map_max_entries(lb::AFFINITY, sizes.affinity);
-    loader
+    let mut ebpf = loader
         .load(EMBEDDED_OBJECT)
         .map_err(|source| EbpfError::Object {
             size: EMBEDDED_OBJECT.len(),
             source: Box::new(source),
-        })
+        })?;
+    legacy.carry_over(&mut ebpf)?;
+    Ok(ebpf)
 }
 
 /// Fails with [`EbpfError::PinnedLayout`] when a pinned map whose layout changed
-/// between releases (conntrack, reverse-NAT index) has other key or value sizes
-/// than this agent's, instead of a verifier error at load.
+/// between releases has other key or value sizes than this agent's, instead of a
+/// verifier error at load. Conntrack of the previous layout (see
+/// [`LegacyConntrack`]) is carried over instead.
 fn check_pinned_layouts(pin_dir: &Path) -> Result<(), EbpfError> {
     let size = |n: usize| n as u32;
-    for (name, want) in [
+    for (name, want, legacy) in [
         (
             lb::CONNTRACK_V4,
             (
                 size(size_of::<lb::CtKeyV4>()),
                 size(size_of::<lb::CtValue>()),
             ),
+            Some(size(size_of::<LegacyCtValue>())),
         ),
         (
             lb::CONNTRACK_V6,
@@ -309,6 +323,7 @@ fn check_pinned_layouts(pin_dir: &Path) -> Result<(), EbpfError> {
                 size(size_of::<lb::CtKeyV6>()),
                 size(size_of::<lb::CtValue>()),
             ),
+            Some(size(size_of::<LegacyCtValue>())),
         ),
         (
             lb::REVNAT,
@@ -316,18 +331,13 @@ fn check_pinned_layouts(pin_dir: &Path) -> Result<(), EbpfError> {
                 size(size_of::<lb::RevNatKey>()),
                 size(size_of::<lb::RevNatValue>()),
             ),
+            None,
         ),
     ] {
-        let path = pin_dir.join(name);
-        if !path.exists() {
-            continue;
-        }
-        // Anything else wrong with the pin is the loader's to report.
-        let Ok(info) = aya::maps::MapInfo::from_pin(&path) else {
+        let Some(found) = pinned_sizes(&pin_dir.join(name)) else {
             continue;
         };
-        let found = (info.key_size(), info.value_size());
-        if found != want {
+        if found != want && Some(found) != legacy.map(|value| (want.0, value)) {
             return Err(EbpfError::PinnedLayout {
                 name,
                 dir: pin_dir.display().to_string(),
@@ -337,6 +347,128 @@ fn check_pinned_layouts(pin_dir: &Path) -> Result<(), EbpfError> {
         }
     }
     Ok(())
+}
+
+/// The (key, value) sizes of the map pinned at `path`, if one is (anything else
+/// wrong with the pin is the loader's to report).
+fn pinned_sizes(path: &Path) -> Option<(u32, u32)> {
+    if !path.exists() {
+        return None;
+    }
+    let info = aya::maps::MapInfo::from_pin(path).ok()?;
+    Some((info.key_size(), info.value_size()))
+}
+
+/// The conntrack value of agents before conntrack entries had a lifetime
+/// (`backend_id`, `service_id`; 8 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct LegacyCtValue {
+    backend_id: u32,
+    service_id: u32,
+}
+
+// SAFETY: `#[repr(C)]`, two `u32`s, no padding, every bit pattern valid.
+unsafe impl aya::Pod for LegacyCtValue {}
+
+/// Conntrack maps pinned by an agent of the previous layout ([`LegacyCtValue`]),
+/// held open across the load: their pins are removed first, so the loader creates
+/// maps of this agent's layout, and their entries are copied into those afterwards
+/// (established flows keep their backends; the old programs keep using the old
+/// maps until the new ones are attached, and flows that start in that short window
+/// are not carried over).
+struct LegacyConntrack {
+    v4: Option<MapData>,
+    v6: Option<MapData>,
+}
+
+impl LegacyConntrack {
+    /// Opens and unpins the conntrack maps of the previous layout under `pin_dir`.
+    fn unpin(pin_dir: &Path) -> Result<Self, EbpfError> {
+        let legacy = size_of::<LegacyCtValue>() as u32;
+        let open = |name: &str| -> Result<Option<MapData>, EbpfError> {
+            let path = pin_dir.join(name);
+            if pinned_sizes(&path).is_none_or(|(_, value)| value != legacy) {
+                return Ok(None);
+            }
+            let map = MapData::from_pin(&path).map_err(|e| EbpfError::Pin {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+            std::fs::remove_file(&path).map_err(|e| EbpfError::Pin {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+            Ok(Some(map))
+        };
+        Ok(Self {
+            v4: open(lb::CONNTRACK_V4)?,
+            v6: open(lb::CONNTRACK_V6)?,
+        })
+    }
+
+    /// Copies the old entries into `ebpf`'s conntrack maps: as flows picked up
+    /// mid-stream (no SYN-ACK expected), UDP ones as seen now.
+    fn carry_over(self, ebpf: &mut Ebpf) -> Result<(), EbpfError> {
+        let now = lb::ct_now(monotonic_ns());
+        if let Some(old) = self.v4 {
+            copy_entries::<lb::CtKeyV4>(old, ebpf, lb::CONNTRACK_V4, now)?;
+        }
+        if let Some(old) = self.v6 {
+            copy_entries::<lb::CtKeyV6>(old, ebpf, lb::CONNTRACK_V6, now)?;
+        }
+        Ok(())
+    }
+}
+
+/// Copies one conntrack map of the previous layout into `name` of `ebpf`.
+fn copy_entries<K: aya::Pod>(
+    old: MapData,
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    now: u32,
+) -> Result<(), EbpfError> {
+    let map_err = |e: MapError| EbpfError::CarryOver {
+        name,
+        reason: e.to_string(),
+    };
+    let old: HashMap<MapData, K, LegacyCtValue> =
+        HashMap::try_from(Map::from_map_data(old).map_err(map_err)?).map_err(map_err)?;
+    let mut new: HashMap<&mut MapData, K, lb::CtValue> =
+        HashMap::try_from(ebpf.map_mut(name).ok_or(EbpfError::MapNotFound { name })?)
+            .map_err(map_err)?;
+    let (mut copied, mut failed) = (0usize, 0usize);
+    for (key, value) in old.iter().filter_map(Result::ok) {
+        let value = lb::CtValue {
+            backend_id: value.backend_id,
+            service_id: value.service_id,
+            syn_ack: 0,
+            last_seen: now,
+        };
+        match new.insert(key, value, 0) {
+            Ok(()) => copied += 1,
+            Err(_) => failed += 1,
+        }
+    }
+    tracing::warn!(
+        map = name,
+        copied,
+        failed,
+        "conntrack pinned by an earlier agent had the previous layout (8-byte values): \
+         recreated with this agent's and its flows copied over"
+    );
+    Ok(())
+}
+
+/// CLOCK_MONOTONIC in ns: the clock of `bpf_ktime_get_ns()`.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// Loads `rune_xdp_pass` (once) and attaches it to `interface` in `mode`.
