@@ -388,6 +388,16 @@ impl Topology {
         src: Option<IpAddr>,
         addr: SocketAddr,
     ) -> anyhow::Result<LongLived> {
+        self.tcp_open_from_port(src.map(|ip| SocketAddr::new(ip, 0)), addr)
+    }
+
+    /// [`Topology::tcp_open`] from the client address and port `src` (port 0: the
+    /// kernel's choice), or the kernel's choice of both when `None`.
+    pub fn tcp_open_from_port(
+        &self,
+        src: Option<SocketAddr>,
+        addr: SocketAddr,
+    ) -> anyhow::Result<LongLived> {
         let stream = self
             .client
             .run(|| connect(src, addr))?
@@ -723,10 +733,16 @@ fn udp_socket(addr: SocketAddr) -> io::Result<UdpSocket> {
 }
 
 /// A client connection from `src` (port chosen by the kernel) to `addr`.
-fn connect(src: Option<IpAddr>, addr: SocketAddr) -> io::Result<TcpStream> {
+/// Connects to `addr` from `src` (a port 0 lets the kernel choose; a fixed port is
+/// bound with SO_REUSEADDR, so it can be bound again while its last connection is
+/// in TIME_WAIT).
+fn connect(src: Option<SocketAddr>, addr: SocketAddr) -> io::Result<TcpStream> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-    if let Some(ip) = src {
-        socket.bind(&SockAddr::from(SocketAddr::new(ip, 0)))?;
+    if let Some(src) = src {
+        if src.port() != 0 {
+            socket.set_reuse_address(true)?;
+        }
+        socket.bind(&SockAddr::from(src))?;
     }
     socket.connect_timeout(&SockAddr::from(addr), CLIENT_TIMEOUT)?;
     Ok(socket.into())

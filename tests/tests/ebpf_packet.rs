@@ -1162,15 +1162,9 @@ fn shared_backend_replies_come_from_the_vip_of_their_flow() {
     }
 }
 
-/// Pins left by an agent whose conntrack had another layout are reported with the
-/// command that fixes them, instead of a verifier error.
-#[test]
-fn pinned_conntrack_of_another_layout_is_reported() {
-    if let Err(e) = require_root() {
-        panic!("{e}");
-    }
-    let pins = PinDir::new();
-    // A hash map with the earlier 32-byte conntrack value, pinned as RUNE_CT_V4.
+/// Creates a map of `map_type` with the given key and value sizes and pins it at
+/// `path` (as an agent of an earlier layout left it).
+fn pin_raw_map(path: &Path, map_type: u32, key_size: u32, value_size: u32) {
     #[repr(C)]
     #[derive(Default)]
     struct MapCreate {
@@ -1191,9 +1185,9 @@ fn pinned_conntrack_of_another_layout_is_reported() {
         pad: [u32; 27],
     }
     let create = MapCreate {
-        map_type: 1, // BPF_MAP_TYPE_HASH
-        key_size: 16,
-        value_size: 32,
+        map_type,
+        key_size,
+        value_size,
         max_entries: 16,
         ..MapCreate::default()
     };
@@ -1211,13 +1205,7 @@ fn pinned_conntrack_of_another_layout_is_reported() {
         "BPF_MAP_CREATE: {}",
         std::io::Error::last_os_error()
     );
-    let path = std::ffi::CString::new(
-        pins.0
-            .join(lb::CONNTRACK_V4)
-            .to_str()
-            .expect("a UTF-8 path"),
-    )
-    .unwrap();
+    let path = std::ffi::CString::new(path.to_str().expect("a UTF-8 path")).unwrap();
     let pin = ObjPin {
         pathname: path.as_ptr() as u64,
         bpf_fd: fd as u32,
@@ -1228,15 +1216,28 @@ fn pinned_conntrack_of_another_layout_is_reported() {
     assert_eq!(rc, 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
     // SAFETY: the descriptor came from BPF_MAP_CREATE above and is not used again.
     unsafe { libc::close(fd as i32) };
+}
 
-    let sizes = rune_agent::dataplane::ebpf::MapSizes {
-        frontends: 4,
-        backends: 16,
-        table_size: 7,
-        flows: 16,
-        affinity: 16,
-    };
-    let err = match rune_agent::dataplane::ebpf::load_lb(&pins.0, &sizes) {
+/// Map sizes small enough for the layout tests.
+const SMALL_SIZES: rune_agent::dataplane::ebpf::MapSizes = rune_agent::dataplane::ebpf::MapSizes {
+    frontends: 4,
+    backends: 16,
+    table_size: 7,
+    flows: 16,
+    affinity: 16,
+};
+
+/// Pins left by an agent whose conntrack had another layout are reported with the
+/// command that fixes them, instead of a verifier error.
+#[test]
+fn pinned_conntrack_of_another_layout_is_reported() {
+    if let Err(e) = require_root() {
+        panic!("{e}");
+    }
+    let pins = PinDir::new();
+    // A hash map with the earlier 32-byte conntrack value, pinned as RUNE_CT_V4.
+    pin_raw_map(&pins.0.join(lb::CONNTRACK_V4), 1, 16, 32);
+    let err = match rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES) {
         Ok(_) => panic!("loading over a pinned map of another layout must fail"),
         Err(e) => e.to_string(),
     };
@@ -1245,4 +1246,35 @@ fn pinned_conntrack_of_another_layout_is_reported() {
         "{err}"
     );
     assert!(err.contains("rune-agent cleanup --bpf-pin-dir"), "{err}");
+}
+
+/// Conntrack pinned by the agent before entries had a lifetime (8-byte values) is
+/// replaced by maps of this layout with its flows copied over, as flows picked up
+/// mid-stream (no SYN-ACK expected; UDP seen now).
+#[test]
+fn pinned_conntrack_of_the_previous_layout_is_carried_over() {
+    if let Err(e) = require_root() {
+        panic!("{e}");
+    }
+    let pins = PinDir::new();
+    let path = pins.0.join(lb::CONNTRACK_V4);
+    pin_raw_map(&path, 9, 16, 8); // BPF_MAP_TYPE_LRU_HASH
+    let key = ct_key_v4(&vip_packet(&SVC_TCP4, IpAddr::V4(CLIENT4), 50000));
+    {
+        let old = MapData::from_pin(&path).unwrap();
+        let mut old: HashMap<MapData, CtKeyV4, [u32; 2]> =
+            HashMap::try_from(aya::maps::Map::LruHashMap(old)).unwrap();
+        old.insert(key, [2, SVC_TCP4.id], 0).unwrap();
+    }
+    let ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES)
+        .unwrap_or_else(|e| panic!("load over the previous layout: {e:#}"));
+    let ct: HashMap<&MapData, CtKeyV4, CtValue> =
+        HashMap::try_from(ebpf.map(lb::CONNTRACK_V4).unwrap()).unwrap();
+    let value = ct.get(&key, 0).expect("the flow carried over");
+    assert_eq!(
+        (value.backend_id, value.service_id, value.syn_ack),
+        (2, SVC_TCP4.id, 0)
+    );
+    let info = aya::maps::MapInfo::from_pin(&path).unwrap();
+    assert_eq!((info.key_size(), info.value_size()), (16, 16), "re-pinned");
 }

@@ -4,8 +4,8 @@
 //! * [`dnat`] (tc ingress, XDP): a TCP/UDP packet whose (daddr, dport, proto) is a
 //!   frontend goes to the backend its conntrack entry names, else to a new one from
 //!   `select::pick_backend` (one conntrack entry is stored, keyed as the client
-//!   sent the packet; [`ct::lookup`] and [`ct::insert`] decide); its daddr/dport are rewritten to the
-//!   backend's and the checksums updated.
+//!   sent the packet; [`ct::lookup`] and [`ct::insert`] decide); its daddr/dport
+//!   are rewritten to the backend's and the checksums updated.
 //! * [`snat`] (tc egress): a packet from a backend (found in the agent-filled
 //!   `RUNE_REVNAT` index, which lists the frontends leading to it) whose conntrack
 //!   entry, looked up as (client, candidate VIP, client port, candidate port), names

@@ -66,6 +66,8 @@ const HELPERS: [(&str, ProgramType, &[BpfHelper]); 3] = {
             &[
                 BpfHelper::BPF_FUNC_map_lookup_elem,
                 BpfHelper::BPF_FUNC_map_update_elem,
+                // tc egress deletes the conntrack entry of a VIP flow that is over.
+                BpfHelper::BPF_FUNC_map_delete_elem,
                 BpfHelper::BPF_FUNC_ktime_get_ns,
                 BpfHelper::BPF_FUNC_get_smp_processor_id,
                 BpfHelper::BPF_FUNC_l3_csum_replace,
