@@ -439,6 +439,8 @@ fn copy_entries<K: aya::Pod>(
             .map_err(map_err)?;
     let (mut copied, mut failed) = (0usize, 0usize);
     for (key, value) in old.iter().filter_map(Result::ok) {
+        // `last_seen` is what UDP needs; a TCP flow's first packet resets it to 0
+        // (one write, as for any entry whose time changes).
         let value = lb::CtValue {
             backend_id: value.backend_id,
             service_id: value.service_id,
