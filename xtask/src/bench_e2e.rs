@@ -14,7 +14,9 @@
 //! (1 B echo, close with RST) and 1 KiB round trips over 16 kept-alive connections.
 //! Direct and VIP runs alternate for several rounds, each round from fresh client
 //! source addresses never shared between the two sides (TIME_WAIT, FACTS.md), and the
-//! medians are compared. Traffic stays in 198.18.0.0/15 inside the bench's own
+//! medians are compared, with the CPU time per transaction of the bench process
+//! (client and backend) and of the agent, a figure other load disturbs less than the
+//! rates. Traffic stays in 198.18.0.0/15 inside the bench's own
 //! namespaces, which are deleted on drop; every run is bounded in time.
 
 use crate::bench::{RUN, Scenario, load, median, start_backend_on};
@@ -386,7 +388,7 @@ fn measure(
 }
 
 /// One [`load`] run, with the CPU time this process and the agent spent during it,
-/// per transaction.
+/// per transaction (the run's rate times [`RUN`] transactions).
 async fn load_with_cpu(
     scenario: Scenario,
     target: SocketAddr,
