@@ -34,7 +34,7 @@ use tokio::{
 /// 2 shared cores swing by ±10 %: nine rounds keep the medians steady.
 const ROUNDS: usize = 9;
 /// Length of one run.
-const RUN: Duration = Duration::from_secs(2);
+pub(crate) const RUN: Duration = Duration::from_secs(2);
 /// Concurrent client connections.
 const CONCURRENCY: usize = 16;
 /// Request and response size of the round-trip scenario.
@@ -174,7 +174,7 @@ pub(crate) enum Scenario {
 }
 
 impl Scenario {
-    fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Scenario::Connections => "TCP connections/s (connect, 1 B echo, close)",
             Scenario::RoundTrips => "1 KiB request/response round trips/s (keepalive)",

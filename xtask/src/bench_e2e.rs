@@ -14,10 +14,12 @@
 //! (1 B echo, close with RST) and 1 KiB round trips over 16 kept-alive connections.
 //! Direct and VIP runs alternate for several rounds, each round from fresh client
 //! source addresses never shared between the two sides (TIME_WAIT, FACTS.md), and the
-//! medians are compared. Traffic stays in 198.18.0.0/15 inside the bench's own
+//! medians are compared, with the CPU time per transaction of the bench process
+//! (client and backend) and of the agent, a figure other load disturbs less than the
+//! rates. Traffic stays in 198.18.0.0/15 inside the bench's own
 //! namespaces, which are deleted on drop; every run is bounded in time.
 
-use crate::bench::{Scenario, load, median, start_backend_on};
+use crate::bench::{RUN, Scenario, load, median, start_backend_on};
 use crate::bench_sync::{Netns, PinDir, TempDir};
 use anyhow::{Context as _, Result, bail};
 use std::{
@@ -164,13 +166,19 @@ fn src_addr(mode: usize, scenario: Scenario, via_vip: bool, run: u8) -> Ipv4Addr
     Ipv4Addr::new(198, 18, 1, 10 + ADDRS_PER_MODE * mode as u8 + offset)
 }
 
-/// Runs the section alone.
+/// Runs the section alone: with the release agent built from this tree, or with the
+/// binary named by `RUNE_BENCH_AGENT` (to compare two builds under the same load).
 pub fn run_alone() -> Result<()> {
-    crate::util::run_status(
-        "build the release agent",
-        crate::util::cargo().args(["build", "--release", "-p", "rune-agent"]),
-    )?;
-    let bin = crate::util::target_dir().join("release/rune-agent");
+    let bin = match std::env::var_os("RUNE_BENCH_AGENT") {
+        Some(bin) => PathBuf::from(bin),
+        None => {
+            crate::util::run_status(
+                "build the release agent",
+                crate::util::cargo().args(["build", "--release", "-p", "rune-agent"]),
+            )?;
+            crate::util::target_dir().join("release/rune-agent")
+        }
+    };
     println!("{}", section(&bin)?);
     Ok(())
 }
@@ -227,7 +235,7 @@ pub fn section(bin: &Path) -> Result<String> {
             client_tx_checksum(&client, false)?;
         }
         let agent = ModeAgent::start(bin, &node, &state.0, &mode.flags(&pins.0))?;
-        let measured = measure(&client, backend_addr, m).with_context(|| {
+        let measured = measure(&client, backend_addr, m, agent.child.id()).with_context(|| {
             format!(
                 "measuring the {} mode (agent log: {})",
                 mode.label(),
@@ -240,7 +248,7 @@ pub fn section(bin: &Path) -> Result<String> {
         if xdp {
             client_tx_checksum(&client, true)?;
         }
-        rows.extend(measured.into_iter().map(|(s, d, v)| (mode, s, d, v)));
+        rows.extend(measured.into_iter().map(|row| (mode, row)));
     }
 
     let mut t = String::new();
@@ -254,17 +262,37 @@ pub fn section(bin: &Path) -> Result<String> {
         "| scenario | mode | direct | via the VIP | ratio | target |"
     )?;
     writeln!(t, "|---|---|---:|---:|---:|---:|")?;
-    for (mode, scenario, direct, via) in rows {
-        let name = match scenario {
-            Scenario::Connections => "TCP connections/s (connect, 1 B echo, close)",
-            Scenario::RoundTrips => "1 KiB request/response round trips/s (keepalive)",
-        };
+    for (mode, row) in &rows {
         writeln!(
             t,
-            "| {name} | {} | {direct:.0}/s | {via:.0}/s | {:.2}x | {} |",
+            "| {} | {} | {:.0}/s | {:.0}/s | {:.2}x | {} |",
+            row.scenario.label(),
             mode.label(),
-            via / direct,
-            mode.target(scenario)
+            row.direct.rate,
+            row.via.rate,
+            row.via.rate / row.direct.rate,
+            mode.target(row.scenario)
+        )?;
+    }
+    writeln!(
+        t,
+        "\nCPU time per transaction (user + system from /proc, medians of the same runs; less sensitive to other load than the rates): the bench process (client and backend threads; the kernel's forwarding or DNAT work runs in their softirqs) and the agent. The CPU-bound ratio is direct / (client+backend via the VIP + agent): the ratio the rates tend to once every side is CPU-bound on the shared cores.\n"
+    )?;
+    writeln!(
+        t,
+        "| scenario | mode | client+backend direct | client+backend via the VIP | agent via the VIP | CPU-bound ratio |"
+    )?;
+    writeln!(t, "|---|---|---:|---:|---:|---:|")?;
+    for (mode, row) in &rows {
+        writeln!(
+            t,
+            "| {} | {} | {:.1} µs | {:.1} µs | {:.1} µs | {:.2}x |",
+            row.scenario.label(),
+            mode.label(),
+            row.direct.bench_us,
+            row.via.bench_us,
+            row.via.agent_us,
+            row.direct.bench_us / (row.via.bench_us + row.via.agent_us)
         )?;
     }
     Ok(t)
@@ -276,16 +304,46 @@ fn apply_offline(bin: &Path, state: &Path, yaml: &str) -> Result<()> {
     crate::util::rune_apply(bin, state, yaml).context("applying the bench service")
 }
 
+/// One scenario's medians in one mode.
+struct Row {
+    scenario: Scenario,
+    direct: Run,
+    via: Run,
+}
+
+/// A run's transactions per second and the CPU time per transaction spent by the
+/// bench process (client and backend) and by the agent (medians across rounds).
+#[derive(Clone, Copy)]
+struct Run {
+    rate: f64,
+    bench_us: f64,
+    agent_us: f64,
+}
+
+impl Run {
+    /// The median of each figure on its own.
+    fn median(runs: &[Run]) -> Run {
+        let of = |f: fn(&Run) -> f64| median(&mut runs.iter().map(f).collect::<Vec<_>>());
+        Run {
+            rate: of(|r| r.rate),
+            bench_us: of(|r| r.bench_us),
+            agent_us: of(|r| r.agent_us),
+        }
+    }
+}
+
 /// The scenarios against the VIP and straight to the backend, interleaved, from a
-/// thread in the client namespace. Returns (scenario, direct median, VIP median).
+/// thread in the client namespace, with the CPU time of this process and of the
+/// agent (`agent_pid`) around every run.
 fn measure(
     client: &Netns,
     backend_addr: SocketAddr,
     mode: usize,
-) -> Result<Vec<(Scenario, f64, f64)>> {
+    agent_pid: u32,
+) -> Result<Vec<Row>> {
     let vip = SocketAddr::from((VIP, VIP_PORT));
     let client_path = client.path();
-    std::thread::spawn(move || -> Result<Vec<(Scenario, f64, f64)>> {
+    std::thread::spawn(move || -> Result<Vec<Row>> {
         enter(&client_path)?;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -313,16 +371,61 @@ fn measure(
                 for round in 0..ROUNDS {
                     let d_src = src_addr(mode, scenario, false, round);
                     let v_src = src_addr(mode, scenario, true, round);
-                    direct.push(load(scenario, backend_addr, d_src).await?);
-                    via.push(load(scenario, vip, v_src).await?);
+                    direct.push(load_with_cpu(scenario, backend_addr, d_src, agent_pid).await?);
+                    via.push(load_with_cpu(scenario, vip, v_src, agent_pid).await?);
                 }
-                rows.push((scenario, median(&mut direct), median(&mut via)));
+                rows.push(Row {
+                    scenario,
+                    direct: Run::median(&direct),
+                    via: Run::median(&via),
+                });
             }
             Ok(rows)
         })
     })
     .join()
     .map_err(|_| anyhow::anyhow!("the client thread panicked"))?
+}
+
+/// One [`load`] run, with the CPU time this process and the agent spent during it,
+/// per transaction (the run's rate times [`RUN`] transactions).
+async fn load_with_cpu(
+    scenario: Scenario,
+    target: SocketAddr,
+    src: Ipv4Addr,
+    agent_pid: u32,
+) -> Result<Run> {
+    let agent = format!("/proc/{agent_pid}/stat");
+    let (bench0, agent0) = (cpu_seconds("/proc/self/stat")?, cpu_seconds(&agent)?);
+    let rate = load(scenario, target, src).await?;
+    let (bench1, agent1) = (cpu_seconds("/proc/self/stat")?, cpu_seconds(&agent)?);
+    let transactions = (rate * RUN.as_secs_f64()).max(1.0);
+    Ok(Run {
+        rate,
+        bench_us: (bench1 - bench0) * 1e6 / transactions,
+        agent_us: (agent1 - agent0) * 1e6 / transactions,
+    })
+}
+
+/// The user + system CPU time of the process whose `stat` file is `path`, in
+/// seconds (all its threads; clock-tick resolution).
+fn cpu_seconds(path: &str) -> Result<f64> {
+    let stat = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+    // The fields after the command name, which may itself contain spaces.
+    let (_, rest) = stat
+        .rsplit_once(')')
+        .with_context(|| format!("{path}: no command name"))?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of proc(5): 12 and 13 after the name.
+    let ticks = |i: usize| -> Result<f64> {
+        let f = fields
+            .get(i)
+            .with_context(|| format!("{path}: too few fields"))?;
+        Ok(f.parse::<u64>()? as f64)
+    };
+    // SAFETY: sysconf reads a constant of the system.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Ok((ticks(11)? + ticks(12)?) / hz)
 }
 
 /// A production agent started in the node namespace; SIGTERM and reaped on drop.
