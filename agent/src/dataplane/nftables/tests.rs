@@ -1,7 +1,7 @@
 //! Unit tests of the ruleset builder: desired table from deltas, and the commands one
 //! change produces (no kernel, no `nft`).
 
-use super::ruleset::{ElementKey, ElementOp, ElementValue, Existing, Ruleset, TABLE};
+use super::ruleset::{ElementKey, ElementOp, ElementValue, Existing, Plan, Ruleset, TABLE};
 use crate::{
     endpoints::{Delta, ServiceView},
     model::{Object, Protocol, ServiceKey, parse_documents},
@@ -47,6 +47,11 @@ fn delta(full: bool, upserted: Vec<ServiceView>, removed: Vec<ServiceKey>) -> De
         upserted,
         removed,
     }
+}
+
+/// The transaction of a change (not a full delta) that upserts `view` into `rs`.
+fn plan_change(rs: &Ruleset, view: ServiceView) -> Plan {
+    rs.plan(&delta(false, vec![view], vec![]), &Existing::default())
 }
 
 /// Applies a full delta of `views` to a fresh ruleset.
@@ -219,13 +224,9 @@ fn one_endpoint_change_rewrites_only_that_service() {
         view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.3"]),
         view("b", "198.18.100.11", &["198.18.1.2", "198.18.1.3"]),
     ]);
-    let plan = rs.plan(
-        &delta(
-            false,
-            vec![view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"])],
-            vec![],
-        ),
-        &Existing::default(),
+    let plan = plan_change(
+        &rs,
+        view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"]),
     );
     // Only the changed backend's element: no chain, no rule, nothing of b.
     assert_eq!(
@@ -235,17 +236,13 @@ fn one_endpoint_change_rewrites_only_that_service() {
     );
     rs.commit(plan);
     // A new backend count: the service's elements, and the pick chain it first needs.
-    let plan = rs.plan(
-        &delta(
-            false,
-            vec![view(
-                "a",
-                "198.18.100.10",
-                &["198.18.1.2", "198.18.1.4", "198.18.1.6"],
-            )],
-            vec![],
+    let plan = plan_change(
+        &rs,
+        view(
+            "a",
+            "198.18.100.10",
+            &["198.18.1.2", "198.18.1.4", "198.18.1.6"],
         ),
-        &Existing::default(),
     );
     assert_eq!(
         plan.script,
@@ -258,13 +255,9 @@ fn one_endpoint_change_rewrites_only_that_service() {
     );
     rs.commit(plan);
     // Back to two: the pick chain made before stays (shared), nothing else new.
-    let plan = rs.plan(
-        &delta(
-            false,
-            vec![view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"])],
-            vec![],
-        ),
-        &Existing::default(),
+    let plan = plan_change(
+        &rs,
+        view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"]),
     );
     assert_eq!(
         plan.script,
@@ -274,13 +267,9 @@ fn one_endpoint_change_rewrites_only_that_service() {
     );
     rs.commit(plan);
     // The same state again: nothing to do.
-    let again = rs.plan(
-        &delta(
-            false,
-            vec![view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"])],
-            vec![],
-        ),
-        &Existing::default(),
+    let again = plan_change(
+        &rs,
+        view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"]),
     );
     assert!(again.is_empty(), "{}", again.script);
 }
@@ -288,14 +277,7 @@ fn one_endpoint_change_rewrites_only_that_service() {
 #[test]
 fn emptied_then_refilled_service_moves_between_maps_and_removal_deletes_its_objects() {
     let mut rs = programmed(vec![view("a", "198.18.100.10", &["198.18.1.2"])]);
-    let plan = rs.plan(
-        &delta(
-            false,
-            vec![view_with("a", "198.18.100.10", "", Some(&[]))],
-            vec![],
-        ),
-        &Existing::default(),
-    );
+    let plan = plan_change(&rs, view_with("a", "198.18.100.10", "", Some(&[])));
     assert_eq!(
         plan.script,
         "delete element inet rune backends4-tcp { 198.18.100.10 . 80 . 0 }\n\
@@ -478,13 +460,9 @@ fn an_endpoint_change_plan_goes_over_netlink_and_a_new_backend_count_does_not() 
         "198.18.100.10",
         &["198.18.1.2", "198.18.1.3"],
     )]);
-    let same_n = rs.plan(
-        &delta(
-            false,
-            vec![view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"])],
-            vec![],
-        ),
-        &Existing::default(),
+    let same_n = plan_change(
+        &rs,
+        view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"]),
     );
     let key = ElementKey::Backend {
         vip: "198.18.100.10".parse().unwrap(),
@@ -509,26 +487,18 @@ fn an_endpoint_change_plan_goes_over_netlink_and_a_new_backend_count_does_not() 
     );
     assert_eq!(ops_script(&ops), same_n.script);
     rs.commit(same_n);
-    let new_n = rs.plan(
-        &delta(
-            false,
-            vec![view(
-                "a",
-                "198.18.100.10",
-                &["198.18.1.2", "198.18.1.4", "198.18.1.5"],
-            )],
-            vec![],
+    let new_n = plan_change(
+        &rs,
+        view(
+            "a",
+            "198.18.100.10",
+            &["198.18.1.2", "198.18.1.4", "198.18.1.5"],
         ),
-        &Existing::default(),
     );
     assert!(new_n.element_ops.is_none(), "{}", new_n.script);
-    let unchanged = rs.plan(
-        &delta(
-            false,
-            vec![view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"])],
-            vec![],
-        ),
-        &Existing::default(),
+    let unchanged = plan_change(
+        &rs,
+        view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"]),
     );
     assert!(unchanged.is_empty() && unchanged.element_ops.is_none());
 }
