@@ -280,6 +280,18 @@ impl<'t> ModeAgent<'t> {
 /// A production agent of `mode` in `topo`'s node namespace on `state` and `pins`
 /// (eBPF: tc, or XDP too, on the client-facing veth, no socket LB), once ready.
 pub fn start_agent(mode: Mode, topo: &Topology, state: &Path, pins: &PinDir) -> Agent {
+    start_agent_with(mode, topo, state, pins, &[])
+}
+
+/// [`start_agent`] with `extra` flags after the mode's (e.g.
+/// `--keep-rules-on-stop`).
+pub fn start_agent_with(
+    mode: Mode,
+    topo: &Topology,
+    state: &Path,
+    pins: &PinDir,
+    extra: &[&str],
+) -> Agent {
     let pin_dir = pins.path().display().to_string();
     let mut args = vec![
         "--dataplane",
@@ -302,6 +314,7 @@ pub fn start_agent(mode: Mode, topo: &Topology, state: &Path, pins: &PinDir) -> 
     if mode == Mode::EbpfXdp {
         args.extend(["--xdp-interfaces", topo.node_client_if()]);
     }
+    args.extend_from_slice(extra);
     let mut agent = Agent::start_in(topo.node(), state, &args);
     agent.wait_ready(PATIENCE);
     agent

@@ -12,13 +12,16 @@
 use std::{
     collections::BTreeMap,
     net::{IpAddr, SocketAddr},
-    path::Path,
     sync::Mutex,
 };
 
 use rune_agent_tests::{
-    agent::{Agent, eventually},
-    modes::{Ep, TCP_PORT, UDP_PORT, VIP4, VIP6, all_ready, service_yaml, web_yaml},
+    agent::eventually,
+    bpf::PinDir,
+    modes::{
+        Ep, Mode, TCP_PORT, UDP_PORT, VIP4, VIP6, all_ready, service_yaml, start_agent,
+        start_agent_with, web_yaml,
+    },
     netns::require_root,
     topology::Topology,
     vip::{BACKEND_PORT, PATIENCE, apply, backend_name, topology, wait_reachable},
@@ -29,16 +32,6 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 /// The VIP of a second service, to show that changes of one leave the other alone.
 const OTHER_VIP4: &str = "198.18.100.20";
-
-fn start_agent(topo: &Topology, state: &Path, extra: &[&str]) -> Agent {
-    // A start removes what other modes left: never the default pin dir.
-    let unused_pins = format!("/sys/fs/bpf/rune-test-{}-unused", std::process::id());
-    let mut args = vec!["--dataplane", "nftables", "--bpf-pin-dir", &unused_pins];
-    args.extend_from_slice(extra);
-    let mut agent = Agent::start_in(topo.node(), state, &args);
-    agent.wait_ready(PATIENCE);
-    agent
-}
 
 /// Runs `nft ARGS` in the node namespace; its standard output.
 fn nft(topo: &Topology, args: &[&str]) -> std::process::Output {
@@ -211,7 +204,8 @@ fn table_holds_exactly_the_services_and_changes_touch_only_their_service() {
     let topo = topology(3);
     let bystander = foreign_table(&topo);
     let state = tempfile::tempdir().unwrap();
-    let mut agent = start_agent(&topo, state.path(), &[]);
+    let pins = PinDir::new("nftables");
+    let mut agent = start_agent(Mode::Nftables, &topo, state.path(), &pins);
     apply(&agent, &web_yaml(&all_ready(&topo)));
     let other_eps: Vec<Ep> = topo.backends()[1..]
         .iter()
@@ -294,7 +288,13 @@ fn table_holds_exactly_the_services_and_changes_touch_only_their_service() {
     assert_eq!(list_table(&topo, "bystander").unwrap(), bystander);
 
     // With --keep-rules-on-stop the table stays; cleanup removes it.
-    let mut agent = start_agent(&topo, state.path(), &["--keep-rules-on-stop"]);
+    let mut agent = start_agent_with(
+        Mode::Nftables,
+        &topo,
+        state.path(),
+        &pins,
+        &["--keep-rules-on-stop"],
+    );
     wait_reachable(
         &topo,
         SocketAddr::new(OTHER_VIP4.parse().unwrap(), TCP_PORT),
@@ -320,7 +320,8 @@ fn client_ip_affinity_keeps_each_client_on_one_backend() {
     require_root().unwrap();
     let topo = topology(3);
     let state = tempfile::tempdir().unwrap();
-    let agent = start_agent(&topo, state.path(), &[]);
+    let pins = PinDir::new("nftables");
+    let agent = start_agent(Mode::Nftables, &topo, state.path(), &pins);
     let yaml = web_yaml(&all_ready(&topo)).replacen(
         "  discovery:",
         "  sessionAffinity: {type: ClientIP, timeoutSeconds: 600}\n  discovery:",

@@ -19,6 +19,7 @@
 //! rates. Traffic stays in 198.18.0.0/15 inside the bench's own
 //! namespaces, which are deleted on drop; every run is bounded in time.
 
+use crate::agent_proc::AgentProcess;
 use crate::bench::{RUN, Scenario, load, median, start_backend_on};
 use crate::bench_sync::{Netns, PinDir, TempDir};
 use anyhow::{Context as _, Result, bail};
@@ -28,7 +29,7 @@ use std::{
     net::{Ipv4Addr, SocketAddr},
     os::fd::AsRawFd as _,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::Command,
     sync::mpsc,
     time::{Duration, Instant},
 };
@@ -234,7 +235,7 @@ pub fn section(bin: &Path) -> Result<String> {
         if xdp {
             client_tx_checksum(&client, false)?;
         }
-        let agent = ModeAgent::start(bin, &node, &state.0, &mode.flags(&pins.0))?;
+        let agent = AgentProcess::spawn(bin, &node, &state.0, &mode.flags(&pins.0), "warn")?;
         let measured = measure(&client, backend_addr, m, agent.child.id()).with_context(|| {
             format!(
                 "measuring the {} mode (agent log: {})",
@@ -426,54 +427,6 @@ fn cpu_seconds(path: &str) -> Result<f64> {
     // SAFETY: sysconf reads a constant of the system.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     Ok((ticks(11)? + ticks(12)?) / hz)
-}
-
-/// A production agent started in the node namespace; SIGTERM and reaped on drop.
-struct ModeAgent {
-    child: Child,
-    log: PathBuf,
-}
-
-impl ModeAgent {
-    fn start(bin: &Path, node: &Netns, state: &Path, flags: &[String]) -> Result<Self> {
-        let ns = File::open(node.path())
-            .with_context(|| format!("opening {}", node.path().display()))?;
-        let log = state.with_extension("log");
-        let mut cmd = Command::new(bin);
-        cmd.arg("--state-dir")
-            .arg(state)
-            .arg("run")
-            .args(flags)
-            // A fresh namespace: every port on its loopback is free.
-            .args(["--metrics-addr", "127.0.0.1:9464"])
-            .args(["--dns-addr", "127.0.0.1:15353"])
-            // Never forward DNS to this machine's resolvers.
-            .env("RUNE_DNS_RESOLV_CONF", "/dev/null")
-            .env("RUST_LOG", "warn")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(File::create(&log)?);
-        crate::util::enter_netns_on_exec(&mut cmd, ns);
-        let child = cmd.spawn().context("starting the agent")?;
-        Ok(Self { child, log })
-    }
-}
-
-impl Drop for ModeAgent {
-    fn drop(&mut self) {
-        // SAFETY: kill with our own child's pid (not reaped yet, so not reused).
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// One short connection to `target` (readiness probe).

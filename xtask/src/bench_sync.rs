@@ -30,11 +30,10 @@
 
 use std::{
     fmt::Write as _,
-    fs::File,
     net::Ipv4Addr,
     os::fd::{AsFd as _, AsRawFd as _},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     thread::sleep,
     time::{Duration, Instant},
 };
@@ -44,6 +43,8 @@ mod nftables;
 use agent_common::lb::{self, BACKEND_ACTIVE, Backend, PROTO_TCP, ServiceKeyV4, ServiceValue};
 use anyhow::{Context as _, Result, bail, ensure};
 use aya::maps::{Array, HashMap, Map, MapData};
+
+use crate::agent_proc::AgentProcess;
 
 /// Services in the snapshot.
 pub(crate) const SERVICES: usize = 10_000;
@@ -263,9 +264,7 @@ impl Drop for TempDir {
 /// The release agent in production mode inside the bench's namespace; stopped
 /// (SIGTERM, then SIGKILL) on drop.
 pub(crate) struct Agent {
-    pub(crate) child: Child,
-    pub(crate) started: Instant,
-    log: PathBuf,
+    pub(crate) process: AgentProcess,
 }
 
 impl Agent {
@@ -296,48 +295,27 @@ impl Agent {
         Self::start_with(bin, netns, state, &args)
     }
 
-    /// The agent in production mode with `args` after `run` (and the bench's
-    /// metrics and DNS addresses).
+    /// The agent in production mode with `args` after `run` (see
+    /// [`AgentProcess::spawn`]), logging the data planes' and reconciler's debug
+    /// lines that [`Agent::applies`] reads.
     pub(crate) fn start_with(
         bin: &Path,
         netns: &Netns,
         state: &Path,
         args: &[String],
     ) -> Result<Self> {
-        let ns = File::open(netns.path())
-            .with_context(|| format!("opening {}", netns.path().display()))?;
-        let log = state.with_extension("log");
-        let stderr = File::create(&log)?;
-        let mut cmd = Command::new(bin);
-        cmd.arg("--state-dir")
-            .arg(state)
-            .arg("run")
-            .args(args)
-            // A fresh namespace: every port on its loopback is free.
-            .args(["--metrics-addr", "127.0.0.1:9464"])
-            .args(["--dns-addr", "127.0.0.1:15353"])
-            // Never forward DNS to this machine's resolvers.
-            .env("RUNE_DNS_RESOLV_CONF", "/dev/null")
-            .env(
-                "RUST_LOG",
-                "warn,rune_agent::dataplane::ebpf=debug,rune_agent::dataplane::nftables=debug,rune_agent::dataplane::reconciler=debug",
-            )
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr);
-        crate::util::enter_netns_on_exec(&mut cmd, ns);
-        let started = Instant::now();
-        let child = cmd.spawn().context("starting the agent")?;
-        Ok(Self {
-            child,
-            started,
-            log,
-        })
+        AgentProcess::spawn(
+            bin,
+            netns,
+            state,
+            args,
+            "warn,rune_agent::dataplane::ebpf=debug,rune_agent::dataplane::nftables=debug,rune_agent::dataplane::reconciler=debug",
+        )
+        .map(|process| Self { process })
     }
 
     pub(crate) fn rss(&self) -> Result<Rss> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.process.child.id()))?;
         let field = |name: &str| -> Result<u64> {
             status
                 .lines()
@@ -360,7 +338,7 @@ impl Agent {
             let digits: String = v.chars().take_while(char::is_ascii_digit).collect();
             digits.parse().ok()
         }
-        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let log = std::fs::read_to_string(&self.process.log).unwrap_or_default();
         let mut out = Vec::new();
         let mut elapsed = None;
         for l in log.lines() {
@@ -387,22 +365,6 @@ impl Agent {
             sleep(Duration::from_millis(10));
         }
         None
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        // SAFETY: kill with our own child's pid (not reaped yet, so not reused).
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -436,7 +398,7 @@ fn open_pinned(pins: &Path, name: &str) -> Result<MapData> {
 }
 
 fn measure_snapshot(agent: &Agent, pins: &Path) -> Result<Snapshot> {
-    let deadline = agent.started + SYNC_LIMIT;
+    let deadline = agent.process.started + SYNC_LIMIT;
     let keys: Vec<ServiceKeyV4> = (0..SERVICES).map(frontend_key).collect();
     let svc_path = pins.join(lb::SERVICES_V4);
     let services: HashMap<MapData, ServiceKeyV4, ServiceValue> = loop {
@@ -454,7 +416,7 @@ fn measure_snapshot(agent: &Agent, pins: &Path) -> Result<Snapshot> {
         );
         sleep(Duration::from_micros(200));
     };
-    let pinned = agent.started.elapsed();
+    let pinned = agent.process.started.elapsed();
     let mut done = 0;
     let mut first = None;
     while done < keys.len() {
@@ -465,7 +427,7 @@ fn measure_snapshot(agent: &Agent, pins: &Path) -> Result<Snapshot> {
             }
         }
         if done > 0 && first.is_none() {
-            first = Some(agent.started.elapsed());
+            first = Some(agent.process.started.elapsed());
         }
         if done == keys.len() {
             break;
@@ -477,7 +439,7 @@ fn measure_snapshot(agent: &Agent, pins: &Path) -> Result<Snapshot> {
         );
         sleep(Duration::from_micros(200));
     }
-    let to_maps = agent.started.elapsed();
+    let to_maps = agent.process.started.elapsed();
     // Not timed: every frontend really has a table of the configured size.
     let mut programmed = 0;
     for item in services.iter() {
@@ -508,8 +470,8 @@ fn measure_snapshot(agent: &Agent, pins: &Path) -> Result<Snapshot> {
 
 pub(crate) fn ensure_alive(agent: &Agent) -> Result<()> {
     // /proc/PID/stat of a zombie says Z; of a reaped process, nothing.
-    let stat =
-        std::fs::read_to_string(format!("/proc/{}/stat", agent.child.id())).unwrap_or_default();
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", agent.process.child.id()))
+        .unwrap_or_default();
     let state = stat
         .rsplit(')')
         .next()
@@ -517,7 +479,7 @@ pub(crate) fn ensure_alive(agent: &Agent) -> Result<()> {
     if matches!(state, None | Some("Z" | "X")) {
         bail!(
             "the agent exited; its log:\n{}",
-            std::fs::read_to_string(&agent.log).unwrap_or_default()
+            std::fs::read_to_string(&agent.process.log).unwrap_or_default()
         );
     }
     Ok(())

@@ -210,7 +210,7 @@ fn map_elements(netns: &Netns, map: &str) -> Result<Vec<(String, String)>> {
 }
 
 fn measure_snapshot(agent: &Agent, netns: &Netns) -> Result<Snapshot> {
-    let deadline = agent.started + SYNC_LIMIT;
+    let deadline = agent.process.started + SYNC_LIMIT;
     loop {
         if agent.applies().iter().any(|(_, n)| *n == SERVICES) {
             break;
@@ -222,7 +222,7 @@ fn measure_snapshot(agent: &Agent, netns: &Netns) -> Result<Snapshot> {
         );
         sleep(Duration::from_millis(2));
     }
-    let to_table = agent.started.elapsed();
+    let to_table = agent.process.started.elapsed();
     // Not timed: every service and every backend is in the kernel.
     let services = map_elements(netns, "service-vips")?.len();
     ensure!(

@@ -4,9 +4,11 @@
 //! Everything lives in the agent's own table `inet rune` (no other table is ever
 //! touched). [`ruleset`] computes the table from the endpoint cache and the commands
 //! that get the kernel there from what was programmed last; [`nft`] applies them as
-//! one `nft -f` transaction per delta. Conntrack keeps each flow on its backend and
-//! translates the replies, so established flows survive endpoint changes and agent
-//! restarts; a restarted agent adopts the table it finds in one transaction.
+//! one `nft -f` transaction per delta, or [`netlink`] as one nfnetlink batch when the
+//! planner says the delta is element commands only. Conntrack keeps each flow on its
+//! backend and translates the replies, so established flows survive endpoint changes
+//! and agent restarts; a restarted agent adopts the table it finds in one
+//! transaction.
 
 pub mod netlink;
 pub mod nft;
@@ -104,13 +106,13 @@ fn apply_blocking(nft: &Nft, state: &Mutex<State>, delta: &Delta) -> Result<(), 
     let lines = plan.script.lines().count();
     // An element-only change goes to the kernel as one netlink batch; should the
     // kernel refuse it (nothing applied), `nft` gets the same transaction.
-    let sent = match netlink::element_ops(&plan.script).filter(|_| !delta.full) {
+    let sent = match &plan.element_ops {
         Some(ops) => {
             let result = match st.netlink.take() {
                 Some(socket) => Ok(socket),
                 None => netlink::Socket::open(),
             }
-            .and_then(|mut socket| socket.apply(&ops).map(|()| socket));
+            .and_then(|mut socket| socket.apply(ops).map(|()| socket));
             match result {
                 Ok(socket) => {
                     st.netlink = Some(socket);

@@ -8,8 +8,12 @@
 //! Encoded here rather than through a crate: rustables is GPL-3.0, and nftnl binds
 //! the C libnftnl, whose sets take keys only (no map data, no element deletes).
 
-use super::ruleset::{BACKEND_MAPS, TABLE_NAME};
-use std::{io, net::IpAddr};
+use super::ruleset::{ElementKey, ElementOp, ElementValue, TABLE_NAME};
+use crate::dataplane::ebpf::sync::proto_number;
+use std::{
+    io,
+    net::{IpAddr, SocketAddr},
+};
 
 const NETLINK_NETFILTER: libc::c_int = 12;
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
@@ -35,28 +39,6 @@ const NFTA_VERDICT_CODE: u16 = 1;
 const NFTA_VERDICT_CHAIN: u16 = 2;
 const NFT_GOTO: i32 = -4;
 
-/// The value of a map element.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ElementData {
-    /// Raw data (registers' bytes).
-    Bytes(Vec<u8>),
-    /// `goto CHAIN`.
-    Goto(String),
-}
-
-/// One element command of a transaction.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ElementOp {
-    /// Add (with its data) or delete (data `None`).
-    pub add: bool,
-    /// The map.
-    pub map: String,
-    /// The key, as the kernel stores it.
-    pub key: Vec<u8>,
-    /// The value (for additions).
-    pub data: Option<ElementData>,
-}
-
 /// Why a batch could not be sent.
 #[derive(Debug, thiserror::Error)]
 pub enum NetlinkError {
@@ -76,86 +58,43 @@ fn push_word(out: &mut Vec<u8>, bytes: &[u8]) {
     }
 }
 
-/// One `a . b . c` value of our maps (addresses, protocols, ports) as the kernel's
-/// register bytes: addresses as they are, ports big-endian, protocols one byte,
-/// each part padded to 4 bytes.
-fn encode(text: &str) -> Option<Vec<u8>> {
-    let mut out = Vec::new();
-    for part in text.split(" . ") {
-        if let Ok(ip) = part.parse::<IpAddr>() {
-            match ip {
-                IpAddr::V4(a) => push_word(&mut out, &a.octets()),
-                IpAddr::V6(a) => push_word(&mut out, &a.octets()),
-            }
-        } else if part == "tcp" {
-            push_word(&mut out, &[6]);
-        } else if part == "udp" {
-            push_word(&mut out, &[17]);
-        } else {
-            let port: u16 = part.parse().ok()?;
-            push_word(&mut out, &port.to_be_bytes());
-        }
+/// Appends `ip` as a register word (4 or 16 bytes).
+fn push_addr(out: &mut Vec<u8>, ip: IpAddr) {
+    match ip {
+        IpAddr::V4(a) => push_word(out, &a.octets()),
+        IpAddr::V6(a) => push_word(out, &a.octets()),
     }
-    Some(out)
 }
 
-/// The element commands of `script` when it holds nothing else (and names only
-/// maps whose layout [`encode`] knows); `None` otherwise.
-pub fn element_ops(script: &str) -> Option<Vec<ElementOp>> {
-    let prefix_table = format!("inet {TABLE_NAME} ");
-    let mut ops = Vec::new();
-    for line in script.lines() {
-        let (add, rest) = if let Some(r) = line.strip_prefix("add element ") {
-            (true, r)
-        } else if let Some(r) = line.strip_prefix("delete element ") {
-            (false, r)
-        } else {
-            return None;
-        };
-        let rest = rest.strip_prefix(&prefix_table)?;
-        let (map, body) = rest.split_once(' ')?;
-        let body = body.strip_prefix("{ ")?.strip_suffix(" }")?;
-        // One element per command (what the planner writes for changes).
-        if body.contains(", ") {
-            return None;
+/// `key` as the kernel stores it: addresses as they are, ports big-endian,
+/// protocols one byte, the numgen index host-endian, each part padded to 4 bytes.
+pub fn key_bytes(key: &ElementKey) -> Vec<u8> {
+    let mut out = Vec::new();
+    match *key {
+        ElementKey::Port {
+            vip,
+            protocol,
+            port,
+        } => {
+            push_addr(&mut out, vip);
+            push_word(&mut out, &[proto_number(protocol)]);
+            push_word(&mut out, &port.to_be_bytes());
         }
-        let data_map = BACKEND_MAPS.contains(&map);
-        let (key, data) = match body.split_once(" : ") {
-            Some((k, v)) => (k, Some(v)),
-            None => (body, None),
-        };
-        // Keys: data maps `VIP . port . index`, service maps `VIP . proto . port`.
-        let parts = key.split(" . ").count();
-        if parts != 3 {
-            return None;
+        ElementKey::Backend { vip, port, index } => {
+            push_addr(&mut out, vip);
+            push_word(&mut out, &port.to_be_bytes());
+            push_word(&mut out, &index.to_ne_bytes());
         }
-        let key = if data_map {
-            // The index is the third part here: encode it host-endian.
-            let (front, index) = key.rsplit_once(" . ")?;
-            let mut k = encode(front)?;
-            push_word(&mut k, &index.parse::<u32>().ok()?.to_ne_bytes());
-            k
-        } else {
-            encode(key)?
-        };
-        let data = match (add, data) {
-            (false, _) => None,
-            (true, None) => return None,
-            (true, Some(v)) => Some(match v.strip_prefix("goto ") {
-                Some(chain) if !data_map => ElementData::Goto(chain.to_owned()),
-                Some(_) => return None,
-                None if data_map => ElementData::Bytes(encode(v)?),
-                None => return None,
-            }),
-        };
-        ops.push(ElementOp {
-            add,
-            map: map.to_owned(),
-            key,
-            data,
-        });
     }
-    (!ops.is_empty()).then_some(ops)
+    out
+}
+
+/// A data map's value (`addr . port`) as the kernel stores it.
+pub fn backend_bytes(backend: SocketAddr) -> Vec<u8> {
+    let mut out = Vec::new();
+    push_addr(&mut out, backend.ip());
+    push_word(&mut out, &backend.port().to_be_bytes());
+    out
 }
 
 fn attr(out: &mut Vec<u8>, ty: u16, payload: &[u8]) {
@@ -221,17 +160,19 @@ pub fn batch(ops: &[ElementOp], first_seq: u32) -> (Vec<u8>, Vec<u32>) {
         seq += 1;
         let mut attrs = Vec::new();
         attr(&mut attrs, NFTA_SET_ELEM_LIST_TABLE, &cstr(TABLE_NAME));
-        attr(&mut attrs, NFTA_SET_ELEM_LIST_SET, &cstr(&op.map));
+        attr(&mut attrs, NFTA_SET_ELEM_LIST_SET, &cstr(op.map));
         nested(&mut attrs, NFTA_SET_ELEM_LIST_ELEMENTS, |list| {
             nested(list, NFTA_LIST_ELEM, |elem| {
                 nested(elem, NFTA_SET_ELEM_KEY, |k| {
-                    attr(k, NFTA_DATA_VALUE, &op.key)
+                    attr(k, NFTA_DATA_VALUE, &key_bytes(&op.key))
                 });
-                match &op.data {
-                    Some(ElementData::Bytes(b)) => {
-                        nested(elem, NFTA_SET_ELEM_DATA, |d| attr(d, NFTA_DATA_VALUE, b));
+                match &op.value {
+                    Some(ElementValue::Backend(b)) => {
+                        nested(elem, NFTA_SET_ELEM_DATA, |d| {
+                            attr(d, NFTA_DATA_VALUE, &backend_bytes(*b))
+                        });
                     }
-                    Some(ElementData::Goto(chain)) => {
+                    Some(ElementValue::Goto(chain)) => {
                         nested(elem, NFTA_SET_ELEM_DATA, |d| {
                             nested(d, NFTA_DATA_VERDICT, |v| {
                                 attr(v, NFTA_VERDICT_CODE, &NFT_GOTO.to_be_bytes());
@@ -243,7 +184,7 @@ pub fn batch(ops: &[ElementOp], first_seq: u32) -> (Vec<u8>, Vec<u32>) {
                 }
             });
         });
-        let (ty, flags) = if op.add {
+        let (ty, flags) = if op.value.is_some() {
             (NFT_MSG_NEWSETELEM, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE)
         } else {
             (NFT_MSG_DELSETELEM, NLM_F_REQUEST | NLM_F_ACK)

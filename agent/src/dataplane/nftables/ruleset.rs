@@ -36,7 +36,7 @@ use crate::{
 };
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
-    fmt::Write as _,
+    fmt::{self, Write as _},
     net::{IpAddr, SocketAddr},
 };
 
@@ -205,11 +205,77 @@ pub fn skeleton_chains() -> BTreeSet<&'static str> {
     skeleton().into_iter().map(|(name, _, _)| name).collect()
 }
 
+/// The key of a map element, written in nft's syntax by `Display`.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ElementKey {
+    /// In the service maps (`service-vips…`, `no-endpoints…`): `VIP . proto . port`.
+    Port {
+        /// The VIP.
+        vip: IpAddr,
+        /// TCP or UDP.
+        protocol: Protocol,
+        /// The service port.
+        port: u16,
+    },
+    /// In the data maps (`backends…`): `VIP . port . index`.
+    Backend {
+        /// The VIP.
+        vip: IpAddr,
+        /// The service port.
+        port: u16,
+        /// The backend's index among the port's eligible backends (`numgen`'s value).
+        index: u32,
+    },
+}
+
+impl fmt::Display for ElementKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ElementKey::Port {
+                vip,
+                protocol,
+                port,
+            } => write!(f, "{vip} . {} . {port}", proto(*protocol)),
+            ElementKey::Backend { vip, port, index } => write!(f, "{vip} . {port} . {index}"),
+        }
+    }
+}
+
+/// The value of a map element, written in nft's syntax by `Display`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ElementValue {
+    /// In the service maps: `goto CHAIN`.
+    Goto(String),
+    /// In the data maps: the backend, `addr . port`.
+    Backend(SocketAddr),
+}
+
+impl fmt::Display for ElementValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ElementValue::Goto(chain) => write!(f, "goto {chain}"),
+            ElementValue::Backend(b) => write!(f, "{} . {}", b.ip(), b.port()),
+        }
+    }
+}
+
+/// One element command of an element-only transaction (what the netlink batch
+/// sends instead of the script).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ElementOp {
+    /// The map.
+    pub map: &'static str,
+    /// The element's key.
+    pub key: ElementKey,
+    /// The value to add; `None` deletes the element.
+    pub value: Option<ElementValue>,
+}
+
 /// The nftables objects one service owns.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServiceObjects {
     /// Map elements: (map, key) → value.
-    pub elements: BTreeMap<(&'static str, String), String>,
+    pub elements: BTreeMap<(&'static str, ElementKey), ElementValue>,
     /// Chains with their rules (affinity only: the pick chains are shared).
     pub chains: BTreeMap<String, Vec<String>>,
     /// Sets (affinity) with their definition.
@@ -319,13 +385,17 @@ pub fn service_objects(view: &ServiceView, node: &str) -> ServiceObjects {
 fn add_port(objects: &mut ServiceObjects, plan: &PortPlan, affinity: Option<u32>) {
     let (ipf, f) = family(plan.vip);
     let p = proto(plan.protocol);
-    let key = format!("{} . {p} . {}", plan.vip, plan.port);
+    let key = ElementKey::Port {
+        vip: plan.vip,
+        protocol: plan.protocol,
+        port: plan.port,
+    };
     let v4 = plan.vip.is_ipv4();
     if plan.backends.is_empty() {
         let map = if v4 { REFUSE_MAP_V4 } else { REFUSE_MAP_V6 };
         objects
             .elements
-            .insert((map, key), format!("goto {REJECT_CHAIN}"));
+            .insert((map, key), ElementValue::Goto(REJECT_CHAIN.to_owned()));
         return;
     }
     let map = if v4 { SERVICE_MAP_V4 } else { SERVICE_MAP_V6 };
@@ -333,20 +403,24 @@ fn add_port(objects: &mut ServiceObjects, plan: &PortPlan, affinity: Option<u32>
     let Some(timeout) = affinity else {
         // Shared layout: the backends are data, the pick chain is shared.
         let data = backend_map(f, p);
-        for (i, b) in plan.backends.iter().enumerate() {
-            objects.elements.insert(
-                (data, format!("{} . {} . {i}", plan.vip, plan.port)),
-                format!("{} . {}", b.ip(), b.port()),
-            );
+        for (index, b) in (0..).zip(&plan.backends) {
+            let key = ElementKey::Backend {
+                vip: plan.vip,
+                port: plan.port,
+                index,
+            };
+            objects
+                .elements
+                .insert((data, key), ElementValue::Backend(*b));
         }
         objects
             .elements
-            .insert((map, key), format!("goto {}", pick_chain(f, n)));
+            .insert((map, key), ElementValue::Goto(pick_chain(f, n)));
         return;
     };
     objects
         .elements
-        .insert((map, key), format!("goto {}", plan.chain));
+        .insert((map, key), ElementValue::Goto(plan.chain.clone()));
     // The counter comes first: it counts every new flow of the port.
     let mut rules = vec!["counter".to_owned()];
     let base = plan.chain.trim_start_matches(&format!("svc{f}-")[..]);
@@ -376,11 +450,10 @@ fn add_port(objects: &mut ServiceObjects, plan: &PortPlan, affinity: Option<u32>
 
 /// The shared pick chains `objects` sends packets to.
 fn picks_used(objects: &ServiceObjects) -> impl Iterator<Item = &str> {
-    objects
-        .elements
-        .values()
-        .filter_map(|v| v.strip_prefix("goto "))
-        .filter(|c| is_pick_chain(c))
+    objects.elements.values().filter_map(|v| match v {
+        ElementValue::Goto(chain) if is_pick_chain(chain) => Some(chain.as_str()),
+        _ => None,
+    })
 }
 
 /// The rules of a shared pick chain, from its name.
@@ -409,7 +482,7 @@ pub struct Ruleset {
     node: String,
     services: HashMap<ServiceKey, ServiceObjects>,
     /// Which service holds each map element (a VIP may move between services).
-    owners: HashMap<(&'static str, String), ServiceKey>,
+    owners: HashMap<(&'static str, ElementKey), ServiceKey>,
     /// The shared pick chains in the kernel (kept once made, until a full sync).
     picks: BTreeSet<String>,
 }
@@ -419,6 +492,10 @@ pub struct Ruleset {
 pub struct Plan {
     /// The `nft -f` script (empty when nothing changes).
     pub script: String,
+    /// The same transaction as element commands when it holds nothing else (a
+    /// change of elements only, not a full sync), in the script's order; `None`
+    /// otherwise.
+    pub element_ops: Option<Vec<ElementOp>>,
     next: Vec<(ServiceKey, Option<ServiceObjects>)>,
     /// Pick chains this transaction makes (full: every pick chain after it).
     picks: BTreeSet<String>,
@@ -591,6 +668,7 @@ impl Ruleset {
         }
         Plan {
             script: s,
+            element_ops: None,
             next,
             picks,
             full: true,
@@ -612,13 +690,12 @@ impl Ruleset {
             }
         }
         // Elements given up by one service in this delta may be taken by another.
-        let mut released: BTreeSet<(&'static str, String)> = BTreeSet::new();
-        let mut s = String::new();
-        let mut tail = String::new();
+        let mut released: BTreeSet<(&'static str, ElementKey)> = BTreeSet::new();
+        let mut cmds = ChangeCommands::default();
         for (key, new) in &next {
             let old = self.services.get(key).unwrap_or(&empty);
             let new = new.as_ref().unwrap_or(&empty);
-            diff_service(old, new, &mut s, &mut tail, &mut released);
+            diff_service(old, new, &mut cmds, &mut released);
             for el in new.elements.keys() {
                 if let Some(owner) = self.owners.get(el)
                     && owner != key
@@ -626,7 +703,7 @@ impl Ruleset {
                 {
                     // Taken from a service this delta did not update (yet).
                     released.insert(el.clone());
-                    let _ = writeln!(s, "delete element {TABLE} {} {{ {} }}", el.0, el.1);
+                    cmds.delete_element(el);
                 }
             }
         }
@@ -635,21 +712,78 @@ impl Ruleset {
         for (_, new) in &next {
             for chain in new.iter().flat_map(picks_used) {
                 if !self.picks.contains(chain) && picks.insert(chain.to_owned()) {
-                    let _ = writeln!(s, "add chain {TABLE} {chain}");
+                    cmds.command(format_args!("add chain {TABLE} {chain}"));
                     for rule in pick_chain_rules(chain) {
-                        let _ = writeln!(s, "add rule {TABLE} {chain} {rule}");
+                        cmds.command(format_args!("add rule {TABLE} {chain} {rule}"));
                     }
                 }
             }
         }
-        // Additions of elements come after every deletion (see diff_service).
-        s.push_str(&tail);
+        let (script, element_ops) = cmds.finish();
         Plan {
-            script: reorder(&s),
+            script,
+            element_ops,
             next,
             picks,
             full: false,
         }
+    }
+}
+
+/// The commands of a change transaction as the planner writes them: nft script
+/// lines, and the element commands also as [`ElementOp`]s.
+#[derive(Default)]
+struct ChangeCommands {
+    /// Commands in the order written (put in transaction order by [`reorder`]).
+    script: String,
+    /// Element additions, chain and set deletions: after every deletion of an
+    /// element (see [`diff_service`]).
+    tail: String,
+    deletes: Vec<ElementOp>,
+    adds: Vec<ElementOp>,
+    /// Whether a command on chains or sets was written.
+    structural: bool,
+}
+
+impl ChangeCommands {
+    fn delete_element(&mut self, (map, key): &(&'static str, ElementKey)) {
+        let _ = writeln!(self.script, "delete element {TABLE} {map} {{ {key} }}");
+        self.deletes.push(ElementOp {
+            map,
+            key: key.clone(),
+            value: None,
+        });
+    }
+
+    fn add_element(&mut self, (map, key): &(&'static str, ElementKey), value: &ElementValue) {
+        let _ = writeln!(self.tail, "add element {TABLE} {map} {{ {key} : {value} }}");
+        self.adds.push(ElementOp {
+            map,
+            key: key.clone(),
+            value: Some(value.clone()),
+        });
+    }
+
+    /// A command on chains or sets.
+    fn command(&mut self, line: fmt::Arguments<'_>) {
+        let _ = writeln!(self.script, "{line}");
+        self.structural = true;
+    }
+
+    /// A command on chains or sets that comes after the element additions.
+    fn last(&mut self, line: fmt::Arguments<'_>) {
+        let _ = writeln!(self.tail, "{line}");
+        self.structural = true;
+    }
+
+    /// The script, and the element commands when there is nothing else (and at
+    /// least one): deletions, then additions, as [`reorder`] puts the script.
+    fn finish(mut self) -> (String, Option<Vec<ElementOp>>) {
+        self.script.push_str(&self.tail);
+        let script = reorder(&self.script);
+        self.deletes.append(&mut self.adds);
+        let ops = (!self.structural && !self.deletes.is_empty()).then_some(self.deletes);
+        (script, ops)
     }
 }
 
@@ -681,55 +815,43 @@ fn reorder(script: &str) -> String {
 fn diff_service(
     old: &ServiceObjects,
     new: &ServiceObjects,
-    s: &mut String,
-    tail: &mut String,
-    released: &mut BTreeSet<(&'static str, String)>,
+    cmds: &mut ChangeCommands,
+    released: &mut BTreeSet<(&'static str, ElementKey)>,
 ) {
     for (el, value) in &old.elements {
         if new.elements.get(el) != Some(value) && !released.contains(el) {
-            let _ = writeln!(s, "delete element {TABLE} {} {{ {} }}", el.0, el.1);
+            cmds.delete_element(el);
             released.insert(el.clone());
         }
     }
     for (name, def) in &new.sets {
         if !old.sets.contains_key(name) {
-            let _ = writeln!(s, "add set {TABLE} {name} {def}");
+            cmds.command(format_args!("add set {TABLE} {name} {def}"));
         }
     }
     for (name, rules) in &new.chains {
         match old.chains.get(name) {
-            Some(old_rules) if old_rules == rules => {}
-            Some(_) => {
-                let _ = writeln!(s, "flush chain {TABLE} {name}");
-                for r in rules {
-                    let _ = writeln!(s, "add rule {TABLE} {name} {r}");
-                }
-            }
-            None => {
-                let _ = writeln!(s, "add chain {TABLE} {name}");
-                for r in rules {
-                    let _ = writeln!(s, "add rule {TABLE} {name} {r}");
-                }
-            }
+            Some(old_rules) if old_rules == rules => continue,
+            Some(_) => cmds.command(format_args!("flush chain {TABLE} {name}")),
+            None => cmds.command(format_args!("add chain {TABLE} {name}")),
+        }
+        for r in rules {
+            cmds.command(format_args!("add rule {TABLE} {name} {r}"));
         }
     }
     for (el, value) in &new.elements {
         if old.elements.get(el) != Some(value) {
-            let _ = writeln!(
-                tail,
-                "add element {TABLE} {} {{ {} : {value} }}",
-                el.0, el.1
-            );
+            cmds.add_element(el, value);
         }
     }
     for name in old.chains.keys() {
         if !new.chains.contains_key(name) {
-            let _ = writeln!(tail, "delete chain {TABLE} {name}");
+            cmds.last(format_args!("delete chain {TABLE} {name}"));
         }
     }
     for name in old.sets.keys() {
         if !new.sets.contains_key(name) {
-            let _ = writeln!(tail, "delete set {TABLE} {name}");
+            cmds.last(format_args!("delete set {TABLE} {name}"));
         }
     }
 }

@@ -1,10 +1,10 @@
 //! Unit tests of the ruleset builder: desired table from deltas, and the commands one
 //! change produces (no kernel, no `nft`).
 
-use super::ruleset::{Existing, Ruleset, TABLE};
+use super::ruleset::{ElementKey, ElementOp, ElementValue, Existing, Plan, Ruleset, TABLE};
 use crate::{
     endpoints::{Delta, ServiceView},
-    model::{Object, ServiceKey, parse_documents},
+    model::{Object, Protocol, ServiceKey, parse_documents},
 };
 use std::sync::Arc;
 
@@ -47,6 +47,11 @@ fn delta(full: bool, upserted: Vec<ServiceView>, removed: Vec<ServiceKey>) -> De
         upserted,
         removed,
     }
+}
+
+/// The transaction of a change (not a full delta) that upserts `view` into `rs`.
+fn plan_change(rs: &Ruleset, view: ServiceView) -> Plan {
+    rs.plan(&delta(false, vec![view], vec![]), &Existing::default())
 }
 
 /// Applies a full delta of `views` to a fresh ruleset.
@@ -133,20 +138,24 @@ fn only_ready_non_terminating_endpoints_get_new_flows() {
     let o = rs
         .service(&ServiceKey::new("default", "web"))
         .expect("programmed");
-    let elements: Vec<(&str, &str, &str)> = o
+    let elements: Vec<(&str, String, String)> = o
         .elements
         .iter()
-        .map(|((map, key), value)| (*map, key.as_str(), value.as_str()))
+        .map(|((map, key), value)| (*map, key.to_string(), value.to_string()))
         .collect();
     assert_eq!(
         elements,
         vec![
             (
                 "backends4-tcp",
-                "198.18.100.10 . 80 . 0",
-                "198.18.1.2 . 8080"
+                "198.18.100.10 . 80 . 0".to_owned(),
+                "198.18.1.2 . 8080".to_owned()
             ),
-            ("service-vips", "198.18.100.10 . tcp . 80", "goto pick4-1"),
+            (
+                "service-vips",
+                "198.18.100.10 . tcp . 80".to_owned(),
+                "goto pick4-1".to_owned()
+            ),
         ]
     );
     assert!(o.chains.is_empty());
@@ -215,13 +224,9 @@ fn one_endpoint_change_rewrites_only_that_service() {
         view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.3"]),
         view("b", "198.18.100.11", &["198.18.1.2", "198.18.1.3"]),
     ]);
-    let plan = rs.plan(
-        &delta(
-            false,
-            vec![view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"])],
-            vec![],
-        ),
-        &Existing::default(),
+    let plan = plan_change(
+        &rs,
+        view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"]),
     );
     // Only the changed backend's element: no chain, no rule, nothing of b.
     assert_eq!(
@@ -231,17 +236,13 @@ fn one_endpoint_change_rewrites_only_that_service() {
     );
     rs.commit(plan);
     // A new backend count: the service's elements, and the pick chain it first needs.
-    let plan = rs.plan(
-        &delta(
-            false,
-            vec![view(
-                "a",
-                "198.18.100.10",
-                &["198.18.1.2", "198.18.1.4", "198.18.1.6"],
-            )],
-            vec![],
+    let plan = plan_change(
+        &rs,
+        view(
+            "a",
+            "198.18.100.10",
+            &["198.18.1.2", "198.18.1.4", "198.18.1.6"],
         ),
-        &Existing::default(),
     );
     assert_eq!(
         plan.script,
@@ -254,13 +255,9 @@ fn one_endpoint_change_rewrites_only_that_service() {
     );
     rs.commit(plan);
     // Back to two: the pick chain made before stays (shared), nothing else new.
-    let plan = rs.plan(
-        &delta(
-            false,
-            vec![view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"])],
-            vec![],
-        ),
-        &Existing::default(),
+    let plan = plan_change(
+        &rs,
+        view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"]),
     );
     assert_eq!(
         plan.script,
@@ -270,13 +267,9 @@ fn one_endpoint_change_rewrites_only_that_service() {
     );
     rs.commit(plan);
     // The same state again: nothing to do.
-    let again = rs.plan(
-        &delta(
-            false,
-            vec![view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"])],
-            vec![],
-        ),
-        &Existing::default(),
+    let again = plan_change(
+        &rs,
+        view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"]),
     );
     assert!(again.is_empty(), "{}", again.script);
 }
@@ -284,19 +277,17 @@ fn one_endpoint_change_rewrites_only_that_service() {
 #[test]
 fn emptied_then_refilled_service_moves_between_maps_and_removal_deletes_its_objects() {
     let mut rs = programmed(vec![view("a", "198.18.100.10", &["198.18.1.2"])]);
-    let plan = rs.plan(
-        &delta(
-            false,
-            vec![view_with("a", "198.18.100.10", "", Some(&[]))],
-            vec![],
-        ),
-        &Existing::default(),
-    );
+    let plan = plan_change(&rs, view_with("a", "198.18.100.10", "", Some(&[])));
     assert_eq!(
         plan.script,
         "delete element inet rune backends4-tcp { 198.18.100.10 . 80 . 0 }\n\
          delete element inet rune service-vips { 198.18.100.10 . tcp . 80 }\n\
          add element inet rune no-endpoints { 198.18.100.10 . tcp . 80 : goto reject-service }\n"
+    );
+    // The same commands, typed, for the netlink batch.
+    assert_eq!(
+        plan.element_ops.as_deref().map(ops_script),
+        Some(plan.script.clone())
     );
     rs.commit(plan);
     let plan = rs.plan(
@@ -334,6 +325,10 @@ fn a_vip_moving_to_another_service_is_deleted_once_before_it_is_added() {
     let del = s.rfind("delete element").expect("deleted");
     let add = s.find("add element").expect("added");
     assert!(del < add, "{s}");
+    assert_eq!(
+        plan.element_ops.as_deref().map(ops_script).as_ref(),
+        Some(s)
+    );
     assert!(
         s.contains(
             "add element inet rune backends4-tcp { 198.18.100.10 . 80 . 0 : 198.18.1.3 . 8080 }"
@@ -410,69 +405,100 @@ fn full_delta_adopts_an_existing_table_in_one_transaction() {
     assert!(flush < delete);
 }
 
+/// `ops` as the nft commands they stand for.
+fn ops_script(ops: &[ElementOp]) -> String {
+    ops.iter()
+        .map(|op| match &op.value {
+            Some(v) => format!("add element {TABLE} {} {{ {} : {v} }}\n", op.map, op.key),
+            None => format!("delete element {TABLE} {} {{ {} }}\n", op.map, op.key),
+        })
+        .collect()
+}
+
 #[test]
-fn element_only_changes_become_netlink_element_commands_with_kernel_bytes() {
-    use super::netlink::{ElementData, element_ops};
-    let ops = element_ops(
-        "delete element inet rune backends4-tcp { 198.18.100.10 . 80 . 1 }\n\
-         add element inet rune backends4-tcp { 198.18.100.10 . 80 . 1 : 198.18.1.4 . 8080 }\n\
-         add element inet rune service-vips6 { fd00:100::10 . udp . 53 : goto pick6-2 }\n",
-    )
-    .expect("element commands only");
-    assert_eq!(ops.len(), 3);
-    assert!(!ops[0].add && ops[0].data.is_none());
+fn element_keys_and_values_encode_as_the_kernel_stores_them() {
+    use super::netlink::{backend_bytes, key_bytes};
     // Address, port big-endian padded to 4 bytes, numgen index host-endian.
-    let mut key = vec![198, 18, 100, 10, 0, 80, 0, 0];
-    key.extend_from_slice(&1u32.to_ne_bytes());
-    assert_eq!(ops[0].key, key);
-    assert_eq!(ops[1].key, key);
+    let key = ElementKey::Backend {
+        vip: "198.18.100.10".parse().unwrap(),
+        port: 80,
+        index: 1,
+    };
+    let mut bytes = vec![198, 18, 100, 10, 0, 80, 0, 0];
+    bytes.extend_from_slice(&1u32.to_ne_bytes());
+    assert_eq!(key_bytes(&key), bytes);
     assert_eq!(
-        ops[1].data,
-        Some(ElementData::Bytes(vec![198, 18, 1, 4, 0x1f, 0x90, 0, 0]))
+        backend_bytes("198.18.1.4:8080".parse().unwrap()),
+        vec![198, 18, 1, 4, 0x1f, 0x90, 0, 0]
     );
-    let mut key6 = vec![0xfd, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10];
-    key6.extend_from_slice(&[17, 0, 0, 0, 0, 53, 0, 0]);
-    assert_eq!(ops[2].map, "service-vips6");
-    assert_eq!(ops[2].key, key6);
-    assert_eq!(ops[2].data, Some(ElementData::Goto("pick6-2".into())));
-    // Anything but single-element commands stays with nft.
-    assert!(element_ops("add chain inet rune pick4-3\n").is_none());
-    assert!(
-        element_ops("add element inet rune backends4-tcp { 198.18.100.10 . 80 . 0 : 198.18.1.2 . 8080, 198.18.100.10 . 80 . 1 : 198.18.1.3 . 8080 }\n")
-            .is_none()
-    );
-    assert!(element_ops("").is_none());
+    // Address, protocol one byte padded, port big-endian padded.
+    let key6 = ElementKey::Port {
+        vip: "fd00:100::10".parse().unwrap(),
+        protocol: Protocol::Udp,
+        port: 53,
+    };
+    let mut bytes6 = vec![0xfd, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10];
+    bytes6.extend_from_slice(&[17, 0, 0, 0, 0, 53, 0, 0]);
+    assert_eq!(key_bytes(&key6), bytes6);
+    assert_eq!(key6.to_string(), "fd00:100::10 . udp . 53");
 }
 
 #[test]
 fn an_endpoint_change_plan_goes_over_netlink_and_a_new_backend_count_does_not() {
-    use super::netlink::element_ops;
+    let rs = Ruleset::new("node-a");
+    let full = rs.plan(
+        &delta(
+            true,
+            vec![view("a", "198.18.100.10", &["198.18.1.2"])],
+            vec![],
+        ),
+        &Existing::default(),
+    );
+    assert_eq!(full.element_ops, None, "a full sync goes to nft");
     let mut rs = programmed(vec![view(
         "a",
         "198.18.100.10",
         &["198.18.1.2", "198.18.1.3"],
     )]);
-    let same_n = rs.plan(
-        &delta(
-            false,
-            vec![view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"])],
-            vec![],
-        ),
-        &Existing::default(),
+    let same_n = plan_change(
+        &rs,
+        view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"]),
     );
-    assert_eq!(element_ops(&same_n.script).map(|o| o.len()), Some(2));
+    let key = ElementKey::Backend {
+        vip: "198.18.100.10".parse().unwrap(),
+        port: 80,
+        index: 1,
+    };
+    let ops = same_n.element_ops.clone().expect("element commands only");
+    assert_eq!(
+        ops,
+        vec![
+            ElementOp {
+                map: "backends4-tcp",
+                key: key.clone(),
+                value: None,
+            },
+            ElementOp {
+                map: "backends4-tcp",
+                key,
+                value: Some(ElementValue::Backend("198.18.1.4:8080".parse().unwrap())),
+            },
+        ]
+    );
+    assert_eq!(ops_script(&ops), same_n.script);
     rs.commit(same_n);
-    let new_n = rs.plan(
-        &delta(
-            false,
-            vec![view(
-                "a",
-                "198.18.100.10",
-                &["198.18.1.2", "198.18.1.4", "198.18.1.5"],
-            )],
-            vec![],
+    let new_n = plan_change(
+        &rs,
+        view(
+            "a",
+            "198.18.100.10",
+            &["198.18.1.2", "198.18.1.4", "198.18.1.5"],
         ),
-        &Existing::default(),
     );
-    assert!(element_ops(&new_n.script).is_none(), "{}", new_n.script);
+    assert!(new_n.element_ops.is_none(), "{}", new_n.script);
+    let unchanged = plan_change(
+        &rs,
+        view("a", "198.18.100.10", &["198.18.1.2", "198.18.1.4"]),
+    );
+    assert!(unchanged.is_empty() && unchanged.element_ops.is_none());
 }
