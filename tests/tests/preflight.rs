@@ -91,6 +91,22 @@ fn check<'a>(doc: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no check {name} in {doc:#}"))
 }
 
+/// `status -o json` of `agent`.
+fn status_json(agent: &Agent) -> Value {
+    let out = agent.cli(&["status", "-o", "json"], None);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Asserts that metric `name` in the `/metrics` text `text` reads `value`.
+fn assert_metric(text: &str, name: &str, value: f64) {
+    assert_eq!(metric(text, name), Some(value), "{name}: {text}");
+}
+
 /// Whether `dir` (a cgroup) has child cgroups.
 fn has_children(dir: &Path) -> bool {
     std::fs::read_dir(dir)
@@ -260,28 +276,14 @@ fn production_start_shows_the_choice_in_status_and_metrics() {
     );
     agent.wait_ready(PATIENCE);
     let text = agent.metrics_text();
-    assert_eq!(
-        metric(&text, "rune_dataplane_mode{mode=\"ebpf\"}"),
-        Some(1.0),
-        "{text}"
+    assert_metric(&text, "rune_dataplane_mode{mode=\"ebpf\"}", 1.0);
+    assert_metric(&text, "rune_preflight_check{check=\"btf\"}", 1.0);
+    assert_metric(
+        &text,
+        "rune_preflight_check{check=\"load:rune_xdp_lb\"}",
+        1.0,
     );
-    assert_eq!(
-        metric(&text, "rune_preflight_check{check=\"btf\"}"),
-        Some(1.0),
-        "{text}"
-    );
-    assert_eq!(
-        metric(&text, "rune_preflight_check{check=\"load:rune_xdp_lb\"}"),
-        Some(1.0),
-        "{text}"
-    );
-    let out = agent.cli(&["status", "-o", "json"], None);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let status: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let status = status_json(&agent);
     assert_eq!(status["dataplane"], "ebpf");
     assert!(
         status["dataplaneReason"]
@@ -333,13 +335,7 @@ fn a_failed_real_load_falls_back_in_auto_and_stops_a_forced_ebpf() {
         ],
     );
     agent.wait_ready(PATIENCE);
-    let out = agent.cli(&["status", "-o", "json"], None);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let status: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let status = status_json(&agent);
     assert_eq!(status["dataplane"], "nftables", "{status:#}");
     let reason = status["dataplaneReason"].as_str().unwrap();
     assert!(
@@ -357,16 +353,8 @@ fn a_failed_real_load_falls_back_in_auto_and_stops_a_forced_ebpf() {
         .unwrap();
     assert_eq!(load["passed"], true, "{status:#}");
     let text = agent.metrics_text();
-    assert_eq!(
-        metric(&text, "rune_preflight_check{check=\"attach:tc\"}"),
-        Some(0.0),
-        "{text}"
-    );
-    assert_eq!(
-        metric(&text, "rune_dataplane_mode{mode=\"nftables\"}"),
-        Some(1.0),
-        "{text}"
-    );
+    assert_metric(&text, "rune_preflight_check{check=\"attach:tc\"}", 0.0);
+    assert_metric(&text, "rune_dataplane_mode{mode=\"nftables\"}", 1.0);
     assert!(!pins.path().exists(), "the failed load left its pins");
     assert_eq!(agent.terminate(PATIENCE), Some(0));
 
