@@ -29,3 +29,18 @@ pub fn trim() {
         libc::malloc_trim(0);
     }
 }
+
+/// The heap as glibc sees it: bytes in live allocations (small chunks in the
+/// arena plus large ones mapped on their own) and bytes free inside the arena
+/// (held, not returned to the OS), for the logs.
+#[must_use]
+pub fn usage() -> Option<(usize, usize)> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 only reads glibc's own counters; it has no preconditions.
+        let info = unsafe { libc::mallinfo2() };
+        Some((info.uordblks + info.hblkhd, info.fordblks))
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    None
+}

@@ -8,7 +8,7 @@ use crate::{
     agent::{Agent, AgentConfig, Mode},
     config::Config,
     dataplane::{
-        DataPlane, PortState,
+        DataPlane, DataPlaneError, PortState,
         ebpf::{EbpfConfig, EbpfDataPlane, Hooks, MapSizes, attach},
         leftovers,
         nftables::{NftablesConfig, NftablesDataPlane},
@@ -59,58 +59,21 @@ pub async fn run(config: Config) -> Result<()> {
     let metrics = Arc::new(Metrics::new());
     let cache = Arc::new(EndpointCache::new());
     // Production runs preflight first; dev mode always uses the loopback proxies.
-    let selected = match mode {
-        Mode::Dev => None,
-        Mode::Production => Some(select_dataplane(&config, &metrics)?),
-    };
-    if let Some(selected) = &selected {
-        let removed = leftovers::remove(&leftovers::others(selected.mode), &config.bpf_pin_dir)
-            .await
-            .context("removing what another data plane mode left")?;
-        if !removed.is_empty() {
-            tracing::info!(%removed, "removed what other data plane modes left");
-        }
-    }
-    let plane: Arc<dyn DataPlane> = match selected.as_ref().map(|s| s.mode) {
-        None => Arc::new(UserspaceProxy::new(
-            ProxyConfig {
-                listen: ListenOn::Loopback,
-                port_offset: config.dev_port_offset,
-                node_name: identity.hostname.clone(),
-                maglev_table_size: config.maglev_table_size,
-                udp_idle_timeout: config.udp_idle_timeout,
-                ..ProxyConfig::default()
-            },
-            metrics.clone(),
-        )?),
-        Some(DataplaneMode::Ebpf) => {
-            let ebpf = EbpfDataPlane::new(&ebpf_config(&config, &identity)).context(
-                "starting the eBPF data plane (its preflight checks passed: this is a load \
-                 or attach error; --dataplane nftables runs without eBPF)",
-            )?;
-            metrics.set_dataplane_collector(ebpf.collector());
-            Arc::new(ebpf)
-        }
-        Some(DataplaneMode::Nftables) => Arc::new(
-            NftablesDataPlane::new(NftablesConfig {
-                node_name: identity.hostname.clone(),
-                keep_rules_on_stop: config.keep_rules_on_stop,
-            })
-            .context(
-                "starting the nftables data plane (its preflight checks passed: this is an \
-                 error of nft itself)",
+    let (plane, selected): (Arc<dyn DataPlane>, _) = match mode {
+        Mode::Dev => (
+            userspace_proxy(
+                &config,
+                &identity,
+                &metrics,
+                ListenOn::Loopback,
+                config.dev_port_offset,
             )?,
+            None,
         ),
-        Some(DataplaneMode::Userspace) => Arc::new(UserspaceProxy::new(
-            ProxyConfig {
-                listen: ListenOn::Vips,
-                node_name: identity.hostname.clone(),
-                maglev_table_size: config.maglev_table_size,
-                udp_idle_timeout: config.udp_idle_timeout,
-                ..ProxyConfig::default()
-            },
-            metrics.clone(),
-        )?),
+        Mode::Production => {
+            let (plane, selected) = production_dataplane(&config, &identity, &metrics).await?;
+            (plane, Some(selected))
+        }
     };
     let agent = Arc::new(Agent::new(AgentConfig {
         identity: identity.clone(),
@@ -215,37 +178,153 @@ pub async fn run(config: Config) -> Result<()> {
 /// The production data plane preflight chose, with the checks behind the choice.
 #[derive(Debug)]
 struct SelectedDataplane {
-    mode: DataplaneMode,
     reason: String,
     checks: Vec<preflight::Check>,
 }
 
 /// Runs preflight, decides the data plane for `--dataplane` (a forced mode whose
-/// checks fail is an error naming them), logs and records the choice.
-fn select_dataplane(config: &Config, metrics: &Metrics) -> Result<SelectedDataplane> {
-    let report = preflight::run(&preflight::Options::with_cgroup(config.cgroup.clone()))?;
+/// checks fail is an error naming them), removes what other modes left, and starts
+/// the chosen data plane; logs and records the choice.
+///
+/// The agent's programs go through the verifier once, in the eBPF data plane's own
+/// load (preflight defers `load:*` and `attach:*` to it). When that load fails,
+/// its failed step becomes the failed check: `auto` decides again (nftables, else
+/// userspace) and a forced `ebpf` stops naming the check, as if preflight had found
+/// it.
+async fn production_dataplane(
+    config: &Config,
+    identity: &Identity,
+    metrics: &Arc<Metrics>,
+) -> Result<(Arc<dyn DataPlane>, SelectedDataplane)> {
+    let options = preflight::Options {
+        defer_programs: true,
+        ..preflight::Options::with_cgroup(config.cgroup.clone())
+    };
+    let report = preflight::run(&options)?;
     for c in report.checks.iter().filter(|c| !c.passed) {
         tracing::warn!(check = %c.name, detail = %c.detail, "preflight check failed");
     }
-    let selection =
-        preflight::decide(config.dataplane, &report.checks).context("choosing the data plane")?;
+    let mut checks = report.checks;
+    let mut selection =
+        preflight::decide(config.dataplane, &checks).context("choosing the data plane")?;
+    // eBPF is tried at most once: every later mode either starts or stops the start.
+    let plane = loop {
+        let removed = leftovers::remove(&leftovers::others(selection.mode), &config.bpf_pin_dir)
+            .await
+            .context("removing what another data plane mode left")?;
+        if !removed.is_empty() {
+            tracing::info!(%removed, "removed what other data plane modes left");
+        }
+        match start_dataplane(selection.mode, config, identity, metrics)? {
+            Started::Plane(plane, attachments) => {
+                match &attachments {
+                    Some(attached) => preflight::deferred::record_loaded(&mut checks, attached),
+                    None => preflight::deferred::record_not_probed(&mut checks, selection.mode),
+                }
+                break plane;
+            }
+            Started::EbpfFailed(error, failed) => {
+                for c in &failed {
+                    tracing::warn!(check = %c.name, detail = %c.detail, "eBPF data plane failed to load; recorded as a failed preflight check");
+                }
+                preflight::deferred::record_failed(&mut checks, failed);
+                selection = preflight::decide(config.dataplane, &checks)
+                    .with_context(|| format!("starting the eBPF data plane: {error:#}"))?;
+                if selection.mode == DataplaneMode::Ebpf {
+                    return Err(error.context("starting the eBPF data plane"));
+                }
+            }
+        }
+    };
     tracing::info!(
         mode = %selection.mode,
         reason = %selection.reason,
         kernel = %report.kernel,
         "data plane chosen"
     );
-    let results: Vec<(String, bool)> = report
-        .checks
-        .iter()
-        .map(|c| (c.name.clone(), c.passed))
-        .collect();
+    let results: Vec<(String, bool)> = checks.iter().map(|c| (c.name.clone(), c.passed)).collect();
     metrics.set_dataplane(selection.mode.as_str(), &results);
-    Ok(SelectedDataplane {
-        mode: selection.mode,
-        reason: selection.reason,
-        checks: report.checks,
-    })
+    Ok((
+        plane,
+        SelectedDataplane {
+            reason: selection.reason,
+            checks,
+        },
+    ))
+}
+
+/// What starting a production data plane gave.
+enum Started {
+    /// The plane, and for eBPF what it attached.
+    Plane(Arc<dyn DataPlane>, Option<Vec<attach::Attachment>>),
+    /// The eBPF load failed at a step preflight probes: the error and the failed
+    /// checks (it left nothing it created behind).
+    EbpfFailed(anyhow::Error, Vec<preflight::Check>),
+}
+
+/// Starts data plane `mode`; an eBPF load failing at a step preflight probes is
+/// [`Started::EbpfFailed`], every other error stops the start.
+fn start_dataplane(
+    mode: DataplaneMode,
+    config: &Config,
+    identity: &Identity,
+    metrics: &Arc<Metrics>,
+) -> Result<Started> {
+    let plane: Arc<dyn DataPlane> = match mode {
+        DataplaneMode::Ebpf => {
+            let ebpf = match EbpfDataPlane::new(&ebpf_config(config, identity)) {
+                Ok(ebpf) => ebpf,
+                Err(DataPlaneError::Ebpf(e)) => {
+                    let failed = preflight::deferred::failed_checks(&e);
+                    let error = anyhow::Error::new(e);
+                    if failed.is_empty() {
+                        return Err(error.context(
+                            "starting the eBPF data plane (its preflight checks passed: this is \
+                             a pin or map error; --dataplane nftables runs without eBPF)",
+                        ));
+                    }
+                    return Ok(Started::EbpfFailed(error, failed));
+                }
+                Err(e) => return Err(e).context("starting the eBPF data plane"),
+            };
+            metrics.set_dataplane_collector(ebpf.collector());
+            let attached = ebpf.attachments().to_vec();
+            return Ok(Started::Plane(Arc::new(ebpf), Some(attached)));
+        }
+        DataplaneMode::Nftables => Arc::new(
+            NftablesDataPlane::new(NftablesConfig {
+                node_name: identity.hostname.clone(),
+                keep_rules_on_stop: config.keep_rules_on_stop,
+            })
+            .context(
+                "starting the nftables data plane (its preflight checks passed: this is an \
+                 error of nft itself)",
+            )?,
+        ),
+        DataplaneMode::Userspace => userspace_proxy(config, identity, metrics, ListenOn::Vips, 0)?,
+    };
+    Ok(Started::Plane(plane, None))
+}
+
+/// The userspace proxies listening on `listen`, ports shifted by `port_offset`.
+fn userspace_proxy(
+    config: &Config,
+    identity: &Identity,
+    metrics: &Arc<Metrics>,
+    listen: ListenOn,
+    port_offset: u16,
+) -> Result<Arc<dyn DataPlane>> {
+    Ok(Arc::new(UserspaceProxy::new(
+        ProxyConfig {
+            listen,
+            port_offset,
+            node_name: identity.hostname.clone(),
+            maglev_table_size: config.maglev_table_size,
+            udp_idle_timeout: config.udp_idle_timeout,
+            ..ProxyConfig::default()
+        },
+        metrics.clone(),
+    )?))
 }
 
 /// The eBPF data plane's settings: hooks from the config, else the cgroup v2 root

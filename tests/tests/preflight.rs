@@ -91,6 +91,22 @@ fn check<'a>(doc: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no check {name} in {doc:#}"))
 }
 
+/// `status -o json` of `agent`.
+fn status_json(agent: &Agent) -> Value {
+    let out = agent.cli(&["status", "-o", "json"], None);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Asserts that metric `name` in the `/metrics` text `text` reads `value`.
+fn assert_metric(text: &str, name: &str, value: f64) {
+    assert_eq!(metric(text, name), Some(value), "{name}: {text}");
+}
+
 /// Whether `dir` (a cgroup) has child cgroups.
 fn has_children(dir: &Path) -> bool {
     std::fs::read_dir(dir)
@@ -260,28 +276,14 @@ fn production_start_shows_the_choice_in_status_and_metrics() {
     );
     agent.wait_ready(PATIENCE);
     let text = agent.metrics_text();
-    assert_eq!(
-        metric(&text, "rune_dataplane_mode{mode=\"ebpf\"}"),
-        Some(1.0),
-        "{text}"
+    assert_metric(&text, "rune_dataplane_mode{mode=\"ebpf\"}", 1.0);
+    assert_metric(&text, "rune_preflight_check{check=\"btf\"}", 1.0);
+    assert_metric(
+        &text,
+        "rune_preflight_check{check=\"load:rune_xdp_lb\"}",
+        1.0,
     );
-    assert_eq!(
-        metric(&text, "rune_preflight_check{check=\"btf\"}"),
-        Some(1.0),
-        "{text}"
-    );
-    assert_eq!(
-        metric(&text, "rune_preflight_check{check=\"load:rune_xdp_lb\"}"),
-        Some(1.0),
-        "{text}"
-    );
-    let out = agent.cli(&["status", "-o", "json"], None);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let status: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let status = status_json(&agent);
     assert_eq!(status["dataplane"], "ebpf");
     assert!(
         status["dataplaneReason"]
@@ -302,4 +304,75 @@ fn production_start_shows_the_choice_in_status_and_metrics() {
     assert!(text.contains("data plane: ebpf (auto: all "), "{text}");
     assert!(text.contains("preflight:  "), "{text}");
     assert_eq!(agent.terminate(PATIENCE), Some(0));
+}
+
+/// A production start defers the programs' verifier checks to the real load: when
+/// that load fails (here the tc attachment: the interface does not exist), `auto`
+/// records the failed check, removes what the load created and runs nftables; a
+/// forced `ebpf` stops naming the check and leaves no pins.
+#[test]
+fn a_failed_real_load_falls_back_in_auto_and_stops_a_forced_ebpf() {
+    require_root().unwrap();
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ns = NetNs::new("pf-fallback").unwrap();
+    let pins = PinDir::new("pf-fallback");
+    let state = tempfile::tempdir().unwrap();
+    let pin_dir = pins.path().display().to_string();
+    let mut agent = Agent::start_in(
+        &ns,
+        state.path(),
+        &[
+            "--bpf-pin-dir",
+            &pin_dir,
+            "--cgroup",
+            "none",
+            "--interfaces",
+            "rune-no-such0",
+            "--lb-max-frontends",
+            "64",
+            "--maglev-table-size",
+            "1021",
+        ],
+    );
+    agent.wait_ready(PATIENCE);
+    let status = status_json(&agent);
+    assert_eq!(status["dataplane"], "nftables", "{status:#}");
+    let reason = status["dataplaneReason"].as_str().unwrap();
+    assert!(
+        reason.starts_with("auto: ebpf unavailable: attach:tc (")
+            && reason.contains("rune-no-such0"),
+        "{status:#}"
+    );
+    let checks = status["preflight"].as_array().unwrap();
+    let attach_tc = checks.iter().find(|c| c["name"] == "attach:tc").unwrap();
+    assert_eq!(attach_tc["passed"], false, "{status:#}");
+    // The programs were loaded before the attachment failed: the verifier passed them.
+    let load = checks
+        .iter()
+        .find(|c| c["name"] == "load:rune_tc_ingress")
+        .unwrap();
+    assert_eq!(load["passed"], true, "{status:#}");
+    let text = agent.metrics_text();
+    assert_metric(&text, "rune_preflight_check{check=\"attach:tc\"}", 0.0);
+    assert_metric(&text, "rune_dataplane_mode{mode=\"nftables\"}", 1.0);
+    assert!(!pins.path().exists(), "the failed load left its pins");
+    assert_eq!(agent.terminate(PATIENCE), Some(0));
+
+    let state = tempfile::tempdir().unwrap();
+    let mut cmd = ns.command(agent_bin()).unwrap();
+    cmd.arg("run")
+        .arg("--state-dir")
+        .arg(state.path())
+        .args(["--dataplane", "ebpf", "--cgroup", "none"])
+        .args(["--interfaces", "rune-no-such0"])
+        .arg("--bpf-pin-dir")
+        .arg(pins.path());
+    let out = finish(cmd);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the start succeeded: {stderr}");
+    assert!(
+        stderr.contains("--dataplane ebpf cannot run here: preflight checks failed: attach:tc ("),
+        "{stderr}"
+    );
+    assert!(!pins.path().exists(), "the failed load left its pins");
 }

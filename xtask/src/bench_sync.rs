@@ -121,12 +121,21 @@ fn snapshot_yaml() -> String {
 }
 
 /// `cargo xtask bench sync`: builds the release agent, measures, prints the table.
+///
+/// `RUNE_BENCH_AGENT=PATH` measures that agent binary instead of building one (to
+/// compare two builds back to back); `RUNE_BENCH_SYNC_NFTABLES=0` leaves out the
+/// nftables part.
 pub fn run_alone() -> Result<()> {
-    crate::util::run_status(
-        "build the release agent",
-        crate::util::cargo().args(["build", "--release", "-p", "rune-agent"]),
-    )?;
-    let bin = crate::util::target_dir().join("release/rune-agent");
+    let bin = match std::env::var_os("RUNE_BENCH_AGENT") {
+        Some(bin) => PathBuf::from(bin),
+        None => {
+            crate::util::run_status(
+                "build the release agent",
+                crate::util::cargo().args(["build", "--release", "-p", "rune-agent"]),
+            )?;
+            crate::util::target_dir().join("release/rune-agent")
+        }
+    };
     let report = section(&bin)?;
     println!("{report}");
     Ok(())
@@ -187,7 +196,9 @@ pub fn section(bin: &Path) -> Result<String> {
         t[t.len() / 2]
     };
     let mut out = report(TITLE, &mut runs, &changes)?;
-    out.push_str(&nftables::section(bin, &yaml, ebpf_median, &changes)?);
+    if std::env::var_os("RUNE_BENCH_SYNC_NFTABLES").is_none_or(|v| v != "0") {
+        out.push_str(&nftables::section(bin, &yaml, ebpf_median, &changes)?);
+    }
     Ok(out)
 }
 

@@ -63,6 +63,9 @@ async fn reconcile(
                     applied.set_ready();
                     drop(delta);
                     crate::heap::trim();
+                    if let Some((live, free)) = crate::heap::usage() {
+                        tracing::debug!(live, free, "heap after the full sync (bytes)");
+                    }
                 }
             }
             Err(e) => {

@@ -10,6 +10,7 @@
 //! (see [`INJECT_ENV`]).
 
 pub mod decide;
+pub mod deferred;
 pub mod object;
 pub mod probes;
 
@@ -94,6 +95,11 @@ pub struct Options {
     pub cgroup: Option<Option<PathBuf>>,
     /// Checks to report as failed whatever the probe found (testing only).
     pub inject_failures: Vec<String>,
+    /// Leave the agent's own programs to the data plane's load (a production
+    /// start): `load:*` and `attach:*` are recorded as [`deferred`] instead of
+    /// loading and attaching a copy, so a start puts its programs through the
+    /// verifier once. `rune-agent preflight` probes them.
+    pub defer_programs: bool,
 }
 
 impl Options {
@@ -110,6 +116,7 @@ impl Options {
         Self {
             cgroup,
             inject_failures,
+            defer_programs: false,
         }
     }
 }

@@ -134,6 +134,8 @@ pub fn kernel_release() -> String {
 
 /// Every probe, in the order the table shows them.
 pub fn probe_all(options: &Options) -> Vec<Check> {
+    // `nft` runs as two child processes: beside the kernel probes, not after them.
+    let nft = std::thread::spawn(nft);
     let mut checks = vec![Check::new("kernel", true, kernel_release(), &[])];
     checks.extend(capabilities());
     checks.push(bpf_syscall());
@@ -164,8 +166,18 @@ pub fn probe_all(options: &Options) -> Vec<Check> {
             checks.push(helper_check(type_name, kind, *helper));
         }
     }
-    checks.extend(agent_programs(cgroup));
-    checks.extend(nft());
+    if options.defer_programs {
+        checks.extend(super::deferred::placeholders(
+            cgroup.ok().flatten().is_some(),
+        ));
+    } else {
+        checks.extend(agent_programs(cgroup));
+    }
+    checks.extend(nft.join().unwrap_or_else(|_| {
+        ["nft", "nft-netlink"]
+            .map(|name| Check::new(name, false, "the nft probe thread panicked", &[Nftables]))
+            .into()
+    }));
     checks
 }
 
@@ -429,7 +441,7 @@ fn helper_check(type_name: &str, kind: ProgramType, id: BpfHelper) -> Check {
 }
 
 /// An error with its sources, on one line.
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
@@ -441,7 +453,7 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// A program load error: the syscall's error and the verifier's last words.
-fn load_error(e: &ProgramError) -> String {
+pub(crate) fn load_error(e: &ProgramError) -> String {
     match e {
         ProgramError::LoadError {
             io_error,
@@ -692,7 +704,7 @@ fn run_bounded(program: &str, args: &[&str]) -> io::Result<Output> {
                 format!("{program} did not finish within {COMMAND_PATIENCE:?}"),
             ));
         }
-        std::thread::sleep(Duration::from_millis(10));
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 

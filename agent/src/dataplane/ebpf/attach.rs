@@ -171,6 +171,20 @@ pub fn attach_all(
     pin_dir: &Path,
     hooks: &Hooks,
 ) -> Result<Vec<Attachment>, EbpfError> {
+    // Every program through the verifier before anything is attached: a rejected
+    // one fails the start without swapping in half of the new programs.
+    if hooks.cgroup.is_some() {
+        for name in CGROUP_PROGRAMS {
+            load::<CgroupSockAddr>(ebpf, name)?;
+        }
+    }
+    if !hooks.tc.is_empty() {
+        load::<SchedClassifier>(ebpf, lb::PROG_TC_INGRESS)?;
+        load::<SchedClassifier>(ebpf, lb::PROG_TC_EGRESS)?;
+    }
+    if !hooks.xdp.is_empty() {
+        load::<Xdp>(ebpf, lb::PROG_XDP_LB)?;
+    }
     let dir = links_dir(pin_dir);
     fs::create_dir_all(&dir).map_err(|e| pin_error(&dir, e))?;
     let mut attached = Vec::new();

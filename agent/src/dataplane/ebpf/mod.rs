@@ -102,8 +102,23 @@ impl EbpfDataPlane<KernelMaps> {
                 ),
             });
         }
-        let mut ebpf = load_lb(&config.pin_dir, &config.sizes)?;
-        let attachments = attach::attach_all(&mut ebpf, &config.pin_dir, &config.hooks)?;
+        // A start that fails leaves nothing it created: a pin directory that was
+        // not there before goes again (one that was belongs to an earlier agent,
+        // whose programs keep running on it).
+        let created = !config.pin_dir.exists();
+        let loaded = load_lb(&config.pin_dir, &config.sizes).and_then(|mut ebpf| {
+            let attachments = attach::attach_all(&mut ebpf, &config.pin_dir, &config.hooks)?;
+            Ok((ebpf, attachments))
+        });
+        let (mut ebpf, attachments) = match loaded {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                if created && let Err(removal) = attach::remove_pins(&config.pin_dir) {
+                    tracing::warn!(error = %removal, "removing the pins of the failed start failed");
+                }
+                return Err(e.into());
+            }
+        };
         let mut taken = std::collections::BTreeMap::new();
         for name in [
             lb::SERVICES_V4,

@@ -70,8 +70,8 @@ pub enum SyncError {
 struct Frontend {
     value: ServiceValue,
     /// The service it belongs to (`None` for one adopted from the maps and not yet
-    /// claimed by a service).
-    service: Option<ServiceKey>,
+    /// claimed by a service); the key shared with the service's backends' users.
+    service: Option<Arc<ServiceKey>>,
 }
 
 /// Everything the engine knows of one backend address, in one map entry (four maps
@@ -394,7 +394,7 @@ impl<M: LbMaps> LbSync<M> {
     pub fn frontends(&self) -> Vec<(FrontendKey, u32, ServiceKey)> {
         self.frontends
             .iter()
-            .filter_map(|(k, f)| f.service.clone().map(|s| (*k, f.value.id, s)))
+            .filter_map(|(k, f)| f.service.as_ref().map(|s| (*k, f.value.id, (**s).clone())))
             .collect()
     }
 
@@ -520,7 +520,7 @@ impl<M: LbMaps> LbSync<M> {
         key: &FrontendKey,
     ) -> Result<(), SyncError> {
         match self.frontends.get(key).and_then(|f| f.service.as_ref()) {
-            Some(owner) if owner != service => Ok(()),
+            Some(owner) if **owner != *service => Ok(()),
             _ => self.delete_frontend(key),
         }
     }
@@ -787,7 +787,7 @@ impl<M: LbMaps> LbSync<M> {
             service: Some(owner),
             ..
         }) = &existing
-            && owner != service
+            && **owner != *service
         {
             // Validation keeps VIPs unique; a clash means the other service was not
             // removed yet in this delta. The newer claim wins.
@@ -863,7 +863,12 @@ impl<M: LbMaps> LbSync<M> {
             f.key,
             Frontend {
                 value,
-                service: Some(service.clone()),
+                service: Some(
+                    self.services
+                        .get(service)
+                        .and_then(|s| s.shared_key.clone())
+                        .unwrap_or_else(|| Arc::new(service.clone())),
+                ),
             },
         );
         Ok(())

@@ -1,0 +1,269 @@
+//! The checks a production start leaves to the data plane's own load.
+//!
+//! `rune-agent preflight` puts a copy of the agent's programs through the verifier
+//! and attaches them in a private namespace (`load:*`, `attach:*`). A production
+//! start that goes on to load the real object would pay the verifier twice (~110 ms
+//! for our 11 programs), so it records those checks as [`placeholders`] (passed and
+//! needed by eBPF, so an injected failure still decides as before) and fills them in
+//! from the real load: [`record_loaded`] after it succeeded, [`failed_checks`] naming
+//! the step that failed (auto then falls back, a forced mode stops naming the
+//! check), [`record_not_probed`] when another data plane runs.
+
+use super::{Check, DataplaneMode, probes};
+use crate::dataplane::ebpf::{Attachment, EbpfError, attach::PROGRAMS};
+use agent_common::lb;
+
+/// The detail of a check not probed yet; only checks with it are filled in.
+pub const DEFERRED: &str = "deferred to the data plane's load (a production start verifies \
+                            and attaches its programs once, there)";
+
+const EBPF: &[DataplaneMode] = &[DataplaneMode::Ebpf];
+
+/// The attach checks, by the hook names of [`Attachment::hook`] they cover.
+const ATTACH_CHECKS: [(&str, &[&str]); 3] = [
+    ("attach:xdp", &["xdp"]),
+    ("attach:tc", &["tc-ingress", "tc-egress"]),
+    ("attach:cgroup", &["cgroup"]),
+];
+
+/// The attach check covering program `name`.
+fn attach_check(name: &str) -> &'static str {
+    if name == lb::PROG_XDP_LB {
+        "attach:xdp"
+    } else if name == lb::PROG_TC_INGRESS || name == lb::PROG_TC_EGRESS {
+        "attach:tc"
+    } else {
+        "attach:cgroup"
+    }
+}
+
+/// The `load:*` and `attach:*` checks as deferred; `attach:cgroup` is informational
+/// without a socket-LB cgroup, as the probe records it.
+#[must_use]
+pub fn placeholders(socket_lb: bool) -> Vec<Check> {
+    let mut checks: Vec<Check> = PROGRAMS
+        .iter()
+        .map(|p| Check::new(format!("load:{p}"), true, DEFERRED, EBPF))
+        .collect();
+    for (name, _) in ATTACH_CHECKS {
+        checks.push(if name == "attach:cgroup" && !socket_lb {
+            Check::new(
+                name,
+                true,
+                "not probed: socket LB off or no cgroup v2 (see cgroup2)",
+                &[],
+            )
+        } else {
+            Check::new(name, true, DEFERRED, EBPF)
+        });
+    }
+    checks
+}
+
+/// Fills in the deferred checks from a load that succeeded with `attachments`:
+/// programs it loaded passed the verifier; the others, and hooks not configured,
+/// were not probed by this start (informational).
+pub fn record_loaded(checks: &mut [Check], attachments: &[Attachment]) {
+    for c in checks.iter_mut().filter(|c| c.detail == DEFERRED) {
+        if let Some(program) = c.name.strip_prefix("load:") {
+            *c = if attachments.iter().any(|a| a.program == program) {
+                Check::new(
+                    c.name.clone(),
+                    true,
+                    "the verifier accepts it (loaded by the data plane at start)",
+                    EBPF,
+                )
+            } else {
+                not_probed(&c.name, "no hook of this start uses it")
+            };
+        } else if let Some((_, hooks)) = ATTACH_CHECKS.iter().find(|(n, _)| *n == c.name) {
+            let mut targets: Vec<&str> = attachments
+                .iter()
+                .filter(|a| hooks.contains(&a.hook))
+                .map(|a| a.target.as_str())
+                .collect();
+            targets.dedup();
+            *c = if targets.is_empty() {
+                not_probed(&c.name, "this start configures no such hook")
+            } else {
+                Check::new(
+                    c.name.clone(),
+                    true,
+                    format!("attached at start to {}", targets.join(", ")),
+                    EBPF,
+                )
+            };
+        }
+    }
+}
+
+/// Marks the deferred checks not probed: the data plane `mode` runs, not eBPF.
+pub fn record_not_probed(checks: &mut [Check], mode: DataplaneMode) {
+    for c in checks.iter_mut().filter(|c| c.detail == DEFERRED) {
+        *c = not_probed(&c.name, &format!("the data plane is {mode}"));
+    }
+}
+
+fn not_probed(name: &str, why: &str) -> Check {
+    Check::new(
+        name,
+        true,
+        format!("not probed at this start: {why} (`rune-agent preflight` probes it)"),
+        &[],
+    )
+}
+
+/// The checks a failed load of the eBPF data plane failed, named as the probes
+/// name them: a rejected program is its `load:*`, a failed attachment its hook's
+/// `attach:*`, an object whose maps cannot be created every `load:*`. Empty for
+/// errors no probe covers (pins, map layouts): those stop the start.
+#[must_use]
+pub fn failed_checks(error: &EbpfError) -> Vec<Check> {
+    let one = |name: String, detail: String| vec![Check::new(name, false, detail, EBPF)];
+    match error {
+        EbpfError::ProgramLoad { name, source } => {
+            one(format!("load:{name}"), probes::load_error(source))
+        }
+        EbpfError::ProgramNotFound { name } | EbpfError::ProgramType { name, .. } => {
+            one(format!("load:{name}"), probes::error_chain(error))
+        }
+        EbpfError::Hook { name, .. } => {
+            one(attach_check(name).to_owned(), probes::error_chain(error))
+        }
+        EbpfError::Object { .. } => PROGRAMS
+            .iter()
+            .map(|p| {
+                Check::new(
+                    format!("load:{p}"),
+                    false,
+                    format!("creating the object's maps: {}", probes::error_chain(error)),
+                    EBPF,
+                )
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Replaces the checks named in `failed` by them.
+pub fn record_failed(checks: &mut [Check], failed: Vec<Check>) {
+    for f in failed {
+        if let Some(c) = checks.iter_mut().find(|c| c.name == f.name) {
+            *c = f;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{config::DataplaneChoice, preflight::decide};
+    use aya::programs::ProgramError;
+
+    fn start_checks() -> Vec<Check> {
+        let mut checks = vec![
+            Check::new("btf", true, "parsed", EBPF),
+            Check::new("nft", true, "nftables v1.0.6", &[DataplaneMode::Nftables]),
+        ];
+        checks.extend(placeholders(true));
+        checks
+    }
+
+    fn find<'a>(checks: &'a [Check], name: &str) -> &'a Check {
+        checks.iter().find(|c| c.name == name).expect(name)
+    }
+
+    #[test]
+    fn placeholders_name_every_program_and_hook_and_let_ebpf_be_chosen() {
+        let checks = start_checks();
+        for p in PROGRAMS {
+            assert_eq!(find(&checks, &format!("load:{p}")).detail, DEFERRED);
+        }
+        assert_eq!(
+            decide(DataplaneChoice::Auto, &checks).unwrap().mode,
+            DataplaneMode::Ebpf
+        );
+        let without_cgroup = placeholders(false);
+        let cgroup = find(&without_cgroup, "attach:cgroup");
+        assert!(cgroup.needed_by.is_empty(), "{cgroup:?}");
+    }
+
+    #[test]
+    fn a_successful_load_fills_in_what_it_loaded_and_marks_the_rest_not_probed() {
+        let mut checks = start_checks();
+        let attached = [
+            Attachment {
+                program: lb::PROG_TC_INGRESS,
+                hook: "tc-ingress",
+                target: "eth0".into(),
+            },
+            Attachment {
+                program: lb::PROG_TC_EGRESS,
+                hook: "tc-egress",
+                target: "eth0".into(),
+            },
+        ];
+        record_loaded(&mut checks, &attached);
+        let tc = find(&checks, &format!("load:{}", lb::PROG_TC_INGRESS));
+        assert!(tc.passed && tc.needed_by == EBPF, "{tc:?}");
+        assert!(tc.detail.contains("verifier accepts it"), "{tc:?}");
+        assert_eq!(
+            find(&checks, "attach:tc").detail,
+            "attached at start to eth0"
+        );
+        let xdp = find(&checks, &format!("load:{}", lb::PROG_XDP_LB));
+        assert!(xdp.passed && xdp.needed_by.is_empty(), "{xdp:?}");
+        assert!(
+            xdp.detail.starts_with("not probed at this start"),
+            "{xdp:?}"
+        );
+        assert!(checks.iter().all(|c| c.detail != DEFERRED), "{checks:?}");
+    }
+
+    #[test]
+    fn a_rejected_program_fails_its_load_check_and_auto_falls_back_to_nftables() {
+        let mut checks = start_checks();
+        let error = EbpfError::ProgramLoad {
+            name: lb::PROG_TC_INGRESS,
+            source: Box::new(ProgramError::AlreadyLoaded),
+        };
+        let failed = failed_checks(&error);
+        assert_eq!(failed.len(), 1);
+        record_failed(&mut checks, failed);
+        let name = format!("load:{}", lb::PROG_TC_INGRESS);
+        assert!(!find(&checks, &name).passed);
+        let s = decide(DataplaneChoice::Auto, &checks).unwrap();
+        assert_eq!(s.mode, DataplaneMode::Nftables);
+        assert!(
+            s.reason
+                .starts_with(&format!("auto: ebpf unavailable: {name} (")),
+            "{}",
+            s.reason
+        );
+        let err = decide(DataplaneChoice::Ebpf, &checks)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&format!("{name} (")), "{err}");
+        record_not_probed(&mut checks, DataplaneMode::Nftables);
+        assert!(!find(&checks, &name).passed, "a failure stays recorded");
+        assert!(checks.iter().all(|c| c.detail != DEFERRED), "{checks:?}");
+    }
+
+    #[test]
+    fn a_failed_attachment_fails_its_hook_and_pin_errors_are_no_check() {
+        let hook = EbpfError::Hook {
+            name: lb::PROG_SENDMSG6,
+            target: "/sys/fs/cgroup/x".into(),
+            source: "no such file".into(),
+        };
+        let failed = failed_checks(&hook);
+        assert_eq!(failed.len(), 1);
+        assert_eq!(failed[0].name, "attach:cgroup");
+        assert!(failed[0].detail.contains("no such file"), "{failed:?}");
+        let pin = EbpfError::Pin {
+            path: "/sys/fs/bpf/x".into(),
+            reason: "busy".into(),
+        };
+        assert!(failed_checks(&pin).is_empty());
+    }
+}
