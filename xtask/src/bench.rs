@@ -44,13 +44,10 @@ const MEMORY_SERVICES: usize = 1000;
 
 const BACKEND: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
 
-/// Runs every benchmark and prints the table (also written to target/bench.md).
+/// Runs every benchmark and prints the table (also written to target/bench.md);
+/// `RUNE_BENCH_AGENT=PATH` measures that agent binary instead of building one.
 pub fn run() -> Result<()> {
-    crate::util::run_status(
-        "build the release agent",
-        crate::util::cargo().args(["build", "--release", "-p", "rune-agent"]),
-    )?;
-    let bin = crate::util::target_dir().join("release/rune-agent");
+    let bin = crate::util::bench_agent()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -63,11 +63,7 @@ struct Run {
 
 /// `cargo xtask bench dns`: builds the release agent and prints this section alone.
 pub fn run_alone() -> Result<()> {
-    crate::util::run_status(
-        "build the release agent",
-        crate::util::cargo().args(["build", "--release", "-p", "rune-agent"]),
-    )?;
-    let bin = crate::util::target_dir().join("release/rune-agent");
+    let bin = crate::util::bench_agent()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

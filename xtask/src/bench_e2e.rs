@@ -28,7 +28,7 @@ use std::{
     fs::File,
     net::{Ipv4Addr, SocketAddr},
     os::fd::AsRawFd as _,
-    path::{Path, PathBuf},
+    path::Path,
     process::Command,
     sync::mpsc,
     time::{Duration, Instant},
@@ -170,16 +170,7 @@ fn src_addr(mode: usize, scenario: Scenario, via_vip: bool, run: u8) -> Ipv4Addr
 /// Runs the section alone: with the release agent built from this tree, or with the
 /// binary named by `RUNE_BENCH_AGENT` (to compare two builds under the same load).
 pub fn run_alone() -> Result<()> {
-    let bin = match std::env::var_os("RUNE_BENCH_AGENT") {
-        Some(bin) => PathBuf::from(bin),
-        None => {
-            crate::util::run_status(
-                "build the release agent",
-                crate::util::cargo().args(["build", "--release", "-p", "rune-agent"]),
-            )?;
-            crate::util::target_dir().join("release/rune-agent")
-        }
-    };
+    let bin = crate::util::bench_agent()?;
     println!("{}", section(&bin)?);
     Ok(())
 }

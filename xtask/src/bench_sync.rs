@@ -126,16 +126,7 @@ fn snapshot_yaml() -> String {
 /// compare two builds back to back); `RUNE_BENCH_SYNC_NFTABLES=0` leaves out the
 /// nftables part.
 pub fn run_alone() -> Result<()> {
-    let bin = match std::env::var_os("RUNE_BENCH_AGENT") {
-        Some(bin) => PathBuf::from(bin),
-        None => {
-            crate::util::run_status(
-                "build the release agent",
-                crate::util::cargo().args(["build", "--release", "-p", "rune-agent"]),
-            )?;
-            crate::util::target_dir().join("release/rune-agent")
-        }
-    };
+    let bin = crate::util::bench_agent()?;
     let report = section(&bin)?;
     println!("{report}");
     Ok(())

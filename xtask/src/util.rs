@@ -102,3 +102,17 @@ pub fn rune_apply(
     }
     Ok(())
 }
+
+/// The agent binary a bench measures: the one named by `RUNE_BENCH_AGENT` (to
+/// compare two builds back to back under the same load), else the release agent
+/// built from this tree.
+pub fn bench_agent() -> anyhow::Result<PathBuf> {
+    if let Some(bin) = env::var_os("RUNE_BENCH_AGENT") {
+        return Ok(PathBuf::from(bin));
+    }
+    run_status(
+        "build the release agent",
+        cargo().args(["build", "--release", "-p", "rune-agent"]),
+    )?;
+    Ok(target_dir().join("release/rune-agent"))
+}
