@@ -207,9 +207,11 @@ pub const fn ct_now(monotonic_ns: u64) -> u32 {
 
 /// Whether a UDP entry last seen at `last_seen` is still live at `now` (both
 /// [`ct_now`] values; wrapping, so the comparison survives the counter's wrap).
+/// A `last_seen` ahead of `now` is live: another CPU may have refreshed the entry
+/// after this packet read the clock.
 #[must_use]
 pub const fn ct_udp_live(last_seen: u32, now: u32) -> bool {
-    now.wrapping_sub(last_seen) <= CT_UDP_TIMEOUT_UNITS
+    (now.wrapping_sub(last_seen) as i32) <= CT_UDP_TIMEOUT_UNITS as i32
 }
 
 /// Key of [`REVNAT`]: a backend's address and port, as the backend's replies carry
@@ -503,6 +505,9 @@ mod tests {
         assert!(!ct_udp_live(now - CT_UDP_TIMEOUT_UNITS - 1, now));
         assert!(ct_udp_live(u32::MAX - 5, 10));
         assert!(!ct_udp_live(u32::MAX - 60, 10));
+        // Refreshed by another CPU after this packet read the clock.
+        assert!(ct_udp_live(now + 1, now));
+        assert!(ct_udp_live(0, u32::MAX));
     }
 
     #[test]

@@ -209,14 +209,17 @@ async fn production_dataplane(
         preflight::decide(config.dataplane, &checks).context("choosing the data plane")?;
     // eBPF is tried at most once: every later mode either starts or stops the start.
     let plane = loop {
-        let removed = leftovers::remove(&leftovers::others(selection.mode), &config.bpf_pin_dir)
-            .await
-            .context("removing what another data plane mode left")?;
-        if !removed.is_empty() {
-            tracing::info!(%removed, "removed what other data plane modes left");
+        // eBPF removes the other modes' leftovers only once it runs: a load that
+        // fails (auto then falls back, maybe to nftables) must not have taken down
+        // a working nftables table first. nftables and userspace start clean.
+        if selection.mode != DataplaneMode::Ebpf {
+            remove_other_modes(selection.mode, config).await?;
         }
         match start_dataplane(selection.mode, config, identity, metrics)? {
             Started::Plane(plane, attachments) => {
+                if selection.mode == DataplaneMode::Ebpf {
+                    remove_other_modes(selection.mode, config).await?;
+                }
                 match &attachments {
                     Some(attached) => preflight::deferred::record_loaded(&mut checks, attached),
                     None => preflight::deferred::record_not_probed(&mut checks, selection.mode),
@@ -251,6 +254,17 @@ async fn production_dataplane(
             checks,
         },
     ))
+}
+
+/// Removes what data plane modes other than `mode` left on the node.
+async fn remove_other_modes(mode: DataplaneMode, config: &Config) -> Result<()> {
+    let removed = leftovers::remove(&leftovers::others(mode), &config.bpf_pin_dir)
+        .await
+        .context("removing what another data plane mode left")?;
+    if !removed.is_empty() {
+        tracing::info!(%removed, "removed what other data plane modes left");
+    }
+    Ok(())
 }
 
 /// What starting a production data plane gave.

@@ -307,15 +307,19 @@ fn production_start_shows_the_choice_in_status_and_metrics() {
 }
 
 /// A production start defers the programs' verifier checks to the real load: when
-/// that load fails (here the tc attachment: the interface does not exist), `auto`
-/// records the failed check, removes what the load created and runs nftables; a
-/// forced `ebpf` stops naming the check and leaves no pins.
+/// that load fails (here the cgroup attachment: `--cgroup` names a directory that
+/// is not a cgroup, which no preflight probe sees), `auto` records the failed check,
+/// removes what the load created and runs nftables; a forced `ebpf` stops naming
+/// the check and leaves no pins. A hook target that does not exist is a
+/// configuration error: it stops the start in `auto` too, naming it.
 #[test]
 fn a_failed_real_load_falls_back_in_auto_and_stops_a_forced_ebpf() {
     require_root().unwrap();
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let ns = NetNs::new("pf-fallback").unwrap();
     let pins = PinDir::new("pf-fallback");
+    let not_a_cgroup = tempfile::tempdir().unwrap();
+    let not_a_cgroup = not_a_cgroup.path().display().to_string();
     let state = tempfile::tempdir().unwrap();
     let pin_dir = pins.path().display().to_string();
     let mut agent = Agent::start_in(
@@ -325,9 +329,9 @@ fn a_failed_real_load_falls_back_in_auto_and_stops_a_forced_ebpf() {
             "--bpf-pin-dir",
             &pin_dir,
             "--cgroup",
-            "none",
+            &not_a_cgroup,
             "--interfaces",
-            "rune-no-such0",
+            "lo",
             "--lb-max-frontends",
             "64",
             "--maglev-table-size",
@@ -339,40 +343,59 @@ fn a_failed_real_load_falls_back_in_auto_and_stops_a_forced_ebpf() {
     assert_eq!(status["dataplane"], "nftables", "{status:#}");
     let reason = status["dataplaneReason"].as_str().unwrap();
     assert!(
-        reason.starts_with("auto: ebpf unavailable: attach:tc (")
-            && reason.contains("rune-no-such0"),
+        reason.starts_with("auto: ebpf unavailable: attach:cgroup (")
+            && reason.contains(&not_a_cgroup),
         "{status:#}"
     );
     let checks = status["preflight"].as_array().unwrap();
-    let attach_tc = checks.iter().find(|c| c["name"] == "attach:tc").unwrap();
-    assert_eq!(attach_tc["passed"], false, "{status:#}");
-    // The programs were loaded before the attachment failed: the verifier passed them.
+    let attach_cgroup = checks
+        .iter()
+        .find(|c| c["name"] == "attach:cgroup")
+        .unwrap();
+    assert_eq!(attach_cgroup["passed"], false, "{status:#}");
+    // What eBPF did not get to is reported as not probed, not as passed by a probe.
     let load = checks
         .iter()
         .find(|c| c["name"] == "load:rune_tc_ingress")
         .unwrap();
-    assert_eq!(load["passed"], true, "{status:#}");
+    assert!(
+        load["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("not probed at this start"),
+        "{status:#}"
+    );
     let text = agent.metrics_text();
-    assert_metric(&text, "rune_preflight_check{check=\"attach:tc\"}", 0.0);
+    assert_metric(&text, "rune_preflight_check{check=\"attach:cgroup\"}", 0.0);
     assert_metric(&text, "rune_dataplane_mode{mode=\"nftables\"}", 1.0);
     assert!(!pins.path().exists(), "the failed load left its pins");
     assert_eq!(agent.terminate(PATIENCE), Some(0));
 
-    let state = tempfile::tempdir().unwrap();
-    let mut cmd = ns.command(agent_bin()).unwrap();
-    cmd.arg("run")
-        .arg("--state-dir")
-        .arg(state.path())
-        .args(["--dataplane", "ebpf", "--cgroup", "none"])
-        .args(["--interfaces", "rune-no-such0"])
-        .arg("--bpf-pin-dir")
-        .arg(pins.path());
-    let out = finish(cmd);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "the start succeeded: {stderr}");
+    let run = |extra: &[&str]| {
+        let state = tempfile::tempdir().unwrap();
+        let mut cmd = ns.command(agent_bin()).unwrap();
+        cmd.arg("run")
+            .arg("--state-dir")
+            .arg(state.path())
+            .args(extra)
+            .arg("--bpf-pin-dir")
+            .arg(pins.path());
+        let out = finish(cmd);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "the start succeeded: {stderr}");
+        assert!(!pins.path().exists(), "the failed start left its pins");
+        stderr
+    };
+    let stderr = run(&["--dataplane", "ebpf", "--cgroup", &not_a_cgroup]);
     assert!(
-        stderr.contains("--dataplane ebpf cannot run here: preflight checks failed: attach:tc ("),
+        stderr
+            .contains("--dataplane ebpf cannot run here: preflight checks failed: attach:cgroup ("),
         "{stderr}"
     );
-    assert!(!pins.path().exists(), "the failed load left its pins");
+    // A mistyped interface stops the start in auto too.
+    let stderr = run(&["--cgroup", "none", "--interfaces", "rune-no-such0"]);
+    assert!(
+        stderr.contains("interfaces: no interface \"rune-no-such0\" in this network namespace"),
+        "{stderr}"
+    );
 }

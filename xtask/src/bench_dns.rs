@@ -319,7 +319,8 @@ async fn load(server: SocketAddr, pid: u32, packets: &Arc<Vec<Vec<u8>>>) -> Resu
         server.ip().is_loopback(),
         "DNS benchmarks query loopback only"
     );
-    let cpu_before = cpu_ticks(pid)?;
+    let stat = format!("/proc/{pid}/stat");
+    let cpu_before = crate::util::cpu_seconds(&stat)?;
     let start = Instant::now();
     let deadline = start + RUN;
     let results = tokio::task::block_in_place(|| {
@@ -337,7 +338,7 @@ async fn load(server: SocketAddr, pid: u32, packets: &Arc<Vec<Vec<u8>>>) -> Resu
         })
     })?;
     let elapsed = start.elapsed().as_secs_f64();
-    let cpu = cpu_ticks(pid)?.saturating_sub(cpu_before);
+    let cpu = crate::util::cpu_seconds(&stat)? - cpu_before;
     let mut latencies = Vec::new();
     let mut lost = 0;
     for (l, n) in results {
@@ -351,37 +352,9 @@ async fn load(server: SocketAddr, pid: u32, packets: &Arc<Vec<Vec<u8>>>) -> Resu
         qps: latencies.len() as f64 / elapsed,
         p50_us: pct(0.50),
         p99_us: pct(0.99),
-        cpu_us: cpu as f64 * 1e6 / ticks_per_second()? / latencies.len() as f64,
+        cpu_us: cpu * 1e6 / latencies.len() as f64,
         lost,
     })
-}
-
-/// User plus system CPU time of process `pid`, in clock ticks.
-fn cpu_ticks(pid: u32) -> Result<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .with_context(|| format!("read /proc/{pid}/stat"))?;
-    // Fields after the command name (which may hold spaces) start at field 3.
-    let rest = stat
-        .rsplit_once(')')
-        .map(|(_, r)| r)
-        .context("malformed /proc/PID/stat")?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15, i.e. 11 and 12 after the name.
-    let field = |i: usize| -> Result<u64> {
-        fields
-            .get(i)
-            .and_then(|v| v.parse().ok())
-            .context("malformed /proc/PID/stat")
-    };
-    Ok(field(11)? + field(12)?)
-}
-
-/// Clock ticks per second (`getconf CLK_TCK`).
-fn ticks_per_second() -> Result<f64> {
-    // SAFETY: sysconf only reads a system constant.
-    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    ensure!(t > 0, "sysconf(_SC_CLK_TCK) failed");
-    Ok(t as f64)
 }
 
 /// One socket keeping [`WINDOW`] queries in flight until `deadline` (a thread);

@@ -388,36 +388,21 @@ async fn load_with_cpu(
     agent_pid: u32,
 ) -> Result<Run> {
     let agent = format!("/proc/{agent_pid}/stat");
-    let (bench0, agent0) = (cpu_seconds("/proc/self/stat")?, cpu_seconds(&agent)?);
+    let (bench0, agent0) = (
+        crate::util::cpu_seconds("/proc/self/stat")?,
+        crate::util::cpu_seconds(&agent)?,
+    );
     let rate = load(scenario, target, src).await?;
-    let (bench1, agent1) = (cpu_seconds("/proc/self/stat")?, cpu_seconds(&agent)?);
+    let (bench1, agent1) = (
+        crate::util::cpu_seconds("/proc/self/stat")?,
+        crate::util::cpu_seconds(&agent)?,
+    );
     let transactions = (rate * RUN.as_secs_f64()).max(1.0);
     Ok(Run {
         rate,
         bench_us: (bench1 - bench0) * 1e6 / transactions,
         agent_us: (agent1 - agent0) * 1e6 / transactions,
     })
-}
-
-/// The user + system CPU time of the process whose `stat` file is `path`, in
-/// seconds (all its threads; clock-tick resolution).
-fn cpu_seconds(path: &str) -> Result<f64> {
-    let stat = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
-    // The fields after the command name, which may itself contain spaces.
-    let (_, rest) = stat
-        .rsplit_once(')')
-        .with_context(|| format!("{path}: no command name"))?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of proc(5): 12 and 13 after the name.
-    let ticks = |i: usize| -> Result<f64> {
-        let f = fields
-            .get(i)
-            .with_context(|| format!("{path}: too few fields"))?;
-        Ok(f.parse::<u64>()? as f64)
-    };
-    // SAFETY: sysconf reads a constant of the system.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    Ok((ticks(11)? + ticks(12)?) / hz)
 }
 
 /// One short connection to `target` (readiness probe).

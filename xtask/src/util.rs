@@ -116,3 +116,27 @@ pub fn bench_agent() -> anyhow::Result<PathBuf> {
     )?;
     Ok(target_dir().join("release/rune-agent"))
 }
+
+/// The user + system CPU time, in seconds, of the process whose `stat` file is
+/// `path` (`/proc/PID/stat` or `/proc/self/stat`; all its threads, clock-tick
+/// resolution).
+pub fn cpu_seconds(path: &str) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+    // The fields after the command name, which may itself contain spaces.
+    let (_, rest) = stat
+        .rsplit_once(')')
+        .with_context(|| format!("{path}: no command name"))?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of proc(5): indices 11 and 12 here
+    // (field 3 is the first after the name).
+    let ticks = |i: usize| -> anyhow::Result<f64> {
+        let f = fields
+            .get(i)
+            .with_context(|| format!("{path}: too few fields"))?;
+        Ok(f.parse::<u64>()? as f64)
+    };
+    // SAFETY: sysconf reads a constant of the system.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    anyhow::ensure!(hz > 0, "sysconf(_SC_CLK_TCK) failed");
+    Ok((ticks(11)? + ticks(12)?) / hz as f64)
+}

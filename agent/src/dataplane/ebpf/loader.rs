@@ -18,7 +18,7 @@ use aya::{
     maps::{HashMap, Map, MapData, MapError, PerCpuArray},
     programs::{ProgramError, Xdp, xdp::XdpLinkId},
 };
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 pub use aya::programs::XdpMode;
 
@@ -106,7 +106,7 @@ pub enum EbpfError {
     #[error("eBPF pin {path}: {reason}")]
     Pin {
         /// The pin's path.
-        path: std::path::PathBuf,
+        path: PathBuf,
         /// The OS's reason.
         reason: String,
     },
@@ -292,13 +292,17 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
         .map_max_entries(lb::CONNTRACK_V6, sizes.flows)
         .map_max_entries(lb::SOCK_REVERSE, sizes.flows)
         .map_max_entries(lb::AFFINITY, sizes.affinity);
-    let mut ebpf = loader
-        .load(EMBEDDED_OBJECT)
-        .map_err(|source| EbpfError::Object {
-            size: EMBEDDED_OBJECT.len(),
-            source: Box::new(source),
-        })?;
-    legacy.carry_over(&mut ebpf)?;
+    let mut ebpf = match loader.load(EMBEDDED_OBJECT) {
+        Ok(ebpf) => ebpf,
+        Err(source) => {
+            legacy.restore();
+            return Err(EbpfError::Object {
+                size: EMBEDDED_OBJECT.len(),
+                source: Box::new(source),
+            });
+        }
+    };
+    legacy.carry_over(&mut ebpf);
     Ok(ebpf)
 }
 
@@ -378,15 +382,16 @@ unsafe impl aya::Pod for LegacyCtValue {}
 /// maps until the new ones are attached, and flows that start in that short window
 /// are not carried over).
 struct LegacyConntrack {
-    v4: Option<MapData>,
-    v6: Option<MapData>,
+    v4: Option<(PathBuf, MapData)>,
+    v6: Option<(PathBuf, MapData)>,
 }
 
 impl LegacyConntrack {
-    /// Opens and unpins the conntrack maps of the previous layout under `pin_dir`.
+    /// Opens and unpins the conntrack maps of the previous layout under `pin_dir`
+    /// (pinned back should the second fail).
     fn unpin(pin_dir: &Path) -> Result<Self, EbpfError> {
         let legacy = size_of::<LegacyCtValue>() as u32;
-        let open = |name: &str| -> Result<Option<MapData>, EbpfError> {
+        let open = |name: &str| -> Result<Option<(PathBuf, MapData)>, EbpfError> {
             let path = pin_dir.join(name);
             if pinned_sizes(&path).is_none_or(|(_, value)| value != legacy) {
                 return Ok(None);
@@ -399,25 +404,49 @@ impl LegacyConntrack {
                 path: path.clone(),
                 reason: e.to_string(),
             })?;
-            Ok(Some(map))
+            Ok(Some((path, map)))
         };
-        Ok(Self {
-            v4: open(lb::CONNTRACK_V4)?,
-            v6: open(lb::CONNTRACK_V6)?,
-        })
+        let v4 = open(lb::CONNTRACK_V4)?;
+        match open(lb::CONNTRACK_V6) {
+            Ok(v6) => Ok(Self { v4, v6 }),
+            Err(e) => {
+                Self { v4, v6: None }.restore();
+                Err(e)
+            }
+        }
+    }
+
+    /// Pins the old maps back after a failed load, so the next start still finds
+    /// the flows (the old programs keep using them meanwhile); a pin the failed
+    /// load left at the same path is replaced. Failures are logged: the load's
+    /// error is the one to report.
+    fn restore(self) {
+        for (path, map) in [self.v4, self.v6].into_iter().flatten() {
+            if path.exists() {
+                let _ = std::fs::remove_file(&path);
+            }
+            if let Err(e) = map.pin(&path) {
+                tracing::warn!(path = %path.display(), error = %e, "pinning the previous conntrack back failed: its flows are lost at the next start");
+            }
+        }
     }
 
     /// Copies the old entries into `ebpf`'s conntrack maps: as flows picked up
-    /// mid-stream (no SYN-ACK expected), UDP ones as seen now.
-    fn carry_over(self, ebpf: &mut Ebpf) -> Result<(), EbpfError> {
+    /// mid-stream (no SYN-ACK expected), UDP ones as seen now. A copy that fails is
+    /// logged, not fatal: the flows it misses are re-picked (same backend while
+    /// its Maglev slot is unchanged).
+    fn carry_over(self, ebpf: &mut Ebpf) {
         let now = lb::ct_now(monotonic_ns());
-        if let Some(old) = self.v4 {
-            copy_entries::<lb::CtKeyV4>(old, ebpf, lb::CONNTRACK_V4, now)?;
+        if let Some((_, old)) = self.v4
+            && let Err(e) = copy_entries::<lb::CtKeyV4>(old, ebpf, lb::CONNTRACK_V4, now)
+        {
+            tracing::warn!(error = %e, "conntrack of the previous layout not carried over");
         }
-        if let Some(old) = self.v6 {
-            copy_entries::<lb::CtKeyV6>(old, ebpf, lb::CONNTRACK_V6, now)?;
+        if let Some((_, old)) = self.v6
+            && let Err(e) = copy_entries::<lb::CtKeyV6>(old, ebpf, lb::CONNTRACK_V6, now)
+        {
+            tracing::warn!(error = %e, "conntrack of the previous layout not carried over");
         }
-        Ok(())
     }
 }
 

@@ -102,6 +102,7 @@ impl EbpfDataPlane<KernelMaps> {
                 ),
             });
         }
+        check_hook_targets(&config.hooks)?;
         // A start that fails leaves nothing it created: a pin directory that was
         // not there before goes again (one that was belongs to an earlier agent,
         // whose programs keep running on it).
@@ -412,4 +413,35 @@ impl From<maps::MapsError> for EbpfError {
     fn from(e: maps::MapsError) -> Self {
         EbpfError::Maps(e)
     }
+}
+
+/// Fails with the first configured hook target that does not exist (an interface
+/// of `--interfaces` / `--xdp-interfaces` not in this network namespace, a
+/// `--cgroup` path that is not a directory): a typo in the configuration stops the
+/// start, in `auto` too, instead of reading as a kernel that cannot attach (which
+/// `auto` answers with another data plane).
+fn check_hook_targets(hooks: &Hooks) -> Result<(), DataPlaneError> {
+    let interfaces = [("interfaces", &hooks.tc), ("xdpInterfaces", &hooks.xdp)];
+    for (field, names) in interfaces {
+        for name in names {
+            let exists = std::ffi::CString::new(name.as_str())
+                // SAFETY: a NUL-terminated string that outlives the call.
+                .is_ok_and(|c| unsafe { libc::if_nametoindex(c.as_ptr()) } != 0);
+            if !exists {
+                return Err(DataPlaneError::InvalidConfig {
+                    field,
+                    reason: format!("no interface {name:?} in this network namespace"),
+                });
+            }
+        }
+    }
+    if let Some(cgroup) = &hooks.cgroup
+        && !cgroup.is_dir()
+    {
+        return Err(DataPlaneError::InvalidConfig {
+            field: "cgroup",
+            reason: format!("{} is not a directory", cgroup.display()),
+        });
+    }
+    Ok(())
 }
