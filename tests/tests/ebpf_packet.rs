@@ -138,6 +138,16 @@ const ALL_SVCS: [&Svc; 9] = [
     &SVC_EMPTY_UDP6,
 ];
 
+/// A backend of [`SVC_TCP4`] other than `id`.
+fn other_backend(id: u32) -> u32 {
+    SVC_TCP4
+        .backends
+        .iter()
+        .copied()
+        .find(|&b| b != id)
+        .unwrap()
+}
+
 /// Backend `id`'s address and port: 198.18.1.id / 2001:db8:1::id, port 8000 + id.
 fn backend_of(id: u32) -> (IpAddr, u16) {
     let port = 8000 + id as u16;
@@ -512,12 +522,7 @@ fn xdp_vip_hit_translates_and_conntrack_keeps_the_backend() {
 
     // Conntrack wins over the table: point every slot at another backend, the
     // established flow stays; a new flow follows the table.
-    let other = SVC_TCP4
-        .backends
-        .iter()
-        .copied()
-        .find(|&b| b != id)
-        .unwrap();
+    let other = other_backend(id);
     {
         let mut lb = lb;
         let mut maglev: Array<_, [u32; 2]> =
@@ -674,12 +679,7 @@ fn tcp_conntrack_follows_the_handshake_and_stale_entries_end() {
         // A new SYN on the tuple of an established flow whose backend is draining
         // goes where the table says; a retransmitted SYN stays.
         assert_eq!(expect_dnat(&lb, prog, &syn, &SVC_TCP4), id);
-        let other = SVC_TCP4
-            .backends
-            .iter()
-            .copied()
-            .find(|&b| b != id)
-            .unwrap();
+        let other = other_backend(id);
         {
             let (oaddr, oport) = backend_of(id);
             let mut m: Array<_, Backend> =

@@ -91,6 +91,36 @@ fn check<'a>(doc: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no check {name} in {doc:#}"))
 }
 
+/// A production agent in `ns` (data plane `auto`) with its pins under `pins`, the
+/// socket LB on `cgroup`, tc on `interfaces` and small maps; ready when returned.
+fn start_production(
+    ns: &NetNs,
+    state: &Path,
+    pins: &PinDir,
+    cgroup: &str,
+    interfaces: &str,
+) -> Agent {
+    let pin_dir = pins.path().display().to_string();
+    let mut agent = Agent::start_in(
+        ns,
+        state,
+        &[
+            "--bpf-pin-dir",
+            &pin_dir,
+            "--cgroup",
+            cgroup,
+            "--interfaces",
+            interfaces,
+            "--lb-max-frontends",
+            "64",
+            "--maglev-table-size",
+            "1021",
+        ],
+    );
+    agent.wait_ready(PATIENCE);
+    agent
+}
+
 /// `status -o json` of `agent`.
 fn status_json(agent: &Agent) -> Value {
     let out = agent.cli(&["status", "-o", "json"], None);
@@ -256,25 +286,8 @@ fn production_start_shows_the_choice_in_status_and_metrics() {
     let cgroup = TestCgroup::new("pf-start").unwrap();
     let pins = PinDir::new("pf-start");
     let state = tempfile::tempdir().unwrap();
-    let pin_dir = pins.path().display().to_string();
     let cgroup_dir = cgroup.path().display().to_string();
-    let mut agent = Agent::start_in(
-        &ns,
-        state.path(),
-        &[
-            "--bpf-pin-dir",
-            &pin_dir,
-            "--cgroup",
-            &cgroup_dir,
-            "--interfaces",
-            "",
-            "--lb-max-frontends",
-            "64",
-            "--maglev-table-size",
-            "1021",
-        ],
-    );
-    agent.wait_ready(PATIENCE);
+    let mut agent = start_production(&ns, state.path(), &pins, &cgroup_dir, "");
     let text = agent.metrics_text();
     assert_metric(&text, "rune_dataplane_mode{mode=\"ebpf\"}", 1.0);
     assert_metric(&text, "rune_preflight_check{check=\"btf\"}", 1.0);
@@ -321,24 +334,7 @@ fn a_failed_real_load_falls_back_in_auto_and_stops_a_forced_ebpf() {
     let not_a_cgroup = tempfile::tempdir().unwrap();
     let not_a_cgroup = not_a_cgroup.path().display().to_string();
     let state = tempfile::tempdir().unwrap();
-    let pin_dir = pins.path().display().to_string();
-    let mut agent = Agent::start_in(
-        &ns,
-        state.path(),
-        &[
-            "--bpf-pin-dir",
-            &pin_dir,
-            "--cgroup",
-            &not_a_cgroup,
-            "--interfaces",
-            "lo",
-            "--lb-max-frontends",
-            "64",
-            "--maglev-table-size",
-            "1021",
-        ],
-    );
-    agent.wait_ready(PATIENCE);
+    let mut agent = start_production(&ns, state.path(), &pins, &not_a_cgroup, "lo");
     let status = status_json(&agent);
     assert_eq!(status["dataplane"], "nftables", "{status:#}");
     let reason = status["dataplaneReason"].as_str().unwrap();
