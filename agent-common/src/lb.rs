@@ -418,6 +418,9 @@ pub const SERVICE_STATS: &str = "RUNE_SVC_STATS";
 pub const BACKEND_STATS: &str = "RUNE_BACKEND_STATS";
 /// `PerCpuArray<u64>` indexed by [`DropReason`].
 pub const DROPS: &str = "RUNE_DROPS";
+/// `Array<u64>` of [`crate::filter::VIP_FILTER_WORDS`] words: the VIP prefilter
+/// (a set bit: no frontend hashes there; see [`crate::filter`]).
+pub const VIP_FILTER: &str = "RUNE_VIP_FILTER";
 
 // Program names: the contract between `agent-ebpf` and the loader.
 

@@ -67,6 +67,12 @@ pub static RUNE_SVC_STATS: PerCpuArray<TrafficStats> = PerCpuArray::pinned(65536
 #[map]
 pub static RUNE_BACKEND_STATS: PerCpuArray<TrafficStats> = PerCpuArray::pinned(65536, 0);
 
+/// The VIP prefilter (`agent_common::lb::VIP_FILTER`, see `agent_common::filter`):
+/// a set bit means no frontend hashes there. An array, so the verifier inlines its
+/// lookup; a fixed size, the same on every node.
+#[map]
+pub static RUNE_VIP_FILTER: Array<u64> = Array::pinned(agent_common::filter::VIP_FILTER_WORDS, 0);
+
 /// Drop counters by reason (`agent_common::lb::DROPS`).
 #[map]
 pub static RUNE_DROPS: PerCpuArray<u64> = PerCpuArray::pinned(agent_common::lb::DROP_REASONS, 0);

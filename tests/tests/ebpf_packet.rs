@@ -14,6 +14,7 @@ use std::{
 };
 
 use agent_common::{
+    filter::{VIP_FILTER_WORDS, vip_filter_bit_v4, vip_filter_bit_v6},
     hash::{FLOW_HASH_SEED, flow_hash_v4, flow_hash_v6},
     lb::{
         self, BACKEND_ACTIVE, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, FAMILY_V4, FAMILY_V6,
@@ -290,6 +291,32 @@ impl Lb {
                 let id = svc.backends[slot as usize % svc.backends.len()];
                 rune_agent_tests::bpf::set_maglev_slot(&mut maglev, base + slot, id);
             }
+        }
+    }
+
+    /// Writes the VIP prefilter as the agent does, with only the bits of `pass`
+    /// clear (a frontend missing from `pass` is filtered out before its lookup).
+    fn set_vip_filter(&mut self, pass: &[&Svc]) {
+        let mut words = vec![u64::MAX; VIP_FILTER_WORDS as usize];
+        for svc in pass {
+            let bit = match svc.vip {
+                IpAddr::V4(vip) => vip_filter_bit_v4(
+                    u32::from_ne_bytes(vip.octets()),
+                    svc.port.to_be(),
+                    svc.proto,
+                ),
+                IpAddr::V6(vip) => vip_filter_bit_v6(
+                    &addr_from_octets(&vip.octets()),
+                    svc.port.to_be(),
+                    svc.proto,
+                ),
+            };
+            words[(bit / 64) as usize] &= !(1u64 << (bit % 64));
+        }
+        let mut filter: Array<_, u64> =
+            Array::try_from(self.ebpf.map_mut(lb::VIP_FILTER).unwrap()).unwrap();
+        for (i, word) in words.into_iter().enumerate() {
+            filter.set(i as u32, word, 0).unwrap();
         }
     }
 
@@ -829,6 +856,44 @@ fn udp_zero_checksum_stays_zero() {
     // With a checksum, UDP is translated with a valid one (checked in expect_dnat).
     let spec = vip_packet(&SVC_UDP4, client, 43001);
     expect_dnat(&lb, lb::PROG_XDP_LB, &spec, &SVC_UDP4);
+}
+
+#[test]
+fn vip_prefilter_decides_before_the_frontend_lookup() {
+    let mut lb = Lb::new();
+    let c4 = IpAddr::V4(CLIENT4);
+    let c6 = IpAddr::V6(CLIENT6);
+    // As the agent writes it: every frontend passes, and is translated.
+    lb.set_vip_filter(&ALL_SVCS);
+    for prog in [lb::PROG_XDP_LB, lb::PROG_TC_INGRESS] {
+        expect_dnat(&lb, prog, &vip_packet(&SVC_TCP4, c4, 41000), &SVC_TCP4);
+        expect_dnat(&lb, prog, &vip_packet(&SVC_UDP6, c6, 41000), &SVC_UDP6);
+    }
+    // With their bits set, the same frontends are not looked up: new flows to them
+    // pass untouched and uncounted, while the others are still translated.
+    let rest: Vec<&Svc> = ALL_SVCS
+        .into_iter()
+        .filter(|s| s.id != SVC_TCP4.id && s.id != SVC_UDP6.id)
+        .collect();
+    lb.set_vip_filter(&rest);
+    let before = (lb.service_stats(SVC_TCP4.id), lb.service_stats(SVC_UDP6.id));
+    for (prog, pass) in [
+        (lb::PROG_XDP_LB, XDP_PASS),
+        (lb::PROG_TC_INGRESS, TC_ACT_OK),
+    ] {
+        for spec in [
+            vip_packet(&SVC_TCP4, c4, 42000),
+            vip_packet(&SVC_UDP6, c6, 42000),
+        ] {
+            let frame = spec.build();
+            let out = lb.run(prog, &frame).unwrap();
+            assert_eq!(out.retval, pass, "{prog}");
+            assert_eq!(out.data, frame, "{prog}: a filtered-out packet changed");
+        }
+        expect_dnat(&lb, prog, &vip_packet(&SVC_TCP6, c6, 42000), &SVC_TCP6);
+    }
+    let after = (lb.service_stats(SVC_TCP4.id), lb.service_stats(SVC_UDP6.id));
+    assert_eq!(before, after, "filtered-out packets were counted");
 }
 
 #[test]

@@ -18,6 +18,7 @@ use std::{
     path::PathBuf,
 };
 
+use agent_common::filter::{VIP_FILTER_WORDS, vip_filter_bit_v4};
 use agent_common::lb::{
     self, BACKEND_ACTIVE, Backend, CtKeyV4, CtValue, FAMILY_V4, PROTO_TCP, RevNatFrontend,
     RevNatKey, RevNatValue, ServiceKeyV4, ServiceValue, TrafficStats,
@@ -75,7 +76,12 @@ pub fn section() -> Result<String> {
     if !crate::util::is_root() {
         return Ok("\n## eBPF load balancer per packet\n\nskipped: needs root\n".into());
     }
-    let object = crate::build_ebpf::build()?;
+    // `RUNE_BENCH_EBPF_OBJECT`: another build's object, to compare two builds back
+    // to back under the same load.
+    let object = match std::env::var_os("RUNE_BENCH_EBPF_OBJECT") {
+        Some(object) => PathBuf::from(object),
+        None => crate::build_ebpf::build()?,
+    };
     measure(object)
 }
 
@@ -363,6 +369,20 @@ impl Bench {
                 pad: 0,
             };
             revnat.insert(key, value, 0)?;
+        }
+        // The VIP prefilter as the agent writes it: only the VIP's bit clear (an
+        // object without the map, as another build's, is measured without it).
+        if let Some(map) = self.ebpf.map_mut(lb::VIP_FILTER) {
+            let mut filter: Array<_, u64> = Array::try_from(map)?;
+            let bit = vip_filter_bit_v4(u32::from_ne_bytes(VIP), 80u16.to_be(), PROTO_TCP);
+            for word in 0..VIP_FILTER_WORDS {
+                let clear = if word == bit / 64 {
+                    1u64 << (bit % 64)
+                } else {
+                    0
+                };
+                filter.set(word, !clear, 0)?;
+            }
         }
         // Two slots per entry (agent_common::lb::MAGLEV): slots 0..8.
         let mut maglev: Array<_, [u32; 2]> =

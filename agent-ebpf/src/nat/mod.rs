@@ -15,6 +15,9 @@
 //! * A new flow to a frontend without backends is refused ([`refuse`]): TCP with a
 //!   RST, UDP with an ICMP/ICMPv6 port unreachable, sent back by the hook.
 //!
+//! Before the frontend lookup, the VIP prefilter (`RUNE_VIP_FILTER`,
+//! `agent_common::filter`) passes most packets to no VIP after one array read.
+//!
 //! Which packets are "for a VIP": those whose frontend key can be read, i.e. the
 //! Ethernet, IP (IPv4 with any IHL ≥ 5, not a non-first fragment; IPv6 with TCP/UDP
 //! as next header) and the transport ports are inside the packet. Anything else
@@ -35,6 +38,7 @@ pub mod parse;
 pub mod refuse;
 
 use agent_common::{
+    filter::{vip_filter_bit_v4, vip_filter_bit_v6},
     hash::{FLOW_HASH_SEED, flow_hash_v4, flow_hash_v6},
     lb::{
         Addr, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, FAMILY_V4, FAMILY_V6, PROTO_TCP,
@@ -45,7 +49,7 @@ use agent_common::{
 use aya_ebpf::maps::LruHashMap;
 
 use crate::{
-    maps::{RUNE_CT_V4, RUNE_CT_V6, RUNE_REVNAT, RUNE_SVC_V4, RUNE_SVC_V6},
+    maps::{RUNE_CT_V4, RUNE_CT_V6, RUNE_REVNAT, RUNE_SVC_V4, RUNE_SVC_V6, RUNE_VIP_FILTER},
     select,
 };
 use parse::{ETH_LEN, ETH_P_IP, ETH_P_IPV6, L4Pos, TCP_LEN, UDP_LEN, load, store};
@@ -147,15 +151,48 @@ pub unsafe fn fix_csums_in_place(fix: &CsumFix) {
     }
 }
 
+/// Whether the VIP prefilter lets a packet whose frontend key hashes to `bit` on to
+/// the frontend lookup: false only when the bit is set (no frontend hashes there).
+#[inline(always)]
+fn maybe_frontend(bit: u32) -> bool {
+    match RUNE_VIP_FILTER.get(bit / 64) {
+        Some(word) => *word & (1u64 << (bit % 64)) == 0,
+        None => true,
+    }
+}
+
 /// DNAT of a packet to a VIP (tc ingress and XDP).
 #[inline(always)]
 pub fn dnat<C: NatCtx>(ctx: &C) -> Result<Verdict, DropReason> {
     let (data, end) = (ctx.data(), ctx.data_end());
     match parse::ethertype(data, end) {
-        Some(ETH_P_IP) => dnat_v4(ctx, data, end),
-        Some(ETH_P_IPV6) => dnat_v6(ctx, data, end),
+        Some(ETH_P_IP) if filter_v4(data, end) => dnat_v4(ctx, data, end),
+        Some(ETH_P_IPV6) if filter_v6(data, end) => dnat_v6(ctx, data, end),
         _ => Ok(Verdict::Untouched),
     }
+}
+
+/// Whether an IPv4 packet may be for a frontend: false when the VIP prefilter says
+/// its (daddr, dport, proto) is none, or when it has no TCP/UDP ports to read.
+#[inline(always)]
+fn filter_v4(data: usize, end: usize) -> bool {
+    let Some(pos) = parse::ipv4(data, end) else {
+        return false;
+    };
+    // SAFETY: the IPv4 fixed header and the ports are inside the packet.
+    let (daddr, dport) = unsafe { (load::<u32>(pos.ip + 16), load::<u16>(pos.l4 + 2)) };
+    maybe_frontend(vip_filter_bit_v4(daddr, dport, pos.proto))
+}
+
+/// As [`filter_v4`], for IPv6.
+#[inline(always)]
+fn filter_v6(data: usize, end: usize) -> bool {
+    let Some(pos) = parse::ipv6(data, end) else {
+        return false;
+    };
+    // SAFETY: the IPv6 fixed header and the ports are inside the packet.
+    let (daddr, dport) = unsafe { (load::<[u32; 4]>(pos.ip + 24), load::<u16>(pos.l4 + 2)) };
+    maybe_frontend(vip_filter_bit_v6(&daddr, dport, pos.proto))
 }
 
 /// Reverse NAT of a backend's reply (tc egress).

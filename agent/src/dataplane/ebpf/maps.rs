@@ -7,6 +7,7 @@
 //! map write that fails is tested without a broken kernel.
 
 use super::batch;
+use agent_common::filter::VIP_FILTER_WORDS;
 use agent_common::lb::{
     self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, RevNatKey,
     RevNatValue, ServiceKeyV4, ServiceKeyV6, ServiceValue, TrafficStats,
@@ -81,6 +82,8 @@ pub trait LbMaps: Send {
     fn revnats(&self) -> Result<Vec<(RevNatKey, RevNatValue)>, MapsError>;
     /// Inserts or replaces a backend's reverse-NAT index entry.
     fn put_revnat(&mut self, key: &RevNatKey, value: &RevNatValue) -> Result<(), MapsError>;
+    /// Writes words of the VIP prefilter (`agent_common::filter`): (index, word).
+    fn put_vip_filter(&mut self, words: &[(u32, u64)]) -> Result<(), MapsError>;
     /// Removes a backend's reverse-NAT index entry (absent is fine).
     fn delete_revnat(&mut self, key: &RevNatKey) -> Result<(), MapsError>;
     /// Frontend `id`'s Maglev table, for reading.
@@ -122,6 +125,7 @@ pub struct KernelMaps {
     svc_stats: PerCpuArray<MapData, TrafficStats>,
     backend_stats: PerCpuArray<MapData, TrafficStats>,
     drops: PerCpuArray<MapData, u64>,
+    vip_filter: Array<MapData, u64>,
     maglev: MaglevArray,
     capacity: Capacity,
     /// Writes queued for one batch call per map.
@@ -399,6 +403,7 @@ impl KernelMaps {
             svc_stats,
             backend_stats: typed(maps, lb::BACKEND_STATS)?,
             drops: typed(maps, lb::DROPS)?,
+            vip_filter: typed(maps, lb::VIP_FILTER)?,
             maglev,
             capacity,
             pending: Pending::default(),
@@ -623,6 +628,25 @@ impl LbMaps for KernelMaps {
         }
     }
 
+    fn put_vip_filter(&mut self, words: &[(u32, u64)]) -> Result<(), MapsError> {
+        let (indexes, values): (Vec<u32>, Vec<u64>) = words.iter().copied().unzip();
+        if write_batch(
+            &mut self.batch_ok,
+            self.vip_filter.map(),
+            lb::VIP_FILTER,
+            &indexes,
+            &values,
+        )? {
+            return Ok(());
+        }
+        for (index, word) in words {
+            self.vip_filter
+                .set(*index, word, 0)
+                .map_err(|e| MapsError::new(lb::VIP_FILTER, "write", e))?;
+        }
+        Ok(())
+    }
+
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<(), MapsError> {
         if id >= self.capacity.backends {
             return Err(MapsError::new(lb::BACKENDS, "write", "index out of range"));
@@ -766,6 +790,10 @@ pub struct FakeMaps {
     /// Every write made, in order (`put_frontend …`, `table {id}` when slots of that
     /// table change; reads are not writes), so tests can see what changed.
     pub writes: Vec<String>,
+    /// The VIP prefilter's words (zeros until written, as a new kernel map).
+    pub vip_filter: Vec<u64>,
+    /// Filter words written so far (not in `writes`: they follow the frontends).
+    pub vip_filter_writes: usize,
     capacity: Capacity,
 }
 
@@ -780,6 +808,8 @@ impl FakeMaps {
             flows: Vec::new(),
             revnat: BTreeMap::new(),
             writes: Vec::new(),
+            vip_filter: vec![0; VIP_FILTER_WORDS as usize],
+            vip_filter_writes: 0,
             capacity,
         }
     }
@@ -831,6 +861,18 @@ impl LbMaps for FakeMaps {
         }
         self.writes.push(format!("put_revnat {key:?}"));
         self.revnat.insert(*key, *value);
+        Ok(())
+    }
+
+    fn put_vip_filter(&mut self, words: &[(u32, u64)]) -> Result<(), MapsError> {
+        for &(index, word) in words {
+            *self
+                .vip_filter
+                .get_mut(index as usize)
+                .ok_or_else(|| MapsError::new(lb::VIP_FILTER, "write", "index out of range"))? =
+                word;
+        }
+        self.vip_filter_writes += words.len();
         Ok(())
     }
 
@@ -943,6 +985,10 @@ impl<M: LbMaps> LbMaps for FaultyMaps<M> {
     fn put_revnat(&mut self, key: &RevNatKey, value: &RevNatValue) -> Result<(), MapsError> {
         self.write(lb::REVNAT)?;
         self.inner.put_revnat(key, value)
+    }
+    fn put_vip_filter(&mut self, words: &[(u32, u64)]) -> Result<(), MapsError> {
+        self.write(lb::VIP_FILTER)?;
+        self.inner.put_vip_filter(words)
     }
     fn delete_revnat(&mut self, key: &RevNatKey) -> Result<(), MapsError> {
         self.write(lb::REVNAT)?;

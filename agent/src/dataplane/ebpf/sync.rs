@@ -22,6 +22,7 @@
 //! survive a restart.
 
 use super::maps::{Capacity, FrontendKey, LbMaps, MapsError};
+use super::prefilter::VipFilter;
 use crate::{
     dataplane::{ServicePortStatus, vip},
     endpoints::{Delta, ServiceView},
@@ -241,6 +242,8 @@ pub struct LbSync<M> {
     /// The maps may differ from what this engine believes (a write failed, or
     /// nothing was adopted yet): the next full delta re-reads them.
     stale: bool,
+    /// The VIP prefilter, following `frontends`.
+    filter: VipFilter,
 }
 
 impl<M: LbMaps> LbSync<M> {
@@ -261,6 +264,7 @@ impl<M: LbMaps> LbSync<M> {
             free_backends: BTreeSet::new(),
             full_errors: 0,
             stale: true,
+            filter: VipFilter::default(),
         }
     }
 
@@ -281,7 +285,7 @@ impl<M: LbMaps> LbSync<M> {
         let mut result = self.apply_inner(delta, now);
         // Queued writes go out even after a failure: they were made before it, as
         // unqueued ones would have been.
-        let flushed = self.maps.flush();
+        let flushed = self.filter.write(&mut self.maps).and(self.maps.flush());
         if result.is_ok() {
             result = flushed.map_err(SyncError::from);
         }
@@ -485,6 +489,7 @@ impl<M: LbMaps> LbSync<M> {
                 _ => self.maps.delete_revnat(&key)?,
             }
         }
+        self.filter.reset(self.frontends.keys());
         let used_f: HashSet<u32> = self.frontends.values().map(|f| f.value.id).collect();
         self.free_frontends = (0..self.capacity.frontends)
             .filter(|id| !used_f.contains(id))
@@ -530,6 +535,7 @@ impl<M: LbMaps> LbSync<M> {
             let id = frontend.value.id;
             self.maps.delete_frontend(key)?;
             self.frontends.remove(key);
+            self.filter.remove(key);
             self.free_frontends.insert(id);
         }
         Ok(())
@@ -858,6 +864,9 @@ impl<M: LbMaps> LbSync<M> {
                 self.free_frontends.insert(id);
             }
             return Err(e.into());
+        }
+        if existing.is_none() {
+            self.filter.add(&f.key);
         }
         self.frontends.insert(
             f.key,

@@ -240,6 +240,16 @@ fn check_invariants(maps: &FakeMaps) {
         Backend::default(),
         "backend id 0 is never used"
     );
+    // The VIP prefilter lets exactly the frontends' bits through.
+    let mut filter = vec![u64::MAX; agent_common::filter::VIP_FILTER_WORDS as usize];
+    for k in maps.frontends.keys() {
+        let bit = super::prefilter::bit_of(k);
+        filter[(bit / 64) as usize] &= !(1 << (bit % 64));
+    }
+    assert!(
+        maps.vip_filter == filter,
+        "the VIP prefilter differs from the frontends"
+    );
 }
 
 fn golden_path() -> PathBuf {
@@ -527,6 +537,8 @@ fn restart_deletes_what_an_earlier_agent_left() {
     let fill: Vec<(usize, u32)> = (0..13).map(|slot| (slot, 63)).collect();
     maps.set_slots(15, &fill).unwrap();
     maps.flows = vec![63, 63];
+    // A prefilter that lets nothing through, as a wrong pinned one would.
+    maps.vip_filter.fill(u64::MAX);
     let mut sync = LbSync::new(maps, NODE);
     sync.apply(&full(GOLDEN), now).unwrap();
     assert!(!sync.maps().frontends.contains_key(&orphan));
@@ -536,6 +548,7 @@ fn restart_deletes_what_an_earlier_agent_left() {
         "flows to the orphan backend purged"
     );
     assert_eq!(dump(sync.maps(), true), dump(clean.maps(), true));
+    check_invariants(sync.maps());
 }
 
 /// `GOLDEN` changed: `prefer` gone, one web endpoint terminating and one new, a new

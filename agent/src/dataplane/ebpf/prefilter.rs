@@ -1,0 +1,211 @@
+//! The agent's side of the VIP prefilter (`agent_common::filter`): the bitmap the
+//! tc/XDP programs test before their frontend lookup, kept equal to the set of
+//! frontends in the maps.
+//!
+//! [`VipFilter`] counts the frontends per bit, so removing one of two frontends
+//! that share a bit keeps the bit; a change marks its word, and [`VipFilter::write`]
+//! rewrites only the marked words, each recomputed from the frontends hashing into
+//! it. [`VipFilter::reset`] (after the engine re-read the maps, as on a restart
+//! over pinned maps) marks every word, so whatever an earlier agent left in the
+//! pinned map is replaced. A map that was never written is all zeros, which filters
+//! nothing (see `agent_common::filter`): an upgrade that adds the map is safe before
+//! the first write.
+
+use super::maps::{FrontendKey, LbMaps, MapsError};
+use agent_common::filter::{VIP_FILTER_WORDS, vip_filter_bit_v4, vip_filter_bit_v6};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Frontends per filter bit, and the words to rewrite.
+#[derive(Debug, Default)]
+pub struct VipFilter {
+    /// Bit → how many frontends hash to it (only bits with at least one).
+    counts: BTreeMap<u32, u32>,
+    /// Words changed since the last [`Self::write`].
+    dirty: BTreeSet<u32>,
+}
+
+/// The filter bit of `key`.
+#[must_use]
+pub fn bit_of(key: &FrontendKey) -> u32 {
+    match key {
+        FrontendKey::V4(k) => vip_filter_bit_v4(k.addr, k.port, k.proto),
+        FrontendKey::V6(k) => vip_filter_bit_v6(&k.addr, k.port, k.proto),
+    }
+}
+
+impl VipFilter {
+    /// Starts over from `keys`, every word to be rewritten.
+    pub fn reset<'a>(&mut self, keys: impl IntoIterator<Item = &'a FrontendKey>) {
+        self.counts.clear();
+        for key in keys {
+            *self.counts.entry(bit_of(key)).or_default() += 1;
+        }
+        self.dirty = (0..VIP_FILTER_WORDS).collect();
+    }
+
+    /// A frontend was added to the maps (each key once until it is removed).
+    pub fn add(&mut self, key: &FrontendKey) {
+        let bit = bit_of(key);
+        *self.counts.entry(bit).or_default() += 1;
+        self.dirty.insert(bit / 64);
+    }
+
+    /// A frontend was removed from the maps.
+    pub fn remove(&mut self, key: &FrontendKey) {
+        let bit = bit_of(key);
+        if let Some(count) = self.counts.get_mut(&bit) {
+            *count -= 1;
+            if *count == 0 {
+                self.counts.remove(&bit);
+            }
+        }
+        self.dirty.insert(bit / 64);
+    }
+
+    /// Word `index` of the map: a bit set where no frontend hashes.
+    #[must_use]
+    pub fn word(&self, index: u32) -> u64 {
+        let first = index * 64;
+        let present = self
+            .counts
+            .range(first..first + 64)
+            .fold(0u64, |w, (bit, _)| w | 1 << (bit - first));
+        !present
+    }
+
+    /// Writes the changed words into `maps`; on error they stay marked.
+    pub fn write<M: LbMaps>(&mut self, maps: &mut M) -> Result<(), MapsError> {
+        if self.dirty.is_empty() {
+            return Ok(());
+        }
+        let words: Vec<(u32, u64)> = self.dirty.iter().map(|&w| (w, self.word(w))).collect();
+        maps.put_vip_filter(&words)?;
+        self.dirty.clear();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataplane::ebpf::maps::{Capacity, FakeMaps};
+    use agent_common::lb::{PROTO_TCP, PROTO_UDP, ServiceKeyV4, ServiceKeyV6};
+
+    fn v4(last: u8, port: u16, proto: u8) -> FrontendKey {
+        FrontendKey::V4(ServiceKeyV4 {
+            addr: u32::from_ne_bytes([10, 96, 0, last]),
+            port: port.to_be(),
+            proto,
+            pad: 0,
+        })
+    }
+
+    fn v6(last: u8) -> FrontendKey {
+        let mut addr = [0u32; 4];
+        addr[0] = u32::from_ne_bytes([0xfd, 0, 0, 0]);
+        addr[3] = u32::from_ne_bytes([0, 0, 0, last]);
+        FrontendKey::V6(ServiceKeyV6 {
+            addr,
+            port: 443u16.to_be(),
+            proto: PROTO_TCP,
+            pad: 0,
+        })
+    }
+
+    fn fake() -> FakeMaps {
+        FakeMaps::new(Capacity {
+            frontends: 16,
+            backends: 16,
+            table_size: 7,
+            flows: 16,
+        })
+    }
+
+    /// Whether the map lets `key` through to the frontend lookup.
+    fn passes(maps: &FakeMaps, key: &FrontendKey) -> bool {
+        let bit = bit_of(key);
+        maps.vip_filter[(bit / 64) as usize] & (1 << (bit % 64)) == 0
+    }
+
+    #[test]
+    fn reset_writes_every_word_and_only_frontends_pass() {
+        let keys = [v4(1, 80, PROTO_TCP), v4(2, 53, PROTO_UDP), v6(1)];
+        let mut filter = VipFilter::default();
+        let mut maps = fake();
+        filter.reset(&keys);
+        filter.write(&mut maps).unwrap();
+        assert!(keys.iter().all(|k| passes(&maps, k)));
+        let set: u32 = maps.vip_filter.iter().map(|w| w.count_ones()).sum();
+        assert_eq!(set, VIP_FILTER_WORDS * 64 - 3, "one clear bit per frontend");
+        assert!(!passes(&maps, &v4(3, 80, PROTO_TCP)));
+        assert!(!passes(&maps, &v4(1, 81, PROTO_TCP)));
+        assert!(!passes(&maps, &v4(1, 80, PROTO_UDP)));
+    }
+
+    #[test]
+    fn changes_rewrite_only_their_words() {
+        let mut filter = VipFilter::default();
+        let mut maps = fake();
+        filter.reset([]);
+        filter.write(&mut maps).unwrap();
+        maps.vip_filter_writes = 0;
+        let key = v4(7, 8080, PROTO_TCP);
+        filter.add(&key);
+        filter.write(&mut maps).unwrap();
+        assert_eq!(maps.vip_filter_writes, 1);
+        assert!(passes(&maps, &key));
+        filter.remove(&key);
+        filter.write(&mut maps).unwrap();
+        assert_eq!(maps.vip_filter_writes, 2);
+        assert!(!passes(&maps, &key));
+        assert!(maps.vip_filter.iter().all(|w| *w == u64::MAX));
+        filter.write(&mut maps).unwrap();
+        assert_eq!(
+            maps.vip_filter_writes, 2,
+            "nothing changed, nothing written"
+        );
+    }
+
+    #[test]
+    fn a_shared_bit_stays_clear_until_its_last_frontend_goes() {
+        // Two different frontends with the same bit (found by search: the bitmap
+        // has 262,144 bits, so a few thousand keys collide).
+        let first = v4(1, 80, PROTO_TCP);
+        let other = (1..=u16::MAX)
+            .map(|port| v4(2, port, PROTO_TCP))
+            .find(|k| bit_of(k) == bit_of(&first))
+            .or_else(|| {
+                (0..=255u8)
+                    .flat_map(|a| (1..=u16::MAX).map(move |p| v4(a, p, PROTO_UDP)))
+                    .find(|k| bit_of(k) == bit_of(&first))
+            })
+            .expect("a key sharing the bit");
+        let mut filter = VipFilter::default();
+        let mut maps = fake();
+        filter.reset([&first, &other]);
+        filter.write(&mut maps).unwrap();
+        filter.remove(&first);
+        filter.write(&mut maps).unwrap();
+        assert!(passes(&maps, &other));
+        filter.remove(&other);
+        filter.write(&mut maps).unwrap();
+        assert!(!passes(&maps, &first) && !passes(&maps, &other));
+    }
+
+    #[test]
+    fn a_failed_write_is_retried() {
+        use crate::dataplane::ebpf::maps::FaultyMaps;
+        let mut filter = VipFilter::default();
+        let mut maps = FaultyMaps {
+            inner: fake(),
+            writes_left: Some(0),
+        };
+        let key = v6(9);
+        filter.reset([&key]);
+        assert!(filter.write(&mut maps).is_err());
+        maps.writes_left = None;
+        filter.write(&mut maps).unwrap();
+        assert!(passes(&maps.inner, &key));
+        assert!(!passes(&maps.inner, &v6(10)));
+    }
+}
