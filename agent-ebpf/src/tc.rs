@@ -69,6 +69,24 @@ impl NatCtx for TcContext {
         )
         .map_err(|_| DropReason::Malformed)
     }
+
+    #[inline(always)]
+    fn write_unreachable(&self, plan: &refuse::IcmpPlan) -> Result<usize, DropReason> {
+        self.adjust_room(plan.room() as i32, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, 0)
+            .map_err(|_| DropReason::NoBackend)?;
+        let len = plan.frame_len();
+        // SAFETY: `self.skb.skb` is this program's context; packet pointers are read
+        // again below.
+        if unsafe { bpf_skb_change_tail(self.skb.skb, len as u32, 0) } != 0 {
+            return Err(DropReason::NoBackend);
+        }
+        self.pull_data(len as u32)
+            .map_err(|_| DropReason::NoBackend)?;
+        if !refuse::write_icmp(self.data(), self.data_end(), plan) {
+            return Err(DropReason::NoBackend);
+        }
+        Ok(len)
+    }
 }
 
 /// Makes the headers directly accessible when the skb's linear part is shorter than
@@ -106,22 +124,6 @@ fn try_rune_tc_ingress(ctx: &TcContext) -> Result<i32, DropReason> {
     pull_headers(ctx);
     match nat::dnat(ctx)? {
         nat::Verdict::Refused(len) => send_back(ctx, len),
-        nat::Verdict::Unreachable(plan) => {
-            ctx.adjust_room(plan.room() as i32, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, 0)
-                .map_err(|_| DropReason::NoBackend)?;
-            let len = plan.frame_len();
-            // SAFETY: `ctx.skb.skb` is this program's context; packet pointers are
-            // read again below.
-            if unsafe { bpf_skb_change_tail(ctx.skb.skb, len as u32, 0) } != 0 {
-                return Err(DropReason::NoBackend);
-            }
-            ctx.pull_data(len as u32)
-                .map_err(|_| DropReason::NoBackend)?;
-            if !refuse::write_icmp(ctx.data(), ctx.data_end(), &plan) {
-                return Err(DropReason::NoBackend);
-            }
-            send_back(ctx, len)
-        }
         _ => Ok(TC_ACT_OK as i32),
     }
 }

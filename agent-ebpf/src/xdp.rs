@@ -36,6 +36,21 @@ impl NatCtx for XdpContext {
         unsafe { nat::fix_csums_in_place(fix) };
         Ok(())
     }
+
+    #[inline(always)]
+    fn write_unreachable(&self, plan: &refuse::IcmpPlan) -> Result<usize, DropReason> {
+        // SAFETY: `self` is this program's context; growing the head only
+        // invalidates packet pointers, which are read again below.
+        if unsafe { bpf_xdp_adjust_head(self.ctx, -(plan.room() as i32)) } != 0 {
+            return Err(DropReason::NoBackend);
+        }
+        let len = plan.frame_len();
+        trim(self, len)?;
+        if !refuse::write_icmp(self.data(), self.data_end(), plan) {
+            return Err(DropReason::NoBackend);
+        }
+        Ok(len)
+    }
 }
 
 /// XDP load balancer: DNAT VIP → backend, then `XDP_PASS` to the stack, which routes
@@ -57,18 +72,6 @@ fn try_rune_xdp_lb(ctx: &XdpContext) -> Result<u32, DropReason> {
     match nat::dnat(ctx)? {
         nat::Verdict::Refused(len) => {
             trim(ctx, len)?;
-            Ok(xdp_action::XDP_TX)
-        }
-        nat::Verdict::Unreachable(plan) => {
-            // SAFETY: `ctx` is this program's context; growing the head only
-            // invalidates packet pointers, which are read again below.
-            if unsafe { bpf_xdp_adjust_head(ctx.ctx, -(plan.room() as i32)) } != 0 {
-                return Err(DropReason::NoBackend);
-            }
-            trim(ctx, plan.frame_len())?;
-            if !refuse::write_icmp(ctx.data(), ctx.data_end(), &plan) {
-                return Err(DropReason::NoBackend);
-            }
             Ok(xdp_action::XDP_TX)
         }
         _ => Ok(xdp_action::XDP_PASS),

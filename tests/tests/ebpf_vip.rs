@@ -134,6 +134,17 @@ fn programs_stay_after_stop_and_cleanup_removes_them() {
         "tc ingress and egress stay attached after a stop"
     );
     assert!(pins.path().join("RUNE_SVC_V4").exists());
+    // The agent wrote the VIP prefilter: a set bit in every word without a
+    // frontend (a map never written would be all zeros and filter nothing).
+    let filter = aya::maps::MapData::from_pin(pins.path().join(agent_common::lb::VIP_FILTER))
+        .expect("the VIP prefilter is pinned");
+    let filter: aya::maps::Array<_, u64> =
+        aya::maps::Array::try_from(aya::maps::Map::Array(filter)).unwrap();
+    let full = filter.iter().filter(|w| matches!(w, Ok(u64::MAX))).count();
+    assert!(
+        full >= agent_common::filter::VIP_FILTER_WORDS as usize - 16,
+        "only {full} prefilter words written"
+    );
 
     let out = rune_agent_tests::agent::cli_in(
         topo.node(),

@@ -62,15 +62,11 @@ pub enum Verdict {
     Untouched,
     /// Addresses and ports rewritten, checksums updated.
     Translated,
-    /// A TCP packet to a frontend without backends, rewritten in place into the RST
-    /// that refuses it (counted as `DropReason::NoBackend`): the hook trims the frame
-    /// to this length and sends it back where it came from.
+    /// A packet to a frontend without backends, rewritten in place into the reply
+    /// that refuses it (counted as `DropReason::NoBackend`): for TCP the RST, for
+    /// UDP the ICMP port unreachable ([`NatCtx::write_unreachable`]). The hook trims
+    /// the frame to this length and sends it back where it came from.
     Refused(usize),
-    /// A UDP datagram to a frontend without backends (counted as
-    /// `DropReason::NoBackend`), untouched yet: the hook makes `plan.room()` bytes
-    /// after the Ethernet header, trims the frame to `plan.frame_len()`, writes the
-    /// ICMP port unreachable with [`refuse::write_icmp`] and sends it back.
-    Unreachable(refuse::IcmpPlan),
 }
 
 /// The verdict on a refused packet: its reply when one is due, else a drop.
@@ -97,6 +93,13 @@ pub trait NatCtx {
     /// Updates the checksums after the core rewrote one address and one port in
     /// place. Packet pointers may be invalid afterwards (tc helpers).
     fn fix_csums(&self, fix: &CsumFix) -> Result<(), DropReason>;
+    /// Turns the refused UDP datagram `plan` describes into its ICMP port
+    /// unreachable: makes `plan.room()` bytes after the Ethernet header, sizes the
+    /// frame to `plan.frame_len()` and writes it with [`refuse::write_icmp`].
+    /// Returns the frame's length. (Done here, where the plan is made, rather than
+    /// by the hook from a verdict: a plan carried out of the core in registers was
+    /// merged with the other verdicts' undefined bytes, which the verifier refused.)
+    fn write_unreachable(&self, plan: &refuse::IcmpPlan) -> Result<usize, DropReason>;
 }
 
 /// The checksum update after one address and one port were rewritten.
@@ -166,33 +169,10 @@ fn maybe_frontend(bit: u32) -> bool {
 pub fn dnat<C: NatCtx>(ctx: &C) -> Result<Verdict, DropReason> {
     let (data, end) = (ctx.data(), ctx.data_end());
     match parse::ethertype(data, end) {
-        Some(ETH_P_IP) if filter_v4(data, end) => dnat_v4(ctx, data, end),
-        Some(ETH_P_IPV6) if filter_v6(data, end) => dnat_v6(ctx, data, end),
+        Some(ETH_P_IP) => dnat_v4(ctx, data, end),
+        Some(ETH_P_IPV6) => dnat_v6(ctx, data, end),
         _ => Ok(Verdict::Untouched),
     }
-}
-
-/// Whether an IPv4 packet may be for a frontend: false when the VIP prefilter says
-/// its (daddr, dport, proto) is none, or when it has no TCP/UDP ports to read.
-#[inline(always)]
-fn filter_v4(data: usize, end: usize) -> bool {
-    let Some(pos) = parse::ipv4(data, end) else {
-        return false;
-    };
-    // SAFETY: the IPv4 fixed header and the ports are inside the packet.
-    let (daddr, dport) = unsafe { (load::<u32>(pos.ip + 16), load::<u16>(pos.l4 + 2)) };
-    maybe_frontend(vip_filter_bit_v4(daddr, dport, pos.proto))
-}
-
-/// As [`filter_v4`], for IPv6.
-#[inline(always)]
-fn filter_v6(data: usize, end: usize) -> bool {
-    let Some(pos) = parse::ipv6(data, end) else {
-        return false;
-    };
-    // SAFETY: the IPv6 fixed header and the ports are inside the packet.
-    let (daddr, dport) = unsafe { (load::<[u32; 4]>(pos.ip + 24), load::<u16>(pos.l4 + 2)) };
-    maybe_frontend(vip_filter_bit_v6(&daddr, dport, pos.proto))
 }
 
 /// Reverse NAT of a backend's reply (tc egress).
@@ -248,6 +228,9 @@ fn dnat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
     };
     // SAFETY: the IPv4 fixed header and the ports are inside the packet.
     let (daddr, dport) = unsafe { (load::<u32>(pos.ip + 16), load::<u16>(pos.l4 + 2)) };
+    if !maybe_frontend(vip_filter_bit_v4(daddr, dport, pos.proto)) {
+        return Ok(Verdict::Untouched);
+    }
     let svc_key = ServiceKeyV4 {
         addr: daddr,
         port: dport,
@@ -287,9 +270,12 @@ fn dnat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
                     );
                 }
                 Err(DropReason::NoBackend) => {
-                    return refused(
-                        refuse::plan_icmp(data, end, &pos, false).map(Verdict::Unreachable),
-                    );
+                    let plan = refuse::plan_icmp(data, end, &pos, false);
+                    let Some(plan) = plan else {
+                        return Err(DropReason::NoBackend);
+                    };
+                    let len = ctx.write_unreachable(&plan)?;
+                    return refused(Some(Verdict::Refused(len)));
                 }
                 Err(e) => return Err(e),
             };
@@ -324,6 +310,9 @@ fn dnat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
     };
     // SAFETY: the IPv6 fixed header and the ports are inside the packet.
     let (daddr, dport) = unsafe { (load::<[u32; 4]>(pos.ip + 24), load::<u16>(pos.l4 + 2)) };
+    if !maybe_frontend(vip_filter_bit_v6(&daddr, dport, pos.proto)) {
+        return Ok(Verdict::Untouched);
+    }
     let svc_key = ServiceKeyV6 {
         addr: daddr,
         port: dport,
@@ -368,9 +357,12 @@ fn dnat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
                     );
                 }
                 Err(DropReason::NoBackend) => {
-                    return refused(
-                        refuse::plan_icmp(data, end, &pos, true).map(Verdict::Unreachable),
-                    );
+                    let plan = refuse::plan_icmp(data, end, &pos, true);
+                    let Some(plan) = plan else {
+                        return Err(DropReason::NoBackend);
+                    };
+                    let len = ctx.write_unreachable(&plan)?;
+                    return refused(Some(Verdict::Refused(len)));
                 }
                 Err(e) => return Err(e),
             };

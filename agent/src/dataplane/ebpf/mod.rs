@@ -134,6 +134,7 @@ impl EbpfDataPlane<KernelMaps> {
             lb::SERVICE_STATS,
             lb::BACKEND_STATS,
             lb::DROPS,
+            lb::VIP_FILTER,
         ] {
             if let Some(map) = ebpf.take_map(name) {
                 taken.insert(name.to_owned(), map);
