@@ -139,8 +139,9 @@ fn measure(object: PathBuf) -> Result<String> {
     }
     b.fill_maps()?;
 
-    let vip = tcp_frame(CLIENT, 40000, VIP, 80);
-    let non_vip = tcp_frame(CLIENT, 40000, NON_VIP, 80);
+    let vip = tcp_frame(CLIENT, 40000, VIP, 80, TCP_ACK);
+    let vip_syn = tcp_frame(CLIENT, 40000, VIP, 80, TCP_SYN);
+    let non_vip = tcp_frame(CLIENT, 40000, NON_VIP, 80, TCP_ACK);
     b.set_saved(&vip)?;
     b.set_vary(false)?;
 
@@ -163,14 +164,16 @@ fn measure(object: PathBuf) -> Result<String> {
         "established-flow runs did not translate every packet as one flow: {before:?} → {after:?}"
     );
 
-    // New flows: every iteration another source address. First into a conntrack
-    // that still has free entries: few enough flows (one entry each) that even if
-    // every run lands on one CPU, that CPU's share of the per-CPU LRU lists
+    // New flows: every iteration another source address, with a mid-stream ACK (a
+    // flow picked up without its SYN: lookup, miss, pick, insert) and with a SYN (a
+    // connection's first packet: pick, one insert). First into a conntrack that
+    // still has free entries: few enough flows (one entry each) that even if every
+    // run of both lands on one CPU, that CPU's share of the per-CPU LRU lists
     // (`BPF_F_NO_COMMON_LRU` splits the entries over the possible CPUs) holds them
-    // all, so nothing is evicted. Then the full run, which fills the table and from
-    // then on evicts on every insert, as a node at capacity does.
+    // all, so nothing is evicted. Then the full runs, which fill the table and from
+    // then on evict on every insert, as a node at capacity does.
     let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?;
-    let fresh = (u64::from(ct_entries()) / (RUNS as u64 * cpus as u64) * 9 / 10)
+    let fresh = (u64::from(ct_entries()) / (2 * RUNS as u64 * cpus as u64) * 9 / 10)
         .min(u64::from(repeat())) as u32;
     ensure!(fresh > 0, "conntrack too small for the not-full run");
     b.set_vary(true)?;
@@ -178,21 +181,14 @@ fn measure(object: PathBuf) -> Result<String> {
     let xdp_driver_vary = b.median("rune_bench_xdp_driver", &vip, XDP_PASS)?;
     let xdp_driver_fresh = b.median_n("rune_bench_xdp_driver", &vip, XDP_PASS, fresh)?;
     b.set_jump("RUNE_BENCH_XDP_JMP", lb::PROG_XDP_LB)?;
-    let before = b.stats()?;
-    let xdp_new_fresh = b.median_n("rune_bench_xdp_driver", &vip, XDP_PASS, fresh)?;
-    let after = b.stats()?;
-    let fresh_runs = RUNS as u64 * u64::from(fresh);
-    ensure!(
-        after.flows - before.flows == fresh_runs && after.packets - before.packets == fresh_runs,
-        "not-full new-flow runs were not all new flows: {before:?} → {after:?}"
-    );
-    let before = b.stats()?;
-    let xdp_new = b.median("rune_bench_xdp_driver", &vip, XDP_PASS)?;
-    let after = b.stats()?;
-    ensure!(
-        after.flows - before.flows == runs && after.packets - before.packets == runs,
-        "new-flow runs were not all new flows: {before:?} → {after:?}"
-    );
+    let xdp_new_fresh = b.new_flows(&vip, fresh)?;
+    b.set_saved(&vip_syn)?;
+    let xdp_syn_fresh = b.new_flows(&vip_syn, fresh)?;
+    b.set_saved(&vip)?;
+    let xdp_new = b.new_flows(&vip, repeat())?;
+    b.set_saved(&vip_syn)?;
+    let xdp_syn = b.new_flows(&vip_syn, repeat())?;
+    b.set_saved(&vip)?;
     b.set_vary(false)?;
 
     // tc, established flow.
@@ -211,7 +207,7 @@ fn measure(object: PathBuf) -> Result<String> {
     // names the VIP, the conntrack entry (found with the reply's tuple) the backend.
     let backend_id = b.flow_backend(CLIENT, 40000)?;
     let backend = backend_of(backend_id);
-    let reply = tcp_frame(backend.0, backend.1, CLIENT, 40000);
+    let reply = tcp_frame(backend.0, backend.1, CLIENT, 40000, TCP_ACK);
     b.set_saved(&reply)?;
     b.set_jump("RUNE_BENCH_TC_JMP", "rune_bench_tc_noop")?;
     let tc_reply_driver = b.median("rune_bench_tc_driver", &reply, TC_ACT_OK)?;
@@ -240,13 +236,25 @@ fn measure(object: PathBuf) -> Result<String> {
             None,
         ),
         (
-            "XDP VIP hit, new flow, conntrack not full (miss, Maglev, 1 insert)",
+            "XDP VIP hit, new flow (SYN), conntrack not full (Maglev, 1 insert)",
+            xdp_syn_fresh - xdp_driver_fresh,
+            "driver subtracted",
+            None,
+        ),
+        (
+            "XDP VIP hit, new flow (SYN), conntrack full (every insert evicts)",
+            xdp_syn - xdp_driver_vary,
+            "driver subtracted",
+            None,
+        ),
+        (
+            "XDP VIP hit, flow picked up mid-stream (ACK), conntrack not full (miss, Maglev, 1 insert)",
             xdp_new_fresh - xdp_driver_fresh,
             "driver subtracted",
             None,
         ),
         (
-            "XDP VIP hit, new flow, conntrack full (every insert evicts)",
+            "XDP VIP hit, flow picked up mid-stream (ACK), conntrack full",
             xdp_new - xdp_driver_vary,
             "driver subtracted",
             None,
@@ -446,6 +454,20 @@ impl Bench {
             .fold(TrafficStats::default(), |a, b| a.add(*b)))
     }
 
+    /// Median ns per iteration of `RUNS` runs of the XDP driver on `frame` (saved,
+    /// varied) with `repeat` iterations each; every iteration must be a new flow.
+    fn new_flows(&self, frame: &[u8], repeat: u32) -> Result<f64> {
+        let before = self.stats()?;
+        let ns = self.median_n("rune_bench_xdp_driver", frame, XDP_PASS, repeat)?;
+        let after = self.stats()?;
+        let runs = RUNS as u64 * u64::from(repeat);
+        ensure!(
+            after.flows - before.flows == runs && after.packets - before.packets == runs,
+            "new-flow runs were not all new flows: {before:?} → {after:?}"
+        );
+        Ok(ns)
+    }
+
     /// Median ns per iteration of `RUNS` runs of `prog` on `frame`; every run must
     /// return `want`.
     fn median(&self, prog: &str, frame: &[u8], want: u32) -> Result<f64> {
@@ -469,8 +491,14 @@ impl Bench {
     }
 }
 
-/// An Ethernet + IPv4 + TCP frame (16-byte payload, 70 bytes) with valid checksums.
-fn tcp_frame(src: [u8; 4], sport: u16, dst: [u8; 4], dport: u16) -> Vec<u8> {
+/// TCP flag SYN.
+const TCP_SYN: u8 = 0x02;
+/// TCP flag ACK.
+const TCP_ACK: u8 = 0x10;
+
+/// An Ethernet + IPv4 + TCP frame (16-byte payload, 70 bytes) with valid checksums
+/// and TCP flags `flags`.
+fn tcp_frame(src: [u8; 4], sport: u16, dst: [u8; 4], dport: u16, flags: u8) -> Vec<u8> {
     let payload = [0x55u8; 16];
     let mut f = vec![2, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 1, 0x08, 0x00];
     let total = (20 + 20 + payload.len()) as u16;
@@ -484,7 +512,7 @@ fn tcp_frame(src: [u8; 4], sport: u16, dst: [u8; 4], dport: u16) -> Vec<u8> {
     let mut tcp = Vec::new();
     tcp.extend_from_slice(&sport.to_be_bytes());
     tcp.extend_from_slice(&dport.to_be_bytes());
-    tcp.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, 0x10, 0xff, 0xff, 0, 0, 0, 0]);
+    tcp.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, flags, 0xff, 0xff, 0, 0, 0, 0]);
     tcp.extend_from_slice(&payload);
     let mut pseudo = Vec::new();
     pseudo.extend_from_slice(&src);
