@@ -341,8 +341,6 @@ struct ServiceState {
     /// ([`frontends_to`]), what replies from it may need as source. Usually empty
     /// (all pairs kept here cost ~5.6 MB at 100,000 backends).
     reach: Reach,
-    /// The service's key, shared by every backend's list of users.
-    shared_key: Option<Arc<ServiceKey>>,
     /// The service as last applied: `status` is derived from it when asked (it
     /// shares the cache's objects; a copy per service would cost ~1.4 KB each).
     view: Option<ServiceView>,
@@ -363,7 +361,9 @@ pub struct LbSync<M> {
     frontends: BTreeMap<FrontendKey, Frontend>,
     /// Every backend address with a slot, a use or a reverse-NAT entry.
     backends: BackendTable<BackendState>,
-    services: BTreeMap<ServiceKey, ServiceState>,
+    /// By key, the one every backend's list of users and every frontend shares (a
+    /// copy of the key as well cost ~130 B per service).
+    services: BTreeMap<Arc<ServiceKey>, ServiceState>,
     /// Drain deadlines, earliest first; an entry whose use changed since is stale
     /// and skipped when it comes due.
     drains: BTreeSet<(Instant, ServiceKey, BackendAddr)>,
@@ -442,8 +442,8 @@ impl<M: LbMaps> LbSync<M> {
             let gone: Vec<ServiceKey> = self
                 .services
                 .keys()
-                .filter(|k| !keep.contains(*k))
-                .cloned()
+                .filter(|k| !keep.contains(&***k))
+                .map(|k| (**k).clone())
                 .collect();
             for key in gone {
                 self.remove_service(&key, now)?;
@@ -750,7 +750,10 @@ impl<M: LbMaps> LbSync<M> {
         // In address order (`uses` is sorted): ids must not depend on hash order
         // (same maps for the same input, on every run).
         let addrs: Vec<BackendAddr> = uses.keys().copied().collect();
-        self.services.entry(key.clone()).or_default();
+        if !self.services.contains_key(&key) {
+            self.services
+                .insert(Arc::new(key.clone()), ServiceState::default());
+        }
         self.set_uses(&key, uses);
         if let Some(state) = self.services.get_mut(&key) {
             state.reach = reach;
@@ -1008,8 +1011,8 @@ impl<M: LbMaps> LbSync<M> {
                 value,
                 service: Some(
                     self.services
-                        .get(service)
-                        .and_then(|s| s.shared_key.clone())
+                        .get_key_value(service)
+                        .map(|(k, _)| k.clone())
                         .unwrap_or_else(|| Arc::new(service.clone())),
                 ),
             },
@@ -1091,14 +1094,13 @@ impl<M: LbMaps> LbSync<M> {
     /// to the services' uses.
     fn set_uses(&mut self, key: &ServiceKey, mut uses: Uses) {
         uses.shrink_to_fit();
+        let Some(shared) = self.services.get_key_value(key).map(|(k, _)| k.clone()) else {
+            return;
+        };
         let Some(state) = self.services.get_mut(key) else {
             return;
         };
         let old = std::mem::take(&mut state.uses);
-        let shared = state
-            .shared_key
-            .get_or_insert_with(|| Arc::new(key.clone()))
-            .clone();
         count_active(&mut self.backends, &old, false);
         count_active(&mut self.backends, &uses, true);
         for addr in old.keys() {
