@@ -700,6 +700,10 @@ impl<M: LbMaps> LbSync<M> {
             .map(|s| s.uses.clone())
             .unwrap_or_default();
         let mut uses = Uses::default();
+        // Sized once (grown by doubling, then shrunk, the vectors left small holes
+        // in the heap between longer-lived objects).
+        uses.active
+            .reserve_exact(desired.iter().map(|f| f.eligible.len()).sum());
         for f in &desired {
             for addr in &f.eligible {
                 uses.insert(BackendAddr::from(*addr), Use::Active);
