@@ -46,7 +46,27 @@ fn parses_the_design_example() {
     assert!(e.spec.endpoints[0].accepts_new());
     assert!(!e.spec.endpoints[1].accepts_new());
     assert!(e.spec.endpoints[1].is_serving());
-    assert_eq!(e.spec.endpoints[1].ports["http"], 8081);
+    assert_eq!(e.spec.endpoints[1].ports.get("http"), Some(&8081));
+}
+
+/// Port overrides are written as the map they were given, and an empty map reads
+/// as none and is not written.
+#[test]
+fn port_overrides_serialize_as_a_map_and_empty_ones_are_left_out() {
+    let objs = parse_documents(WEB).unwrap();
+    let Object::Endpoints(e) = &objs[1] else {
+        panic!("not endpoints")
+    };
+    let json = objs[1].to_json();
+    assert_eq!(json["spec"]["endpoints"][1]["ports"]["http"], 8081);
+    assert!(json["spec"]["endpoints"][0].get("ports").is_none());
+    assert!(e.spec.endpoints[0].ports.is_empty());
+    let empty = "apiVersion: rune/v1\nkind: Endpoints\nmetadata: {name: web}\nspec: {endpoints: [{address: 198.18.1.2, ports: {}}]}\n";
+    let Object::Endpoints(e) = &parse_documents(empty).unwrap()[0] else {
+        panic!("not endpoints")
+    };
+    assert!(e.spec.endpoints[0].ports.is_empty());
+    assert_eq!(e.spec.endpoints[0].ports.iter().count(), 0);
 }
 
 #[test]

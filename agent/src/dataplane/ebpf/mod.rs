@@ -9,6 +9,7 @@
 //! nothing for established flows; `rune-agent cleanup` removes them.
 
 pub mod attach;
+mod backend_table;
 pub mod batch;
 pub mod loader;
 pub mod maps;

@@ -50,7 +50,7 @@ fn ep(ip: [u8; 4], port: u16) -> Endpoint {
         ready: true,
         serving: None,
         terminating: false,
-        ports: BTreeMap::from([("p".to_owned(), port)]),
+        ports: BTreeMap::from([("p".to_owned(), port)]).into(),
     }
 }
 
