@@ -26,7 +26,10 @@ use aya::{
     maps::{Array, HashMap, MapData, PerCpuArray},
     programs::{SchedClassifier, Xdp},
 };
-use rune_agent::dataplane::ebpf::EMBEDDED_OBJECT;
+use rune_agent::dataplane::ebpf::{
+    EMBEDDED_OBJECT,
+    stats::{self, StatsLayout},
+};
 use rune_agent_tests::{
     netns::require_root,
     packet::{PacketSpec, TCP_ACK, TCP_RST, TCP_SYN, parse_and_verify, parse_icmp_error},
@@ -42,6 +45,8 @@ const TC_ACT_SHOT: u32 = 2;
 
 /// Maglev slots the tests' tables use in all.
 const MAGLEV_SLOTS: u32 = 64;
+/// Entries per CPU of the counters arrays (frontend and backend ids are small).
+const STATS_ENTRIES: u32 = 1024;
 /// Every table is this long (a prime).
 const TABLE: u32 = 7;
 
@@ -223,7 +228,10 @@ impl Lb {
         }
         assert!(!EMBEDDED_OBJECT.is_empty(), "agent built without eBPF");
         let pins = PinDir::new();
-        let mut ebpf = EbpfLoader::new()
+        let layout = StatsLayout::new(&pins.0, STATS_ENTRIES, STATS_ENTRIES).unwrap();
+        let mut loader = EbpfLoader::new();
+        layout.configure(&mut loader);
+        let mut ebpf = loader
             .map_max_entries(lb::MAGLEV, MAGLEV_SLOTS)
             .default_map_pin_directory(&pins.0)
             .load(EMBEDDED_OBJECT)
@@ -369,21 +377,17 @@ impl Lb {
     }
 
     fn service_stats(&self, id: u32) -> TrafficStats {
-        let m: PerCpuArray<&MapData, TrafficStats> =
-            PerCpuArray::try_from(self.ebpf.map(lb::SERVICE_STATS).unwrap()).unwrap();
-        m.get(&id, 0)
-            .unwrap()
-            .iter()
-            .fold(TrafficStats::default(), |a, b| a.add(*b))
+        self.stats(lb::SERVICE_STATS, id)
     }
 
     fn backend_stats(&self, id: u32) -> TrafficStats {
-        let m: PerCpuArray<&MapData, TrafficStats> =
-            PerCpuArray::try_from(self.ebpf.map(lb::BACKEND_STATS).unwrap()).unwrap();
-        m.get(&id, 0)
-            .unwrap()
-            .iter()
-            .fold(TrafficStats::default(), |a, b| a.add(*b))
+        self.stats(lb::BACKEND_STATS, id)
+    }
+
+    fn stats(&self, name: &str, id: u32) -> TrafficStats {
+        let m: Array<&MapData, TrafficStats> =
+            Array::try_from(self.ebpf.map(name).unwrap()).unwrap();
+        stats::read(&m, id).unwrap()
     }
 
     fn drops(&self, reason: DropReason) -> u64 {

@@ -12,6 +12,7 @@ pub mod attach;
 pub mod batch;
 pub mod loader;
 pub mod maps;
+pub mod stats;
 pub mod sync;
 
 #[cfg(test)]
