@@ -1282,3 +1282,66 @@ fn pinned_conntrack_of_the_previous_layout_is_carried_over() {
     let info = aya::maps::MapInfo::from_pin(&path).unwrap();
     assert_eq!((info.key_size(), info.value_size()), (16, 16), "re-pinned");
 }
+
+/// Counters pinned by an agent with per-CPU arrays are replaced by arrays of this
+/// layout (a region per possible CPU), their counts summed over CPUs; a later start
+/// re-opens the new arrays with the size they were created with.
+#[test]
+fn pinned_per_cpu_counters_are_carried_over() {
+    if let Err(e) = require_root() {
+        panic!("{e}");
+    }
+    let pins = PinDir::new();
+    let path = pins.0.join(lb::SERVICE_STATS);
+    pin_raw_map(&path, 6, 4, 24); // BPF_MAP_TYPE_PERCPU_ARRAY of TrafficStats
+    let cpus = aya::util::nr_cpus().unwrap();
+    let one = TrafficStats {
+        flows: 1,
+        packets: 2,
+        bytes: 300,
+    };
+    {
+        let old = MapData::from_pin(&path).unwrap();
+        let mut old: PerCpuArray<MapData, TrafficStats> =
+            PerCpuArray::try_from(aya::maps::Map::PerCpuArray(old)).unwrap();
+        let values = aya::maps::PerCpuValues::try_from(vec![one; cpus]).unwrap();
+        old.set(3, values, 0).unwrap();
+    }
+    let n = cpus as u64;
+    let want = TrafficStats {
+        flows: n,
+        packets: 2 * n,
+        bytes: 300 * n,
+    };
+    let ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES)
+        .unwrap_or_else(|e| panic!("load over per-CPU counters: {e:#}"));
+    let read = |ebpf: &Ebpf| {
+        let m: Array<&MapData, TrafficStats> =
+            Array::try_from(ebpf.map(lb::SERVICE_STATS).unwrap()).unwrap();
+        (
+            m.len(),
+            stats::read(&m, 3).unwrap(),
+            stats::read(&m, 2).unwrap(),
+        )
+    };
+    let regions = SMALL_SIZES.frontends * cpus as u32;
+    assert_eq!(read(&ebpf), (regions, want, TrafficStats::default()));
+    let info = aya::maps::MapInfo::from_pin(&path).unwrap();
+    assert_eq!(
+        info.map_type().unwrap(),
+        aya::maps::MapType::Array,
+        "re-pinned as a plain array"
+    );
+    drop(ebpf);
+    let bigger = rune_agent::dataplane::ebpf::MapSizes {
+        frontends: 2 * SMALL_SIZES.frontends,
+        ..SMALL_SIZES
+    };
+    let ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &bigger)
+        .unwrap_or_else(|e| panic!("re-open: {e:#}"));
+    assert_eq!(
+        read(&ebpf),
+        (regions, want, TrafficStats::default()),
+        "a pinned array keeps its size and counts"
+    );
+}
