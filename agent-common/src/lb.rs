@@ -316,7 +316,7 @@ pub struct SockRevValue {
     pub pad: u8,
 }
 
-/// Traffic counters of one frontend or backend, one slot per CPU. Values of
+/// Traffic counters of one frontend or backend, one entry per CPU. Values of
 /// [`SERVICE_STATS`] and [`BACKEND_STATS`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -412,10 +412,18 @@ pub const REVNAT: &str = "RUNE_REVNAT";
 pub const AFFINITY: &str = "RUNE_AFFINITY";
 /// `LruHashMap<SockRevKey, SockRevValue>`: unconnected-UDP reverse translation.
 pub const SOCK_REVERSE: &str = "RUNE_SOCK_REV";
-/// `PerCpuArray<TrafficStats>` indexed by frontend id.
+/// `Array<TrafficStats>` of per-frontend counters, one region per possible CPU
+/// (CPU-major): CPU `c`'s counters of frontend `id` are at `c * per_cpu + id`, where
+/// `per_cpu` is the global [`SERVICE_STATS_PER_CPU`] (the array's size divided by
+/// the number of possible CPUs). Readers sum the regions.
 pub const SERVICE_STATS: &str = "RUNE_SVC_STATS";
-/// `PerCpuArray<TrafficStats>` indexed by backend id.
+/// `Array<TrafficStats>` of per-backend counters, laid out as [`SERVICE_STATS`]
+/// with [`BACKEND_STATS_PER_CPU`] entries per CPU.
 pub const BACKEND_STATS: &str = "RUNE_BACKEND_STATS";
+/// Global `u32` of the programs: entries per CPU of [`SERVICE_STATS`] (0: no counting).
+pub const SERVICE_STATS_PER_CPU: &str = "RUNE_SVC_STATS_PER_CPU";
+/// Global `u32` of the programs: entries per CPU of [`BACKEND_STATS`].
+pub const BACKEND_STATS_PER_CPU: &str = "RUNE_BACKEND_STATS_PER_CPU";
 /// `PerCpuArray<u64>` indexed by [`DropReason`].
 pub const DROPS: &str = "RUNE_DROPS";
 /// `Array<u64>` of [`crate::filter::VIP_FILTER_WORDS`] words: the VIP prefilter

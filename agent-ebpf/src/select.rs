@@ -10,10 +10,14 @@ use agent_common::lb::{
     Addr, AffinityKey, AffinityValue, BACKEND_ACTIVE, Backend, DropReason, ServiceValue,
     TrafficStats,
 };
-use aya_ebpf::helpers::bpf_ktime_get_ns;
+use aya_ebpf::{
+    helpers::{bpf_get_smp_processor_id, bpf_ktime_get_ns},
+    maps::Array,
+};
 
 use crate::maps::{
-    RUNE_AFFINITY, RUNE_BACKEND_STATS, RUNE_BACKENDS, RUNE_DROPS, RUNE_MAGLEV, RUNE_SVC_STATS,
+    RUNE_AFFINITY, RUNE_BACKEND_STATS, RUNE_BACKEND_STATS_PER_CPU, RUNE_BACKENDS, RUNE_DROPS,
+    RUNE_MAGLEV, RUNE_SVC_STATS, RUNE_SVC_STATS_PER_CPU,
 };
 
 /// Picks the backend for a new flow of `svc` from `client`, whose flow hash is
@@ -99,19 +103,45 @@ pub fn count_packet(service_id: u32, backend_id: u32, bytes: u64, new_flow: bool
 #[inline(always)]
 fn bump(service_id: u32, backend_id: u32, flows: u64, packets: u64, bytes: u64) {
     let add = |stats: *mut TrafficStats| {
-        // SAFETY: a per-CPU slot from a successful lookup; only this CPU writes it.
+        // SAFETY: a slot in this CPU's region from a successful lookup; only this
+        // CPU writes it.
         unsafe {
             (*stats).flows = (*stats).flows.wrapping_add(flows);
             (*stats).packets = (*stats).packets.wrapping_add(packets);
             (*stats).bytes = (*stats).bytes.wrapping_add(bytes);
         }
     };
-    if let Some(stats) = RUNE_SVC_STATS.get_ptr_mut(service_id) {
+    // SAFETY: the helper only reads the CPU number.
+    let cpu = unsafe { bpf_get_smp_processor_id() };
+    // SAFETY: plain reads of constants the loader sets (read volatile: their value
+    // is only known at load time, the verifier then treats them as constants).
+    let (svc_per_cpu, backend_per_cpu) = unsafe {
+        (
+            core::ptr::read_volatile(&raw const RUNE_SVC_STATS_PER_CPU),
+            core::ptr::read_volatile(&raw const RUNE_BACKEND_STATS_PER_CPU),
+        )
+    };
+    if let Some(stats) = cpu_slot(&RUNE_SVC_STATS, svc_per_cpu, cpu, service_id) {
         add(stats);
     }
-    if let Some(stats) = RUNE_BACKEND_STATS.get_ptr_mut(backend_id) {
+    if let Some(stats) = cpu_slot(&RUNE_BACKEND_STATS, backend_per_cpu, cpu, backend_id) {
         add(stats);
     }
+}
+
+/// Entry `id` of `cpu`'s region in a CPU-major counters array of `per_cpu` entries
+/// per CPU (none for an id outside the region).
+#[inline(always)]
+fn cpu_slot(
+    map: &Array<TrafficStats>,
+    per_cpu: u32,
+    cpu: u32,
+    id: u32,
+) -> Option<*mut TrafficStats> {
+    if id >= per_cpu {
+        return None;
+    }
+    map.get_ptr_mut(cpu.wrapping_mul(per_cpu).wrapping_add(id))
 }
 
 /// Counts a refused or dropped packet or connection.

@@ -27,7 +27,10 @@ use aya::{
     maps::{Array, HashMap, MapData, PerCpuArray},
     programs::{SchedClassifier, Xdp},
 };
-use rune_agent::dataplane::ebpf::EMBEDDED_OBJECT;
+use rune_agent::dataplane::ebpf::{
+    EMBEDDED_OBJECT,
+    stats::{self, StatsLayout},
+};
 use rune_agent_tests::{
     netns::require_root,
     packet::{PacketSpec, TCP_ACK, TCP_RST, TCP_SYN, parse_and_verify, parse_icmp_error},
@@ -43,6 +46,8 @@ const TC_ACT_SHOT: u32 = 2;
 
 /// Maglev slots the tests' tables use in all.
 const MAGLEV_SLOTS: u32 = 64;
+/// Entries per CPU of the counters arrays (frontend and backend ids are small).
+const STATS_ENTRIES: u32 = 1024;
 /// Every table is this long (a prime).
 const TABLE: u32 = 7;
 
@@ -224,7 +229,10 @@ impl Lb {
         }
         assert!(!EMBEDDED_OBJECT.is_empty(), "agent built without eBPF");
         let pins = PinDir::new();
-        let mut ebpf = EbpfLoader::new()
+        let layout = StatsLayout::new(&pins.0, STATS_ENTRIES, STATS_ENTRIES).unwrap();
+        let mut loader = EbpfLoader::new();
+        layout.configure(&mut loader);
+        let mut ebpf = loader
             .map_max_entries(lb::MAGLEV, MAGLEV_SLOTS)
             .default_map_pin_directory(&pins.0)
             .load(EMBEDDED_OBJECT)
@@ -396,21 +404,17 @@ impl Lb {
     }
 
     fn service_stats(&self, id: u32) -> TrafficStats {
-        let m: PerCpuArray<&MapData, TrafficStats> =
-            PerCpuArray::try_from(self.ebpf.map(lb::SERVICE_STATS).unwrap()).unwrap();
-        m.get(&id, 0)
-            .unwrap()
-            .iter()
-            .fold(TrafficStats::default(), |a, b| a.add(*b))
+        self.stats(lb::SERVICE_STATS, id)
     }
 
     fn backend_stats(&self, id: u32) -> TrafficStats {
-        let m: PerCpuArray<&MapData, TrafficStats> =
-            PerCpuArray::try_from(self.ebpf.map(lb::BACKEND_STATS).unwrap()).unwrap();
-        m.get(&id, 0)
-            .unwrap()
-            .iter()
-            .fold(TrafficStats::default(), |a, b| a.add(*b))
+        self.stats(lb::BACKEND_STATS, id)
+    }
+
+    fn stats(&self, name: &str, id: u32) -> TrafficStats {
+        let m: Array<&MapData, TrafficStats> =
+            Array::try_from(self.ebpf.map(name).unwrap()).unwrap();
+        stats::read(&m, id).unwrap()
     }
 
     fn drops(&self, reason: DropReason) -> u64 {
@@ -1342,4 +1346,67 @@ fn pinned_conntrack_of_the_previous_layout_is_carried_over() {
     );
     let info = aya::maps::MapInfo::from_pin(&path).unwrap();
     assert_eq!((info.key_size(), info.value_size()), (16, 16), "re-pinned");
+}
+
+/// Counters pinned by an agent with per-CPU arrays are replaced by arrays of this
+/// layout (a region per possible CPU), their counts summed over CPUs; a later start
+/// re-opens the new arrays with the size they were created with.
+#[test]
+fn pinned_per_cpu_counters_are_carried_over() {
+    if let Err(e) = require_root() {
+        panic!("{e}");
+    }
+    let pins = PinDir::new();
+    let path = pins.0.join(lb::SERVICE_STATS);
+    pin_raw_map(&path, 6, 4, 24); // BPF_MAP_TYPE_PERCPU_ARRAY of TrafficStats
+    let cpus = aya::util::nr_cpus().unwrap();
+    let one = TrafficStats {
+        flows: 1,
+        packets: 2,
+        bytes: 300,
+    };
+    {
+        let old = MapData::from_pin(&path).unwrap();
+        let mut old: PerCpuArray<MapData, TrafficStats> =
+            PerCpuArray::try_from(aya::maps::Map::PerCpuArray(old)).unwrap();
+        let values = aya::maps::PerCpuValues::try_from(vec![one; cpus]).unwrap();
+        old.set(3, values, 0).unwrap();
+    }
+    let n = cpus as u64;
+    let want = TrafficStats {
+        flows: n,
+        packets: 2 * n,
+        bytes: 300 * n,
+    };
+    let ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES)
+        .unwrap_or_else(|e| panic!("load over per-CPU counters: {e:#}"));
+    let read = |ebpf: &Ebpf| {
+        let m: Array<&MapData, TrafficStats> =
+            Array::try_from(ebpf.map(lb::SERVICE_STATS).unwrap()).unwrap();
+        (
+            m.len(),
+            stats::read(&m, 3).unwrap(),
+            stats::read(&m, 2).unwrap(),
+        )
+    };
+    let regions = SMALL_SIZES.frontends * cpus as u32;
+    assert_eq!(read(&ebpf), (regions, want, TrafficStats::default()));
+    let info = aya::maps::MapInfo::from_pin(&path).unwrap();
+    assert_eq!(
+        info.map_type().unwrap(),
+        aya::maps::MapType::Array,
+        "re-pinned as a plain array"
+    );
+    drop(ebpf);
+    let bigger = rune_agent::dataplane::ebpf::MapSizes {
+        frontends: 2 * SMALL_SIZES.frontends,
+        ..SMALL_SIZES
+    };
+    let ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &bigger)
+        .unwrap_or_else(|e| panic!("re-open: {e:#}"));
+    assert_eq!(
+        read(&ebpf),
+        (regions, want, TrafficStats::default()),
+        "a pinned array keeps its size and counts"
+    );
 }

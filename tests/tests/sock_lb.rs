@@ -32,6 +32,7 @@ use aya::{
     maps::{Array, HashMap, PerCpuArray},
     programs::{CgroupAttachMode, CgroupSockAddr, ProgramError},
 };
+use rune_agent::dataplane::ebpf::stats::{self, StatsLayout};
 use rune_agent_tests::{cgroup::TestCgroup, netns::require_root};
 use serde_json::Value;
 
@@ -116,7 +117,9 @@ impl Fixture {
             "rune-agent was built without eBPF programs (AYA_BUILD_SKIP)"
         );
         let pins = PinDir::new();
+        let layout = StatsLayout::new(&pins.0, MAP_ENTRIES, MAP_ENTRIES).unwrap();
         let mut loader = EbpfLoader::new();
+        layout.configure(&mut loader);
         loader.default_map_pin_directory(&pins.0);
         loader.map_max_entries(lb::MAGLEV, MAGLEV_SLOTS);
         for name in [
@@ -127,8 +130,6 @@ impl Fixture {
             lb::CONNTRACK_V6,
             lb::AFFINITY,
             lb::SOCK_REVERSE,
-            lb::SERVICE_STATS,
-            lb::BACKEND_STATS,
         ] {
             loader.map_max_entries(name, MAP_ENTRIES);
         }
@@ -244,18 +245,16 @@ impl Fixture {
     }
 
     fn service_stats(&self, id: u32) -> TrafficStats {
-        let map: PerCpuArray<_, TrafficStats> =
-            PerCpuArray::try_from(self.bpf.map(lb::SERVICE_STATS).unwrap()).unwrap();
-        let values = map.get(&id, 0).unwrap();
-        values
-            .iter()
-            .fold(TrafficStats::default(), |sum, v| sum.add(*v))
+        self.stats(lb::SERVICE_STATS, id)
     }
 
     fn backend_flows(&self, id: u32) -> u64 {
-        let map: PerCpuArray<_, TrafficStats> =
-            PerCpuArray::try_from(self.bpf.map(lb::BACKEND_STATS).unwrap()).unwrap();
-        map.get(&id, 0).unwrap().iter().map(|v| v.flows).sum()
+        self.stats(lb::BACKEND_STATS, id).flows
+    }
+
+    fn stats(&self, name: &str, id: u32) -> TrafficStats {
+        let map: Array<_, TrafficStats> = Array::try_from(self.bpf.map(name).unwrap()).unwrap();
+        stats::read(&map, id).unwrap()
     }
 
     fn drops(&self, reason: DropReason) -> u64 {

@@ -26,7 +26,7 @@ use agent_common::lb::{
 use anyhow::{Context as _, Result, bail, ensure};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, PerCpuArray, ProgramArray},
+    maps::{Array, HashMap, MapData, ProgramArray},
     programs::{ProgramFd, SchedClassifier, Xdp},
 };
 
@@ -63,6 +63,8 @@ const VIP: [u8; 4] = [198, 18, 100, 1];
 const NON_VIP: [u8; 4] = [198, 18, 200, 1];
 const CLIENT: [u8; 4] = [198, 19, 0, 10];
 const SERVICE_ID: u32 = 1;
+/// Entries per CPU of the counters arrays (the bench uses ids below 16).
+const STATS_PER_CPU: u32 = 16;
 
 /// `cargo xtask bench ebpf`: builds the object, measures, prints the table.
 pub fn run_alone() -> Result<()> {
@@ -103,7 +105,15 @@ fn measure(object: PathBuf) -> Result<String> {
     ));
     std::fs::create_dir_all(&pins)
         .with_context(|| format!("creating {} (is bpffs mounted?)", pins.display()))?;
-    let ebpf = EbpfLoader::new()
+    let cpus =
+        u32::try_from(aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?)?;
+    let mut loader = EbpfLoader::new();
+    loader
+        .override_global(lb::SERVICE_STATS_PER_CPU, &STATS_PER_CPU, true)
+        .override_global(lb::BACKEND_STATS_PER_CPU, &STATS_PER_CPU, true)
+        .map_max_entries(lb::SERVICE_STATS, STATS_PER_CPU * cpus)
+        .map_max_entries(lb::BACKEND_STATS, STATS_PER_CPU * cpus);
+    let ebpf = loader
         .map_max_entries(lb::MAGLEV, 16)
         .map_max_entries(lb::CONNTRACK_V4, ct_entries())
         .default_map_pin_directory(&pins)
@@ -446,12 +456,14 @@ impl Bench {
         Ok(fd.try_clone()?)
     }
 
+    /// The service's counters, summed over the CPU regions of `RUNE_SVC_STATS`.
     fn stats(&self) -> Result<TrafficStats> {
-        let m: PerCpuArray<&MapData, TrafficStats> =
-            PerCpuArray::try_from(self.ebpf.map(lb::SERVICE_STATS).context("stats")?)?;
-        Ok(m.get(&SERVICE_ID, 0)?
-            .iter()
-            .fold(TrafficStats::default(), |a, b| a.add(*b)))
+        let m: Array<&MapData, TrafficStats> =
+            Array::try_from(self.ebpf.map(lb::SERVICE_STATS).context("stats")?)?;
+        let cpus = m.len() / STATS_PER_CPU;
+        (0..cpus).try_fold(TrafficStats::default(), |sum, cpu| {
+            Ok(sum.add(m.get(&(cpu * STATS_PER_CPU + SERVICE_ID), 0)?))
+        })
     }
 
     /// Median ns per iteration of `RUNS` runs of the XDP driver on `frame` (saved,

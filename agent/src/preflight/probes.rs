@@ -88,6 +88,7 @@ const HELPERS: [(&str, ProgramType, &[BpfHelper]); 3] = {
                 BpfHelper::BPF_FUNC_map_lookup_elem,
                 BpfHelper::BPF_FUNC_map_update_elem,
                 BpfHelper::BPF_FUNC_ktime_get_ns,
+                BpfHelper::BPF_FUNC_get_smp_processor_id,
                 BpfHelper::BPF_FUNC_get_prandom_u32,
                 BpfHelper::BPF_FUNC_get_socket_cookie,
                 BpfHelper::BPF_FUNC_get_netns_cookie,

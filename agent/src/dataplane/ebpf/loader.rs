@@ -20,6 +20,8 @@ use aya::{
 };
 use std::path::{Path, PathBuf};
 
+use super::stats::{self, StatsLayout};
+
 pub use aya::programs::XdpMode;
 
 /// The compiled eBPF object (ELF), 8-byte aligned as aya requires.
@@ -276,17 +278,23 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
     }
     ensure_pin_dir(pin_dir)?;
     check_pinned_layouts(pin_dir)?;
-    let legacy = LegacyConntrack::unpin(pin_dir)?;
+    let legacy = LegacyMaps::unpin(pin_dir)?;
+    let layout = match StatsLayout::new(pin_dir, sizes.frontends, sizes.backends) {
+        Ok(layout) => layout,
+        Err(e) => {
+            legacy.restore();
+            return Err(e);
+        }
+    };
     let slots = sizes.frontends.saturating_mul(sizes.table_size);
     let mut loader = EbpfLoader::new();
+    layout.configure(&mut loader);
     loader
         .default_map_pin_directory(pin_dir)
         .map_max_entries(lb::SERVICES_V4, sizes.frontends)
         .map_max_entries(lb::SERVICES_V6, sizes.frontends)
-        .map_max_entries(lb::SERVICE_STATS, sizes.frontends)
         .map_max_entries(lb::MAGLEV, slots.div_ceil(lb::MAGLEV_SLOTS_PER_ENTRY))
         .map_max_entries(lb::BACKENDS, sizes.backends)
-        .map_max_entries(lb::BACKEND_STATS, sizes.backends)
         .map_max_entries(lb::REVNAT, sizes.backends)
         .map_max_entries(lb::CONNTRACK_V4, sizes.flows)
         .map_max_entries(lb::CONNTRACK_V6, sizes.flows)
@@ -308,8 +316,8 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
 
 /// Fails with [`EbpfError::PinnedLayout`] when a pinned map whose layout changed
 /// between releases has other key or value sizes than this agent's, instead of a
-/// verifier error at load. Conntrack of the previous layout (see
-/// [`LegacyConntrack`]) is carried over instead.
+/// verifier error at load. Maps of the previous layout (see [`LegacyMaps`]) are
+/// carried over instead.
 fn check_pinned_layouts(pin_dir: &Path) -> Result<(), EbpfError> {
     let size = |n: usize| n as u32;
     for (name, want, legacy) in [
@@ -375,45 +383,60 @@ struct LegacyCtValue {
 // SAFETY: `#[repr(C)]`, two `u32`s, no padding, every bit pattern valid.
 unsafe impl aya::Pod for LegacyCtValue {}
 
-/// Conntrack maps pinned by an agent of the previous layout ([`LegacyCtValue`]),
-/// held open across the load: their pins are removed first, so the loader creates
-/// maps of this agent's layout, and their entries are copied into those afterwards
-/// (established flows keep their backends; the old programs keep using the old
-/// maps until the new ones are attached, and flows that start in that short window
-/// are not carried over).
-struct LegacyConntrack {
-    v4: Option<(PathBuf, MapData)>,
-    v6: Option<(PathBuf, MapData)>,
+/// Tells whether the map pinned at a path has a previous layout.
+type PinnedTest = fn(&Path) -> bool;
+
+/// Whether the map pinned at `path` is conntrack with [`LegacyCtValue`]s.
+fn pinned_legacy_conntrack(path: &Path) -> bool {
+    pinned_sizes(path).is_some_and(|(_, value)| value == size_of::<LegacyCtValue>() as u32)
 }
 
-impl LegacyConntrack {
-    /// Opens and unpins the conntrack maps of the previous layout under `pin_dir`
-    /// (pinned back should the second fail).
+/// Maps pinned by an agent of a previous layout, held open across the load: their
+/// pins are removed first, so the loader creates maps of this agent's layout, and
+/// their entries are copied into those afterwards. Conntrack of the previous layout
+/// ([`LegacyCtValue`]): established flows keep their backends (the old programs keep
+/// using the old maps until the new ones are attached, and flows that start in that
+/// short window are not carried over). Per-CPU counters arrays (see
+/// [`super::stats`]): their counts are added to the new arrays.
+struct LegacyMaps {
+    /// (map name, pin path, the open map).
+    maps: Vec<(&'static str, PathBuf, MapData)>,
+}
+
+impl LegacyMaps {
+    /// Opens and unpins the maps of a previous layout under `pin_dir` (those
+    /// already unpinned are pinned back should a later one fail).
     fn unpin(pin_dir: &Path) -> Result<Self, EbpfError> {
-        let legacy = size_of::<LegacyCtValue>() as u32;
-        let open = |name: &str| -> Result<Option<(PathBuf, MapData)>, EbpfError> {
+        let candidates: [(&'static str, PinnedTest); 4] = [
+            (lb::CONNTRACK_V4, pinned_legacy_conntrack),
+            (lb::CONNTRACK_V6, pinned_legacy_conntrack),
+            (lb::SERVICE_STATS, stats::pinned_per_cpu),
+            (lb::BACKEND_STATS, stats::pinned_per_cpu),
+        ];
+        let mut legacy = Self { maps: Vec::new() };
+        for (name, is_legacy) in candidates {
             let path = pin_dir.join(name);
-            if pinned_sizes(&path).is_none_or(|(_, value)| value != legacy) {
-                return Ok(None);
+            if !path.exists() || !is_legacy(&path) {
+                continue;
             }
-            let map = MapData::from_pin(&path).map_err(|e| EbpfError::Pin {
+            let pin_error = |e: String| EbpfError::Pin {
                 path: path.clone(),
-                reason: e.to_string(),
-            })?;
-            std::fs::remove_file(&path).map_err(|e| EbpfError::Pin {
-                path: path.clone(),
-                reason: e.to_string(),
-            })?;
-            Ok(Some((path, map)))
-        };
-        let v4 = open(lb::CONNTRACK_V4)?;
-        match open(lb::CONNTRACK_V6) {
-            Ok(v6) => Ok(Self { v4, v6 }),
-            Err(e) => {
-                Self { v4, v6: None }.restore();
-                Err(e)
+                reason: e,
+            };
+            let map = match MapData::from_pin(&path).map_err(|e| pin_error(e.to_string())) {
+                Ok(map) => map,
+                Err(e) => {
+                    legacy.restore();
+                    return Err(e);
+                }
+            };
+            if let Err(e) = std::fs::remove_file(&path) {
+                legacy.restore();
+                return Err(pin_error(e.to_string()));
             }
+            legacy.maps.push((name, path, map));
         }
+        Ok(legacy)
     }
 
     /// Pins the old maps back after a failed load, so the next start still finds
@@ -421,31 +444,38 @@ impl LegacyConntrack {
     /// load left at the same path is replaced. Failures are logged: the load's
     /// error is the one to report.
     fn restore(self) {
-        for (path, map) in [self.v4, self.v6].into_iter().flatten() {
+        for (_, path, map) in self.maps {
             if path.exists() {
                 let _ = std::fs::remove_file(&path);
             }
             if let Err(e) = map.pin(&path) {
-                tracing::warn!(path = %path.display(), error = %e, "pinning the previous conntrack back failed: its flows are lost at the next start");
+                tracing::warn!(path = %path.display(), error = %e, "pinning a map of the previous layout back failed: its flows or counts are lost at the next start");
             }
         }
     }
 
-    /// Copies the old entries into `ebpf`'s conntrack maps: as flows picked up
-    /// mid-stream (no SYN-ACK expected), UDP ones as seen now. A copy that fails is
-    /// logged, not fatal: the flows it misses are re-picked (same backend while
-    /// its Maglev slot is unchanged).
+    /// Copies the old entries into `ebpf`'s maps: conntrack as flows picked up
+    /// mid-stream (no SYN-ACK expected), UDP ones as seen now; counters summed over
+    /// CPUs. A copy that fails is logged, not fatal: the flows it misses are
+    /// re-picked (same backend while its Maglev slot is unchanged), counts restart.
     fn carry_over(self, ebpf: &mut Ebpf) {
         let now = lb::ct_now(monotonic_ns());
-        if let Some((_, old)) = self.v4
-            && let Err(e) = copy_entries::<lb::CtKeyV4>(old, ebpf, lb::CONNTRACK_V4, now)
-        {
-            tracing::warn!(error = %e, "conntrack of the previous layout not carried over");
-        }
-        if let Some((_, old)) = self.v6
-            && let Err(e) = copy_entries::<lb::CtKeyV6>(old, ebpf, lb::CONNTRACK_V6, now)
-        {
-            tracing::warn!(error = %e, "conntrack of the previous layout not carried over");
+        for (name, _, old) in self.maps {
+            let copied = match name {
+                lb::CONNTRACK_V4 => copy_entries::<lb::CtKeyV4>(old, ebpf, name, now),
+                lb::CONNTRACK_V6 => copy_entries::<lb::CtKeyV6>(old, ebpf, name, now),
+                _ => stats::carry_over(old, ebpf, name).map(|carried| {
+                    tracing::warn!(
+                        map = name,
+                        carried,
+                        "counters pinned by an earlier agent were a per-CPU array: \
+                         recreated as one array with a region per CPU, counts carried over"
+                    );
+                }),
+            };
+            if let Err(e) = copied {
+                tracing::warn!(map = name, error = %e, "map of the previous layout not carried over");
+            }
         }
     }
 }

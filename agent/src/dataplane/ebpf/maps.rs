@@ -6,7 +6,7 @@
 //! decides (ids, tables, which entries change) is tested without privileges, and a
 //! map write that fails is tested without a broken kernel.
 
-use super::batch;
+use super::{batch, stats};
 use agent_common::filter::VIP_FILTER_WORDS;
 use agent_common::lb::{
     self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, RevNatKey,
@@ -122,8 +122,8 @@ pub struct KernelMaps {
     ct_v6: HashMap<MapData, CtKeyV6, CtValue>,
     revnat: HashMap<MapData, RevNatKey, RevNatValue>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
-    svc_stats: PerCpuArray<MapData, TrafficStats>,
-    backend_stats: PerCpuArray<MapData, TrafficStats>,
+    svc_stats: Array<MapData, TrafficStats>,
+    backend_stats: Array<MapData, TrafficStats>,
     drops: PerCpuArray<MapData, u64>,
     vip_filter: Array<MapData, u64>,
     maglev: MaglevArray,
@@ -373,9 +373,13 @@ impl KernelMaps {
             T::try_from(take(maps, name)?).map_err(|e| MapsError::new(name, "open", e))
         }
         let backends: Array<MapData, Backend> = typed(maps, lb::BACKENDS)?;
-        let svc_stats: PerCpuArray<MapData, TrafficStats> = typed(maps, lb::SERVICE_STATS)?;
+        let svc_v4: HashMap<MapData, ServiceKeyV4, ServiceValue> = typed(maps, lb::SERVICES_V4)?;
         let maglev = MaglevArray::new(map_data(take(maps, lb::MAGLEV)?, lb::MAGLEV)?)?;
-        let frontends = svc_stats.len();
+        let frontends = svc_v4
+            .map()
+            .info()
+            .map_err(|e| MapsError::new(lb::SERVICES_V4, "info", e))?
+            .max_entries();
         let table_size = u32::try_from(maglev.len)
             .unwrap_or(u32::MAX)
             .checked_div(frontends)
@@ -393,14 +397,14 @@ impl KernelMaps {
             flows,
         };
         Ok(Self {
-            svc_v4: typed(maps, lb::SERVICES_V4)?,
+            svc_v4,
             svc_v6: typed(maps, lb::SERVICES_V6)?,
             backends,
             ct_v4,
             ct_v6: typed(maps, lb::CONNTRACK_V6)?,
             revnat: typed(maps, lb::REVNAT)?,
             affinity: typed(maps, lb::AFFINITY)?,
-            svc_stats,
+            svc_stats: typed(maps, lb::SERVICE_STATS)?,
             backend_stats: typed(maps, lb::BACKEND_STATS)?,
             drops: typed(maps, lb::DROPS)?,
             vip_filter: typed(maps, lb::VIP_FILTER)?,
@@ -491,12 +495,6 @@ impl KernelMaps {
         }
         Ok(())
     }
-}
-
-fn sum_stats(values: impl IntoIterator<Item = TrafficStats>) -> TrafficStats {
-    values
-        .into_iter()
-        .fold(TrafficStats::default(), TrafficStats::add)
 }
 
 impl LbMaps for KernelMaps {
@@ -717,19 +715,12 @@ impl LbMaps for KernelMaps {
     }
 
     fn frontend_stats(&self, id: u32) -> Result<TrafficStats, MapsError> {
-        let values = self
-            .svc_stats
-            .get(&id, 0)
-            .map_err(|e| MapsError::new(lb::SERVICE_STATS, "read", e))?;
-        Ok(sum_stats(values.iter().copied()))
+        stats::read(&self.svc_stats, id).map_err(|e| MapsError::new(lb::SERVICE_STATS, "read", e))
     }
 
     fn backend_stats(&self, id: u32) -> Result<TrafficStats, MapsError> {
-        let values = self
-            .backend_stats
-            .get(&id, 0)
-            .map_err(|e| MapsError::new(lb::BACKEND_STATS, "read", e))?;
-        Ok(sum_stats(values.iter().copied()))
+        stats::read(&self.backend_stats, id)
+            .map_err(|e| MapsError::new(lb::BACKEND_STATS, "read", e))
     }
 
     fn drops(&self) -> Result<Vec<(DropReason, u64)>, MapsError> {

@@ -14,6 +14,7 @@ pub mod batch;
 pub mod loader;
 pub mod maps;
 pub mod prefilter;
+pub mod stats;
 pub mod sync;
 
 #[cfg(test)]
