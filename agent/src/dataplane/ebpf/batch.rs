@@ -142,14 +142,19 @@ pub fn lookup_all<K: Pod + Default + Clone, V: Pod + Default + Clone>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData};
     use std::os::fd::{AsFd as _, FromRawFd as _, OwnedFd};
 
     /// A fresh map from `BPF_MAP_CREATE` (unpinned, gone with its fd), or `None`
     /// without the privileges to create one.
-    fn create(map_type: u32, key_size: u32, value_size: u32, max_entries: u32) -> Option<OwnedFd> {
+    pub(crate) fn create(
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+    ) -> Option<OwnedFd> {
         #[repr(C)]
         #[derive(Default)]
         struct CreateAttr {
@@ -180,7 +185,7 @@ mod tests {
     }
 
     const BPF_MAP_TYPE_HASH: u32 = 1;
-    const BPF_MAP_TYPE_ARRAY: u32 = 2;
+    pub(crate) const BPF_MAP_TYPE_ARRAY: u32 = 2;
 
     /// Batch writes land where one-by-one writes would (the last write of a key
     /// wins), and a batch read of an array returns every slot in index order.

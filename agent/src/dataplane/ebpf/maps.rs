@@ -98,6 +98,14 @@ pub trait LbMaps: Send {
     fn frontend_stats(&self, id: u32) -> Result<TrafficStats, MapsError>;
     /// Backend `id`'s counters, summed over CPUs.
     fn backend_stats(&self, id: u32) -> Result<TrafficStats, MapsError>;
+    /// The counters of frontends `ids`, in order (a scrape reads them all at once).
+    fn frontend_stats_of(&self, ids: &[u32]) -> Result<Vec<TrafficStats>, MapsError> {
+        ids.iter().map(|id| self.frontend_stats(*id)).collect()
+    }
+    /// The counters of backends `ids`, in order (a scrape reads them all at once).
+    fn backend_stats_of(&self, ids: &[u32]) -> Result<Vec<TrafficStats>, MapsError> {
+        ids.iter().map(|id| self.backend_stats(*id)).collect()
+    }
     /// Drop counters by reason, summed over CPUs.
     fn drops(&self) -> Result<Vec<(DropReason, u64)>, MapsError>;
     /// Conntrack entries in use (both families), for map-pressure metrics.
@@ -721,6 +729,16 @@ impl LbMaps for KernelMaps {
     fn backend_stats(&self, id: u32) -> Result<TrafficStats, MapsError> {
         stats::read(&self.backend_stats, id)
             .map_err(|e| MapsError::new(lb::BACKEND_STATS, "read", e))
+    }
+
+    fn frontend_stats_of(&self, ids: &[u32]) -> Result<Vec<TrafficStats>, MapsError> {
+        stats::read_many(&self.svc_stats, ids)
+            .map_err(|e| MapsError::new(lb::SERVICE_STATS, "batch read", e))
+    }
+
+    fn backend_stats_of(&self, ids: &[u32]) -> Result<Vec<TrafficStats>, MapsError> {
+        stats::read_many(&self.backend_stats, ids)
+            .map_err(|e| MapsError::new(lb::BACKEND_STATS, "batch read", e))
     }
 
     fn drops(&self) -> Result<Vec<(DropReason, u64)>, MapsError> {

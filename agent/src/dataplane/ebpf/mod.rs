@@ -302,8 +302,13 @@ impl<M: LbMaps + 'static> Collector for LbCollector<M> {
         let maps = sync.maps();
         let frontends = sync.frontends();
         type Labels = Vec<(&'static str, String)>;
+        let ids: Vec<u32> = frontends.iter().map(|(_, id, _)| *id).collect();
+        let mut frontend_stats = maps
+            .frontend_stats_of(&ids)
+            .unwrap_or_else(|_| vec![lb::TrafficStats::default(); ids.len()])
+            .into_iter();
         let mut per_frontend: Vec<(Labels, lb::TrafficStats)> = Vec::new();
-        for (key, id, service) in &frontends {
+        for (key, _, service) in &frontends {
             let (vip, proto) = frontend_addr(key);
             let labels = vec![
                 ("service", service.to_string()),
@@ -314,18 +319,17 @@ impl<M: LbMaps + 'static> Collector for LbCollector<M> {
                     if proto == lb::PROTO_TCP { "TCP" } else { "UDP" }.to_owned(),
                 ),
             ];
-            let stats = maps.frontend_stats(*id).unwrap_or_default();
-            per_frontend.push((labels, stats));
+            per_frontend.push((labels, frontend_stats.next().unwrap_or_default()));
         }
-        let per_backend: Vec<(Labels, lb::TrafficStats)> = sync
-            .backends()
+        let backends = sync.backends();
+        let ids: Vec<u32> = backends.iter().map(|(_, id)| *id).collect();
+        let backend_stats = maps
+            .backend_stats_of(&ids)
+            .unwrap_or_else(|_| vec![lb::TrafficStats::default(); ids.len()]);
+        let per_backend: Vec<(Labels, lb::TrafficStats)> = backends
             .into_iter()
-            .map(|(addr, id)| {
-                (
-                    vec![("backend", addr.to_string())],
-                    maps.backend_stats(id).unwrap_or_default(),
-                )
-            })
+            .zip(backend_stats)
+            .map(|((addr, _), stats)| (vec![("backend", addr.to_string())], stats))
             .collect();
         for (name, help, pick) in [
             (

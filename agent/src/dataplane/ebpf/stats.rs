@@ -13,15 +13,15 @@
 //! into CPU 0's region ([`carry_over`]): the metrics are monotonic counters, and
 //! keeping them avoids a reset in every dashboard on upgrade.
 
-use std::{borrow::Borrow, path::Path};
+use std::{borrow::Borrow, os::fd::AsFd as _, path::Path};
 
 use agent_common::lb::{self, TrafficStats};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, Map, MapData, MapError, MapInfo, MapType, PerCpuArray},
+    maps::{Array, IterableMap as _, Map, MapData, MapError, MapInfo, MapType, PerCpuArray},
 };
 
-use super::loader::EbpfError;
+use super::{batch, loader::EbpfError};
 
 /// The number of possible CPUs: the number of regions in a counters array (as the
 /// kernel's per-CPU maps, sized by possible, not online, CPUs).
@@ -86,18 +86,58 @@ pub fn read<T: Borrow<MapData>>(
     array: &Array<T, TrafficStats>,
     id: u32,
 ) -> Result<TrafficStats, MapError> {
-    let cpus = cpus().map_err(|io_error| {
-        MapError::SyscallError(aya::sys::SyscallError {
-            call: "nr_cpus",
-            io_error,
-        })
-    })?;
+    let cpus = cpus_for_read()?;
     let per_cpu = array.len() / cpus;
     if id >= per_cpu {
         return Ok(TrafficStats::default());
     }
     (0..cpus).try_fold(TrafficStats::default(), |sum, cpu| {
         Ok(sum.add(array.get(&(cpu * per_cpu + id), 0)?))
+    })
+}
+
+/// The counters of entries `ids` of `array`, summed over CPUs, in the order of
+/// `ids`: the whole array in a few `BPF_MAP_LOOKUP_BATCH` calls. A scrape reads
+/// every frontend and backend, and one lookup per id and CPU would cost it a syscall
+/// each (millions for 100,000 backends on a 64-CPU node, with the sync's lock held).
+/// Falls back to [`read`] per id on a kernel without batch lookups of arrays.
+pub fn read_many<T: Borrow<MapData>>(
+    array: &Array<T, TrafficStats>,
+    ids: &[u32],
+) -> Result<Vec<TrafficStats>, MapError> {
+    let (slots, values) =
+        match batch::lookup_all::<u32, TrafficStats>(array.map().fd().as_fd(), array.len()) {
+            Ok(all) => all,
+            Err(e) if batch::unsupported(&e) => {
+                return ids.iter().map(|id| read(array, *id)).collect();
+            }
+            Err(io_error) => {
+                return Err(MapError::SyscallError(aya::sys::SyscallError {
+                    call: "bpf_map_lookup_batch",
+                    io_error,
+                }));
+            }
+        };
+    let per_cpu = (array.len() / cpus_for_read()?) as usize;
+    let mut sums = vec![TrafficStats::default(); per_cpu];
+    for (slot, value) in slots.into_iter().zip(values) {
+        if let Some(sum) = sums.get_mut(slot as usize % per_cpu.max(1)) {
+            *sum = sum.add(value);
+        }
+    }
+    Ok(ids
+        .iter()
+        .map(|id| sums.get(*id as usize).copied().unwrap_or_default())
+        .collect())
+}
+
+/// [`cpus`] as a map read's error.
+fn cpus_for_read() -> Result<u32, MapError> {
+    cpus().map_err(|io_error| {
+        MapError::SyscallError(aya::sys::SyscallError {
+            call: "nr_cpus",
+            io_error,
+        })
     })
 }
 
@@ -136,4 +176,55 @@ pub fn carry_over(old: MapData, ebpf: &mut Ebpf, name: &'static str) -> Result<u
         }
     }
     Ok(carried)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataplane::ebpf::batch::tests::{BPF_MAP_TYPE_ARRAY, create};
+
+    /// A scrape's batch read gives every id the sum over CPUs that the per-id read
+    /// gives, across more than one batch, and zero for ids outside a region.
+    #[test]
+    fn the_batch_read_sums_regions_as_the_per_id_read_does() {
+        let cpus = possible_cpus().expect("possible CPUs");
+        let per_cpu = 20_000u32;
+        let value_size = u32::try_from(size_of::<TrafficStats>()).expect("small");
+        let Some(fd) = create(BPF_MAP_TYPE_ARRAY, 4, value_size, per_cpu * cpus) else {
+            eprintln!("skipped: creating a BPF map needs CAP_BPF");
+            return;
+        };
+        let mut array: Array<MapData, TrafficStats> =
+            Array::try_from(Map::Array(MapData::from_fd(fd).expect("map from fd")))
+                .expect("an array");
+        let counted = [0, 1, 7, per_cpu - 1];
+        for cpu in 0..cpus {
+            for id in counted {
+                let stats = TrafficStats {
+                    flows: u64::from(id) + 1,
+                    packets: u64::from(cpu) + 1,
+                    bytes: 100,
+                };
+                array.set(cpu * per_cpu + id, stats, 0).expect("write");
+            }
+        }
+        let ids = [7, 0, per_cpu - 1, 3, per_cpu + 10];
+        let many = read_many(&array, &ids).expect("batch read");
+        let single: Vec<TrafficStats> = ids
+            .iter()
+            .map(|id| read(&array, *id).expect("read"))
+            .collect();
+        assert_eq!(many, single);
+        let cpus = u64::from(cpus);
+        assert_eq!(
+            many[0],
+            TrafficStats {
+                flows: 8 * cpus,
+                packets: cpus * (cpus + 1) / 2,
+                bytes: 100 * cpus,
+            }
+        );
+        assert_eq!(many[3], TrafficStats::default());
+        assert_eq!(many[4], TrafficStats::default());
+    }
 }
