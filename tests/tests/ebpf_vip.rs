@@ -101,6 +101,28 @@ fn socket_lb_rewrites_connects_of_a_local_client() {
 
     let status = String::from_utf8_lossy(&agent.cli(&["status"], None).stdout).into_owned();
     assert!(status.contains("rune_connect4 on cgroup"), "{status}");
+    // Status reads the counters: the TCP port's connects (at least the two above)
+    // and, summed, as many on its backends' lines.
+    let flows = |line: &str| -> u64 {
+        line.split("(flows ")
+            .nth(1)
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    let tcp_port = format!("on {VIP4}:{TCP_PORT}");
+    let port_flows: u64 = status
+        .lines()
+        .filter(|l| l.contains(&tcp_port))
+        .map(flows)
+        .sum();
+    assert!(port_flows >= 2, "{status}");
+    let backend_flows: u64 = status
+        .lines()
+        .filter(|l| l.trim_start().starts_with("backend "))
+        .map(flows)
+        .sum();
+    assert!(backend_flows >= port_flows, "{status}");
 }
 
 #[test]

@@ -30,7 +30,7 @@ use super::{DataPlane, DataPlaneError, ServicePortStatus, TrafficCounters};
 use crate::{endpoints::Delta, maglev, sync::lock};
 use agent_common::lb;
 use async_trait::async_trait;
-use maps::{KernelMaps, LbMaps};
+use maps::{KernelMaps, LbMaps, MapsError};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric as _},
@@ -241,18 +241,32 @@ impl<M: LbMaps + 'static> DataPlane for EbpfDataPlane<M> {
     fn status(&self) -> Vec<ServicePortStatus> {
         let sync = lock(&self.sync);
         let mut ports = sync.status();
-        for port in &mut ports {
-            let Some(listen) = port.listen else { continue };
-            let key = sync::frontend_key(listen.ip(), port.port, sync::proto_number(port.protocol));
-            port.counters = sync
-                .frontend_id(&key)
-                .and_then(|id| sync.maps().frontend_stats(id).ok())
-                .map(TrafficCounters::from);
+        // The ids first, then one batch read per counters array.
+        let frontend_ids: Vec<Option<u32>> = ports
+            .iter()
+            .map(|port| {
+                let listen = port.listen?;
+                let proto = sync::proto_number(port.protocol);
+                sync.frontend_id(&sync::frontend_key(listen.ip(), port.port, proto))
+            })
+            .collect();
+        let backend_ids: Vec<Option<u32>> = ports
+            .iter()
+            .filter(|port| port.listen.is_some())
+            .flat_map(|port| &port.backends)
+            .map(|b| sync.backend_id(&std::net::SocketAddr::new(b.address, b.port)))
+            .collect();
+        let frontend_counters =
+            counters_of(&frontend_ids, |ids| sync.maps().frontend_stats_of(ids));
+        let mut backend_counters =
+            counters_of(&backend_ids, |ids| sync.maps().backend_stats_of(ids)).into_iter();
+        for (port, counters) in ports.iter_mut().zip(frontend_counters) {
+            if port.listen.is_none() {
+                continue;
+            }
+            port.counters = counters;
             for b in &mut port.backends {
-                b.counters = sync
-                    .backend_id(&std::net::SocketAddr::new(b.address, b.port))
-                    .and_then(|id| sync.maps().backend_stats(id).ok())
-                    .map(TrafficCounters::from);
+                b.counters = backend_counters.next().flatten();
             }
         }
         ports
@@ -272,6 +286,22 @@ impl<M: LbMaps + 'static> DataPlane for EbpfDataPlane<M> {
         self.tasks.close();
         self.tasks.wait().await;
     }
+}
+
+/// The counters of `ids` in order, read in one batch: `None` where the id is
+/// unknown or the read failed.
+fn counters_of(
+    ids: &[Option<u32>],
+    read: impl FnOnce(&[u32]) -> Result<Vec<lb::TrafficStats>, MapsError>,
+) -> Vec<Option<TrafficCounters>> {
+    let known: Vec<u32> = ids.iter().flatten().copied().collect();
+    let mut stats = read(&known).ok().map(Vec::into_iter);
+    ids.iter()
+        .map(|id| {
+            id.as_ref()?;
+            stats.as_mut()?.next().map(TrafficCounters::from)
+        })
+        .collect()
 }
 
 impl From<lb::TrafficStats> for TrafficCounters {
