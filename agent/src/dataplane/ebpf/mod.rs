@@ -447,8 +447,8 @@ impl<M: LbMaps + 'static> Collector for LbCollector<M> {
     }
 }
 
-impl From<maps::MapsError> for EbpfError {
-    fn from(e: maps::MapsError) -> Self {
+impl From<MapsError> for EbpfError {
+    fn from(e: MapsError) -> Self {
         EbpfError::Maps(e)
     }
 }
