@@ -68,11 +68,39 @@ pub struct Delta {
     pub removed: Vec<ServiceKey>,
 }
 
+/// The objects the cache holds under one service key; never both missing.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Entry {
+    service: Option<Arc<Service>>,
+    endpoints: Option<Arc<Endpoints>>,
+}
+
+impl Entry {
+    fn put(&mut self, object: Object) {
+        match object {
+            Object::Service(s) => self.service = Some(Arc::new(s)),
+            Object::Endpoints(e) => self.endpoints = Some(Arc::new(e)),
+        }
+    }
+
+    fn remove(&mut self, kind: Kind) {
+        match kind {
+            Kind::Service => self.service = None,
+            Kind::Endpoints => self.endpoints = None,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.service.is_none() && self.endpoints.is_none()
+    }
+}
+
 #[derive(Default)]
 struct State {
     revision: Revision,
-    services: BTreeMap<ServiceKey, Arc<Service>>,
-    endpoints: BTreeMap<ServiceKey, Arc<Endpoints>>,
+    /// Services and Endpoints objects in one map, so each key is held once (two
+    /// maps held two copies of every key: ~110 B more per service).
+    objects: BTreeMap<ServiceKey, Entry>,
     subscribers: Vec<Weak<Pending>>,
     /// Whether a snapshot was applied: before that the cache's emptiness means
     /// "not loaded yet", not "no services", and no delta is handed out.
@@ -122,34 +150,19 @@ impl EndpointCache {
     /// instead of copying them (the agent's own path: at 10,000 services the
     /// snapshot is tens of MB, and nothing else needs it afterwards).
     pub fn take_snapshot(&self, snapshot: Snapshot) {
-        let mut services = BTreeMap::new();
-        let mut endpoints = BTreeMap::new();
+        let mut objects: BTreeMap<ServiceKey, Entry> = BTreeMap::new();
         for obj in snapshot.objects {
-            match obj {
-                Object::Service(s) => {
-                    services.insert(s.key(), Arc::new(s));
-                }
-                Object::Endpoints(e) => {
-                    let key = ServiceKey::new(&e.metadata.namespace, &e.metadata.name);
-                    endpoints.insert(key, Arc::new(e));
-                }
-            }
+            objects.entry(obj.key().service()).or_default().put(obj);
         }
         let mut st = lock(&self.state);
         let changed: BTreeSet<ServiceKey> = st
-            .services
+            .objects
             .keys()
-            .chain(services.keys())
-            .chain(st.endpoints.keys())
-            .chain(endpoints.keys())
-            .filter(|key| {
-                st.services.get(*key) != services.get(*key)
-                    || st.endpoints.get(*key) != endpoints.get(*key)
-            })
+            .chain(objects.keys())
+            .filter(|key| st.objects.get(*key) != objects.get(*key))
             .cloned()
             .collect();
-        st.services = services;
-        st.endpoints = endpoints;
+        st.objects = objects;
         st.revision = snapshot.revision;
         let first = !st.synced;
         st.synced = true;
@@ -182,22 +195,20 @@ impl EndpointCache {
             let key = match event {
                 Event::Put { object, .. } => {
                     let key = object.key().service();
-                    match object {
-                        Object::Service(s) => {
-                            st.services.insert(key.clone(), Arc::new(s.clone()));
-                        }
-                        Object::Endpoints(e) => {
-                            st.endpoints.insert(key.clone(), Arc::new(e.clone()));
-                        }
-                    }
+                    st.objects
+                        .entry(key.clone())
+                        .or_default()
+                        .put(object.clone());
                     key
                 }
                 Event::Delete { key, .. } => {
                     let skey = key.service();
-                    match key.kind {
-                        Kind::Service => st.services.remove(&skey).map(drop),
-                        Kind::Endpoints => st.endpoints.remove(&skey).map(drop),
-                    };
+                    if let Some(entry) = st.objects.get_mut(&skey) {
+                        entry.remove(key.kind);
+                        if entry.is_empty() {
+                            st.objects.remove(&skey);
+                        }
+                    }
                     skey
                 }
             };
@@ -229,9 +240,10 @@ impl EndpointCache {
     }
 
     fn view_locked(st: &State, key: &ServiceKey) -> Option<ServiceView> {
-        st.services.get(key).map(|s| ServiceView {
+        let entry = st.objects.get(key)?;
+        entry.service.as_ref().map(|s| ServiceView {
             service: s.clone(),
-            endpoints: st.endpoints.get(key).cloned(),
+            endpoints: entry.endpoints.clone(),
         })
     }
 
@@ -246,9 +258,10 @@ impl EndpointCache {
     }
 
     fn counts_locked(st: &State) -> BTreeMap<Kind, usize> {
+        let count = |has: fn(&Entry) -> bool| st.objects.values().filter(|e| has(e)).count();
         BTreeMap::from([
-            (Kind::Service, st.services.len()),
-            (Kind::Endpoints, st.endpoints.len()),
+            (Kind::Service, count(|e| e.service.is_some())),
+            (Kind::Endpoints, count(|e| e.endpoints.is_some())),
         ])
     }
 
@@ -258,10 +271,10 @@ impl EndpointCache {
     }
 
     fn orphans_locked(st: &State) -> Vec<ObjectKey> {
-        st.endpoints
-            .keys()
-            .filter(|k| !st.services.contains_key(*k))
-            .map(|k| ObjectKey::new(Kind::Endpoints, &k.namespace, &k.name))
+        st.objects
+            .iter()
+            .filter(|(_, e)| e.service.is_none())
+            .map(|(k, _)| ObjectKey::new(Kind::Endpoints, &k.namespace, &k.name))
             .collect()
     }
 
@@ -272,7 +285,7 @@ impl EndpointCache {
             revision: st.revision,
             counts: Self::counts_locked(&st),
             views: st
-                .services
+                .objects
                 .keys()
                 .filter_map(|k| Self::view_locked(&st, k))
                 .collect(),
@@ -340,7 +353,7 @@ impl Subscription {
         };
         if full {
             delta.upserted = st
-                .services
+                .objects
                 .keys()
                 .filter_map(|k| EndpointCache::view_locked(&st, k))
                 .collect();

@@ -151,7 +151,7 @@ impl ServiceStatus {
             .flat_map(|e| e.spec.endpoints.iter())
             .map(|e| BackendStatus {
                 address: e.address.to_string(),
-                node: e.node.clone(),
+                node: e.node.to_string(),
                 state: if e.accepts_new() {
                     "accepting"
                 } else if e.terminating {

@@ -31,7 +31,7 @@ pub fn eligible(
         .iter()
         .filter(|e| e.address.is_ipv4() == vip.is_ipv4() && e.accepts_new())
         .collect();
-    let local: Vec<&Endpoint> = ready.iter().copied().filter(|e| e.node == node).collect();
+    let local: Vec<&Endpoint> = ready.iter().copied().filter(|e| *e.node == *node).collect();
     let chosen = match view.service.spec.discovery.locality_preference {
         LocalityPreference::Any => ready,
         LocalityPreference::LocalOnly => local,
@@ -76,7 +76,7 @@ pub fn port_status(view: &ServiceView) -> Vec<ServicePortStatus> {
             .map(|e| BackendStatus {
                 address: e.address,
                 port: endpoint_port(e, port),
-                node: e.node.clone(),
+                node: e.node.to_string(),
                 state: BackendState::of(e),
                 counters: None,
             })

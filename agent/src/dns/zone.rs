@@ -133,12 +133,85 @@ pub struct Answer {
     pub authority_kind: Authority,
 }
 
-/// One record set of a name.
-#[derive(Clone, Debug)]
-struct RRset {
+/// Bytes before each record set's records in [`RRsets`]: its type (2), record
+/// count (2) and byte length (4).
+const SET_HEADER: usize = 8;
+
+/// The record sets of one owner name in one allocation (none when it has no
+/// records): per set its type, record count and byte length (big-endian, 2 + 2 + 4
+/// bytes), then its records in wire form. One box instead of a vector of sets each
+/// boxing its records: about 100 bytes less per service name in the zone.
+#[derive(Clone, Debug, Default)]
+struct RRsets(Box<[u8]>);
+
+/// One record set inside [`RRsets`]: its type and records.
+struct SetAt<'z> {
     rtype: RecordType,
-    count: u16,
-    bytes: Box<[u8]>,
+    records: WireRecords<'z>,
+}
+
+impl RRsets {
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Each record set, in the order they were added.
+    fn iter(&self) -> impl Iterator<Item = SetAt<'_>> {
+        let bytes = &self.0[..];
+        let mut at = 0;
+        std::iter::from_fn(move || {
+            let header = bytes.get(at..at + SET_HEADER)?;
+            let rtype = RecordType::from(u16::from_be_bytes([header[0], header[1]]));
+            let count = u16::from_be_bytes([header[2], header[3]]);
+            let len = u32::from_be_bytes([header[4], header[5], header[6], header[7]]);
+            let end = (at + SET_HEADER).checked_add(usize::try_from(len).ok()?)?;
+            let records = bytes.get(at + SET_HEADER..end)?;
+            at = end;
+            Some(SetAt {
+                rtype,
+                records: WireRecords {
+                    count,
+                    bytes: records,
+                },
+            })
+        })
+    }
+
+    /// The set answering `qtype` (the first one for ANY).
+    fn find(&self, qtype: RecordType) -> Option<WireRecords<'_>> {
+        self.iter()
+            .find(|s| s.rtype == qtype || qtype == RecordType::ANY)
+            .map(|s| s.records)
+    }
+
+    /// These sets with set `rtype`'s records replaced by `records` (`count` of
+    /// them; the set left out when `count` is 0).
+    fn with_set(&self, rtype: RecordType, count: u16, records: &[u8]) -> RRsets {
+        let mut out = Vec::with_capacity(self.0.len() + SET_HEADER + records.len());
+        let push = |out: &mut Vec<u8>, rtype: RecordType, count: u16, records: &[u8]| {
+            if count == 0 {
+                return;
+            }
+            out.extend_from_slice(&u16::from(rtype).to_be_bytes());
+            out.extend_from_slice(&count.to_be_bytes());
+            // A set holds at most u16::MAX records of at most 64 KiB each.
+            out.extend_from_slice(&(records.len() as u32).to_be_bytes());
+            out.extend_from_slice(records);
+        };
+        let mut replaced = false;
+        for set in self.iter() {
+            if set.rtype == rtype {
+                push(&mut out, rtype, count, records);
+                replaced = true;
+            } else {
+                push(&mut out, set.rtype, set.records.count, set.records.bytes);
+            }
+        }
+        if !replaced {
+            push(&mut out, rtype, count, records);
+        }
+        RRsets(out.into_boxed_slice())
+    }
 }
 
 /// The record sets of one owner name and how many service names lie at or below it
@@ -149,62 +222,41 @@ struct RRset {
 #[derive(Clone, Debug, Default)]
 struct Node {
     refs: u32,
-    rrsets: Vec<RRset>,
+    rrsets: RRsets,
     service: Option<ServiceView>,
 }
 
 impl Node {
     fn add(&mut self, rtype: RecordType, record: &[u8]) {
-        let set = match self.rrsets.iter_mut().find(|s| s.rtype == rtype) {
-            Some(set) => set,
-            None => {
-                self.rrsets.push(RRset {
-                    rtype,
-                    count: 0,
-                    bytes: Box::default(),
-                });
-                let last = self.rrsets.len() - 1;
-                &mut self.rrsets[last]
-            }
-        };
-        let current = WireRecords {
-            count: set.count,
-            bytes: &set.bytes,
-        };
-        if current.iter().any(|r| r == record) || set.count == u16::MAX {
+        let current = self
+            .rrsets
+            .iter()
+            .find(|s| s.rtype == rtype)
+            .map_or(WireRecords::EMPTY, |s| s.records);
+        if current.iter().any(|r| r == record) || current.count == u16::MAX {
             return;
         }
-        let mut bytes = Vec::with_capacity(set.bytes.len() + record.len());
-        bytes.extend_from_slice(&set.bytes);
+        let mut bytes = Vec::with_capacity(current.bytes.len() + record.len());
+        bytes.extend_from_slice(current.bytes);
         bytes.extend_from_slice(record);
-        set.bytes = bytes.into_boxed_slice();
-        set.count += 1;
+        self.rrsets = self.rrsets.with_set(rtype, current.count + 1, &bytes);
     }
 
     fn remove(&mut self, rtype: RecordType, record: &[u8]) {
-        let Some(i) = self.rrsets.iter().position(|s| s.rtype == rtype) else {
+        let Some(current) = self.rrsets.iter().find(|s| s.rtype == rtype) else {
             return;
         };
-        let set = &mut self.rrsets[i];
-        let current = WireRecords {
-            count: set.count,
-            bytes: &set.bytes,
-        };
-        let Some(pos) = current.iter().position(|r| r == record) else {
+        let records = current.records;
+        let Some(pos) = records.iter().position(|r| r == record) else {
             return;
         };
-        if set.count == 1 {
-            self.rrsets.remove(i);
-            return;
-        }
-        let kept: Vec<u8> = current
+        let kept: Vec<u8> = records
             .iter()
             .enumerate()
             .filter(|(j, _)| *j != pos)
             .flat_map(|(_, r)| r.iter().copied())
             .collect();
-        set.bytes = kept.into_boxed_slice();
-        set.count -= 1;
+        self.rrsets = self.rrsets.with_set(rtype, records.count - 1, &kept);
     }
 }
 
@@ -615,16 +667,9 @@ impl Zone {
                     ..nodata
                 };
             }
-            return match node
-                .rrsets
-                .iter()
-                .find(|s| s.rtype == qtype || qtype == RecordType::ANY)
-            {
-                Some(set) => WireAnswer {
-                    answers: WireRecords {
-                        count: set.count,
-                        bytes: &set.bytes,
-                    },
+            return match node.rrsets.find(qtype) {
+                Some(answers) => WireAnswer {
+                    answers,
                     authority: None,
                     ..nodata
                 },

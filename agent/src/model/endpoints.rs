@@ -34,9 +34,10 @@ pub struct EndpointsSpec {
 pub struct Endpoint {
     /// The backend's address.
     pub address: IpAddr,
-    /// The node the backend runs on (for locality preference).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub node: String,
+    /// The node the backend runs on (for locality preference); empty when not given.
+    /// Boxed, not a `String`: 8 bytes less per endpoint (0.8 MB at 100,000).
+    #[serde(default, skip_serializing_if = "str::is_empty")]
+    pub node: Box<str>,
     /// Passing its readiness checks; only ready, non-terminating endpoints get new
     /// connections.
     #[serde(default = "yes")]

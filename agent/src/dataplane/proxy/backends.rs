@@ -72,7 +72,7 @@ impl Backends {
             .iter()
             .filter(|e| e.accepts_new())
             .collect();
-        let local = || ready.iter().filter(|e| e.node == node);
+        let local = || ready.iter().filter(|e| *e.node == *node);
         let mut eligible: Vec<SocketAddr> = match spec.discovery.locality_preference {
             LocalityPreference::Any => ready.iter().map(|e| target(e)).collect(),
             LocalityPreference::LocalOnly => local().map(|e| target(e)).collect(),
@@ -104,7 +104,7 @@ impl Backends {
             .map(|e| BackendStatus {
                 address: e.address,
                 port: target(e).port(),
-                node: e.node.clone(),
+                node: e.node.to_string(),
                 state: BackendState::of(e),
                 counters: None,
             })
