@@ -4,11 +4,13 @@
 //! Every frontend (VIP, port, protocol) hashes to one of [`VIP_FILTER_BITS`] bits.
 //! A **set** bit means "no frontend hashes here": the packet is no VIP's. A clear
 //! bit means "maybe a frontend": the program looks the frontend up as before. So a
-//! zeroed map (new, or from an agent that never wrote it) filters nothing, and a
-//! stale bit can only cost a lookup, never a missed frontend, as long as the agent
-//! clears a frontend's bit no later than it lists the frontend (it writes both in
-//! one sync). The map is `Array<u64>` ([`crate::lb::VIP_FILTER`]), bit `b` is bit
-//! `b % 64` of word `b / 64`.
+//! zeroed map (new, or from an agent that never wrote it) filters nothing. A stale
+//! set bit hides a frontend from tc/XDP, so the agent writes the changed words at
+//! the end of every sync (a frontend added by a large sync, whose batch went out
+//! earlier in it, is passed untranslated until then: milliseconds), and every start
+//! creates the map afresh (the loader removes its pin), so no filter outlives the
+//! agent that kept it. The map is `Array<u64>` ([`crate::lb::VIP_FILTER`]), bit `b`
+//! is bit `b % 64` of word `b / 64`.
 //!
 //! The hash works on the raw key fields as they sit in the packet and in
 //! `ServiceKeyV4`/`ServiceKeyV6` (network order, read as host integers), which the

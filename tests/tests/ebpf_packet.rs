@@ -1410,3 +1410,32 @@ fn pinned_per_cpu_counters_are_carried_over() {
         "a pinned array keeps its size and counts"
     );
 }
+
+/// Every load creates the VIP prefilter afresh (all zeros: nothing filtered until
+/// the agent's first sync writes it): a filter pinned by an earlier agent, which may
+/// not match the pinned frontends, never hides one from the new programs.
+#[test]
+fn a_load_creates_the_vip_prefilter_afresh() {
+    if let Err(e) = require_root() {
+        panic!("{e}");
+    }
+    let pins = PinDir::new();
+    let words = |ebpf: &mut Ebpf| -> Array<&mut MapData, u64> {
+        Array::try_from(ebpf.map_mut(lb::VIP_FILTER).unwrap()).unwrap()
+    };
+    let mut ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES)
+        .unwrap_or_else(|e| panic!("first load: {e:#}"));
+    let mut filter = words(&mut ebpf);
+    for i in 0..filter.len() {
+        filter.set(i, u64::MAX, 0).unwrap();
+    }
+    assert!(pins.0.join(lb::VIP_FILTER).exists(), "the filter is pinned");
+    drop(ebpf);
+    let mut ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES)
+        .unwrap_or_else(|e| panic!("second load: {e:#}"));
+    let filter = words(&mut ebpf);
+    let set: Vec<u32> = (0..filter.len())
+        .filter(|i| filter.get(i, 0).unwrap() != 0)
+        .collect();
+    assert!(set.is_empty(), "words left from the earlier filter: {set:?}");
+}

@@ -100,18 +100,33 @@ pub fn lookup_all<K: Pod + Default + Clone, V: Pod + Default + Clone>(
     fd: BorrowedFd<'_>,
     max_entries: u32,
 ) -> io::Result<(Vec<K>, Vec<V>)> {
-    let max = max_entries as usize;
     let mut keys: Vec<K> = Vec::new();
     let mut values: Vec<V> = Vec::new();
+    lookup_each(fd, max_entries, |k, v| {
+        keys.extend_from_slice(k);
+        values.extend_from_slice(v);
+    })?;
+    Ok((keys, values))
+}
+
+/// As [`lookup_all`], handing each call's elements to `each` instead of collecting
+/// them: memory for one chunk, however large the map.
+pub fn lookup_each<K: Pod + Default + Clone, V: Pod + Default + Clone>(
+    fd: BorrowedFd<'_>,
+    max_entries: u32,
+    mut each: impl FnMut(&[K], &[V]),
+) -> io::Result<()> {
+    let max = max_entries as usize;
+    let size = CHUNK.min(max).max(1);
+    let mut keys: Vec<K> = vec![K::default(); size];
+    let mut values: Vec<V> = vec![V::default(); size];
     // The position token the kernel hands back (an array index or a hash bucket,
     // 4 bytes for these maps; room for more).
     let mut token = [0u64; 8];
     let mut read = 0usize;
     // Each call either fills its chunk or reaches the end: bounded by the size.
     for call in 0..=max / CHUNK + 1 {
-        let want = CHUNK.min(max - read).max(1);
-        keys.resize(read + want, K::default());
-        values.resize(read + want, V::default());
+        let want = size.min(max - read).max(1);
         let in_batch = token;
         let mut attr = BatchAttr {
             in_batch: if call == 0 {
@@ -120,14 +135,16 @@ pub fn lookup_all<K: Pod + Default + Clone, V: Pod + Default + Clone>(
                 in_batch.as_ptr() as u64
             },
             out_batch: token.as_mut_ptr() as u64,
-            keys: keys[read..].as_mut_ptr() as u64,
-            values: values[read..].as_mut_ptr() as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
             count: want as u32,
             map_fd: fd.as_raw_fd() as u32,
             ..BatchAttr::default()
         };
         let result = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
-        read += (attr.count as usize).min(want);
+        let got = (attr.count as usize).min(want);
+        each(&keys[..got], &values[..got]);
+        read += got;
         match result {
             Ok(()) if read < max => {}
             Ok(()) => break,
@@ -136,9 +153,7 @@ pub fn lookup_all<K: Pod + Default + Clone, V: Pod + Default + Clone>(
             Err(e) => return Err(e),
         }
     }
-    keys.truncate(read);
-    values.truncate(read);
-    Ok((keys, values))
+    Ok(())
 }
 
 #[cfg(test)]

@@ -278,6 +278,7 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
     }
     ensure_pin_dir(pin_dir)?;
     check_pinned_layouts(pin_dir)?;
+    unpin_vip_filter(pin_dir)?;
     let legacy = LegacyMaps::unpin(pin_dir)?;
     let layout = match StatsLayout::new(pin_dir, sizes.frontends, sizes.backends) {
         Ok(layout) => layout,
@@ -312,6 +313,24 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
     };
     legacy.carry_over(&mut ebpf);
     Ok(ebpf)
+}
+
+/// Removes the VIP prefilter's pin, so this load creates the map afresh: all zeros,
+/// which filters nothing (`agent_common::filter`), until the first sync writes
+/// every word. A pinned filter may not match the pinned frontends (an older agent
+/// added services without it, or this one died between a frontend write and the
+/// filter's), and the new programs run before the first sync, which waits for the
+/// store: a stale set bit there would stop translating an established flow. The
+/// programs still attached keep the old map until they are replaced.
+fn unpin_vip_filter(pin_dir: &Path) -> Result<(), EbpfError> {
+    let path = pin_dir.join(lb::VIP_FILTER);
+    match std::fs::remove_file(&path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(EbpfError::Pin {
+            path,
+            reason: e.to_string(),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Fails with [`EbpfError::PinnedLayout`] when a pinned map whose layout changed
@@ -465,7 +484,7 @@ impl LegacyMaps {
                 lb::CONNTRACK_V4 => copy_entries::<lb::CtKeyV4>(old, ebpf, name, now),
                 lb::CONNTRACK_V6 => copy_entries::<lb::CtKeyV6>(old, ebpf, name, now),
                 _ => stats::carry_over(old, ebpf, name).map(|carried| {
-                    tracing::warn!(
+                    tracing::info!(
                         map = name,
                         carried,
                         "counters pinned by an earlier agent were a per-CPU array: \

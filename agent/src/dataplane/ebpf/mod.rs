@@ -304,6 +304,16 @@ fn counters_of(
         .collect()
 }
 
+/// The counters a scrape read; none when the read failed (logged): their series
+/// are left out of this scrape rather than shown as zeros, which would look like a
+/// reset of every counter.
+fn scraped(read: Result<Vec<lb::TrafficStats>, MapsError>) -> Vec<lb::TrafficStats> {
+    read.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "reading the eBPF counters failed: left out of this scrape");
+        Vec::new()
+    })
+}
+
 impl From<lb::TrafficStats> for TrafficCounters {
     fn from(s: lb::TrafficStats) -> Self {
         Self {
@@ -333,12 +343,9 @@ impl<M: LbMaps + 'static> Collector for LbCollector<M> {
         let frontends = sync.frontends();
         type Labels = Vec<(&'static str, String)>;
         let ids: Vec<u32> = frontends.iter().map(|(_, id, _)| *id).collect();
-        let mut frontend_stats = maps
-            .frontend_stats_of(&ids)
-            .unwrap_or_else(|_| vec![lb::TrafficStats::default(); ids.len()])
-            .into_iter();
+        let frontend_stats = scraped(maps.frontend_stats_of(&ids));
         let mut per_frontend: Vec<(Labels, lb::TrafficStats)> = Vec::new();
-        for (key, _, service) in &frontends {
+        for ((key, _, service), stats) in frontends.iter().zip(frontend_stats) {
             let (vip, proto) = frontend_addr(key);
             let labels = vec![
                 ("service", service.to_string()),
@@ -349,13 +356,11 @@ impl<M: LbMaps + 'static> Collector for LbCollector<M> {
                     if proto == lb::PROTO_TCP { "TCP" } else { "UDP" }.to_owned(),
                 ),
             ];
-            per_frontend.push((labels, frontend_stats.next().unwrap_or_default()));
+            per_frontend.push((labels, stats));
         }
         let backends = sync.backends();
         let ids: Vec<u32> = backends.iter().map(|(_, id)| *id).collect();
-        let backend_stats = maps
-            .backend_stats_of(&ids)
-            .unwrap_or_else(|_| vec![lb::TrafficStats::default(); ids.len()]);
+        let backend_stats = scraped(maps.backend_stats_of(&ids));
         let per_backend: Vec<(Labels, lb::TrafficStats)> = backends
             .into_iter()
             .zip(backend_stats)

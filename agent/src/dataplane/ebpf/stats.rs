@@ -55,17 +55,24 @@ pub struct StatsLayout {
 impl StatsLayout {
     /// `frontends` and `backends` entries per CPU, unless arrays of this layout are
     /// pinned under `pin_dir` already: those keep the size they were created with.
+    /// Without such arrays (a first start, or over per-CPU arrays of an earlier
+    /// agent), a region has one entry per id of the pinned map that hands out the ids
+    /// (`lb::SERVICES_V4`, `lb::BACKENDS`), which keeps its size, else of the sizes
+    /// asked for.
     pub fn new(pin_dir: &Path, frontends: u32, backends: u32) -> Result<Self, EbpfError> {
         let cpus = possible_cpus()?;
-        let per_cpu = |name: &str, wanted: u32| match MapInfo::from_pin(pin_dir.join(name)) {
-            Ok(info) if info.map_type().is_ok_and(|t| t == MapType::Array) => {
-                info.max_entries() / cpus
+        let per_cpu = |name: &str, ids: &str, wanted: u32| {
+            match MapInfo::from_pin(pin_dir.join(name)) {
+                Ok(info) if info.map_type().is_ok_and(|t| t == MapType::Array) => {
+                    return info.max_entries() / cpus;
+                }
+                _ => {}
             }
-            _ => wanted,
+            MapInfo::from_pin(pin_dir.join(ids)).map_or(wanted, |info| info.max_entries())
         };
         Ok(Self {
-            frontends: per_cpu(lb::SERVICE_STATS, frontends),
-            backends: per_cpu(lb::BACKEND_STATS, backends),
+            frontends: per_cpu(lb::SERVICE_STATS, lb::SERVICES_V4, frontends),
+            backends: per_cpu(lb::BACKEND_STATS, lb::BACKENDS, backends),
             cpus,
         })
     }
@@ -97,7 +104,8 @@ pub fn read<T: Borrow<MapData>>(
 }
 
 /// The counters of entries `ids` of `array`, summed over CPUs, in the order of
-/// `ids`: the whole array in a few `BPF_MAP_LOOKUP_BATCH` calls. A scrape reads
+/// `ids`: the whole array in a few `BPF_MAP_LOOKUP_BATCH` calls, one chunk in memory
+/// at a time. A scrape reads
 /// every frontend and backend, and one lookup per id and CPU would cost it a syscall
 /// each (millions for 100,000 backends on a 64-CPU node, with the sync's lock held).
 /// Falls back to [`read`] per id on a kernel without batch lookups of arrays.
@@ -105,24 +113,34 @@ pub fn read_many<T: Borrow<MapData>>(
     array: &Array<T, TrafficStats>,
     ids: &[u32],
 ) -> Result<Vec<TrafficStats>, MapError> {
-    let (slots, values) =
-        match batch::lookup_all::<u32, TrafficStats>(array.map().fd().as_fd(), array.len()) {
-            Ok(all) => all,
-            Err(e) if batch::unsupported(&e) => {
-                return ids.iter().map(|id| read(array, *id)).collect();
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let per_cpu = (array.len() / cpus_for_read()?).max(1) as usize;
+    // Sums for the ids up to the largest asked for, one batch at a time.
+    let wanted = ids.iter().max().map_or(0, |id| *id as usize + 1).min(per_cpu);
+    let mut sums = vec![TrafficStats::default(); wanted];
+    let result = batch::lookup_each::<u32, TrafficStats>(
+        array.map().fd().as_fd(),
+        array.len(),
+        |slots, values| {
+            for (slot, value) in slots.iter().zip(values) {
+                if let Some(sum) = sums.get_mut(*slot as usize % per_cpu) {
+                    *sum = sum.add(*value);
+                }
             }
-            Err(io_error) => {
-                return Err(MapError::SyscallError(aya::sys::SyscallError {
-                    call: "bpf_map_lookup_batch",
-                    io_error,
-                }));
-            }
-        };
-    let per_cpu = (array.len() / cpus_for_read()?) as usize;
-    let mut sums = vec![TrafficStats::default(); per_cpu];
-    for (slot, value) in slots.into_iter().zip(values) {
-        if let Some(sum) = sums.get_mut(slot as usize % per_cpu.max(1)) {
-            *sum = sum.add(value);
+        },
+    );
+    match result {
+        Ok(()) => {}
+        Err(e) if batch::unsupported(&e) => {
+            return ids.iter().map(|id| read(array, *id)).collect();
+        }
+        Err(io_error) => {
+            return Err(MapError::SyscallError(aya::sys::SyscallError {
+                call: "bpf_map_lookup_batch",
+                io_error,
+            }));
         }
     }
     Ok(ids
