@@ -1420,9 +1420,9 @@ fn a_load_creates_the_vip_prefilter_afresh() {
         panic!("{e}");
     }
     let pins = PinDir::new();
-    let words = |ebpf: &mut Ebpf| -> Array<&mut MapData, u64> {
+    fn words(ebpf: &mut Ebpf) -> Array<&mut MapData, u64> {
         Array::try_from(ebpf.map_mut(lb::VIP_FILTER).unwrap()).unwrap()
-    };
+    }
     let mut ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES)
         .unwrap_or_else(|e| panic!("first load: {e:#}"));
     let mut filter = words(&mut ebpf);
@@ -1437,5 +1437,8 @@ fn a_load_creates_the_vip_prefilter_afresh() {
     let set: Vec<u32> = (0..filter.len())
         .filter(|i| filter.get(i, 0).unwrap() != 0)
         .collect();
-    assert!(set.is_empty(), "words left from the earlier filter: {set:?}");
+    assert!(
+        set.is_empty(),
+        "words left from the earlier filter: {set:?}"
+    );
 }

@@ -118,7 +118,11 @@ pub fn read_many<T: Borrow<MapData>>(
     }
     let per_cpu = (array.len() / cpus_for_read()?).max(1) as usize;
     // Sums for the ids up to the largest asked for, one batch at a time.
-    let wanted = ids.iter().max().map_or(0, |id| *id as usize + 1).min(per_cpu);
+    let wanted = ids
+        .iter()
+        .max()
+        .map_or(0, |id| *id as usize + 1)
+        .min(per_cpu);
     let mut sums = vec![TrafficStats::default(); wanted];
     let result = batch::lookup_each::<u32, TrafficStats>(
         array.map().fd().as_fd(),
