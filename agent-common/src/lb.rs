@@ -426,6 +426,16 @@ pub const SERVICE_STATS_PER_CPU: &str = "RUNE_SVC_STATS_PER_CPU";
 pub const BACKEND_STATS_PER_CPU: &str = "RUNE_BACKEND_STATS_PER_CPU";
 /// `PerCpuArray<u64>` indexed by [`DropReason`].
 pub const DROPS: &str = "RUNE_DROPS";
+
+/// The slot of CPU `cpu`'s counters of id `id` in a counters array of `per_cpu`
+/// entries per CPU ([`SERVICE_STATS`], [`BACKEND_STATS`]): regions CPU-major, so
+/// `slot % per_cpu` is the id again. The one definition of the layout the programs
+/// write and the agent reads.
+#[inline(always)]
+#[must_use]
+pub const fn stats_slot(cpu: u32, per_cpu: u32, id: u32) -> u32 {
+    cpu.wrapping_mul(per_cpu).wrapping_add(id)
+}
 /// `Array<u64>` of [`crate::filter::VIP_FILTER_WORDS`] words: the VIP prefilter
 /// (a set bit: no frontend hashes there; see [`crate::filter`]).
 pub const VIP_FILTER: &str = "RUNE_VIP_FILTER";

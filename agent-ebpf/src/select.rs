@@ -141,7 +141,7 @@ fn cpu_slot(
     if id >= per_cpu {
         return None;
     }
-    map.get_ptr_mut(cpu.wrapping_mul(per_cpu).wrapping_add(id))
+    map.get_ptr_mut(agent_common::lb::stats_slot(cpu, per_cpu, id))
 }
 
 /// Counts a refused or dropped packet or connection.

@@ -462,7 +462,7 @@ impl Bench {
             Array::try_from(self.ebpf.map(lb::SERVICE_STATS).context("stats")?)?;
         let cpus = m.len() / STATS_PER_CPU;
         (0..cpus).try_fold(TrafficStats::default(), |sum, cpu| {
-            Ok(sum.add(m.get(&(cpu * STATS_PER_CPU + SERVICE_ID), 0)?))
+            Ok(sum.add(m.get(&lb::stats_slot(cpu, STATS_PER_CPU, SERVICE_ID), 0)?))
         })
     }
 

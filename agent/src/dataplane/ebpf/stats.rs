@@ -99,7 +99,7 @@ pub fn read<T: Borrow<MapData>>(
         return Ok(TrafficStats::default());
     }
     (0..cpus).try_fold(TrafficStats::default(), |sum, cpu| {
-        Ok(sum.add(array.get(&(cpu * per_cpu + id), 0)?))
+        Ok(sum.add(array.get(&lb::stats_slot(cpu, per_cpu, id), 0)?))
     })
 }
 
@@ -227,7 +227,9 @@ mod tests {
                     packets: u64::from(cpu) + 1,
                     bytes: 100,
                 };
-                array.set(cpu * per_cpu + id, stats, 0).expect("write");
+                array
+                    .set(lb::stats_slot(cpu, per_cpu, id), stats, 0)
+                    .expect("write");
             }
         }
         let ids = [7, 0, per_cpu - 1, 3, per_cpu + 10];
