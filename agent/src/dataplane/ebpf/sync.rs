@@ -148,16 +148,22 @@ impl Uses {
 
     /// Sets `addr`'s use (replacing the one it had).
     fn insert(&mut self, addr: BackendAddr, u: Use) {
-        self.remove(&addr);
         match u {
             Use::Active => {
+                if let Ok(i) = self.draining_position(&addr) {
+                    self.draining.remove(i);
+                }
                 if let Err(i) = self.active.binary_search(&addr) {
                     self.active.insert(i, addr);
                 }
             }
             Use::Draining { .. } => {
-                if let Err(i) = self.draining_position(&addr) {
-                    self.draining.insert(i, (addr, u));
+                if let Ok(i) = self.active.binary_search(&addr) {
+                    self.active.remove(i);
+                }
+                match self.draining_position(&addr) {
+                    Ok(i) => self.draining[i].1 = u,
+                    Err(i) => self.draining.insert(i, (addr, u)),
                 }
             }
         }
