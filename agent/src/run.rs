@@ -286,10 +286,11 @@ fn start_dataplane(
 ) -> Result<Started> {
     let plane: Arc<dyn DataPlane> = match mode {
         DataplaneMode::Ebpf => {
-            let ebpf = match EbpfDataPlane::new(&ebpf_config(config, identity)) {
+            let ebpf_config = ebpf_config(config, identity);
+            let ebpf = match EbpfDataPlane::new(&ebpf_config) {
                 Ok(ebpf) => ebpf,
                 Err(DataPlaneError::Ebpf(e)) => {
-                    let failed = preflight::deferred::failed_checks(&e);
+                    let failed = preflight::deferred::failed_checks(&e, &ebpf_config.hooks);
                     let error = anyhow::Error::new(e);
                     if failed.is_empty() {
                         return Err(error.context(

@@ -10,7 +10,10 @@
 //! check), [`record_not_probed`] when another data plane runs.
 
 use super::{Check, DataplaneMode, probes};
-use crate::dataplane::ebpf::{Attachment, EbpfError, attach::PROGRAMS};
+use crate::dataplane::ebpf::{
+    Attachment, EbpfError,
+    attach::{Hooks, PROGRAMS},
+};
 use agent_common::lb;
 
 /// The detail of a check not probed yet; only checks with it are filled in.
@@ -66,13 +69,8 @@ pub fn placeholders(socket_lb: bool) -> Vec<Check> {
 pub fn record_loaded(checks: &mut [Check], attachments: &[Attachment]) {
     for c in checks.iter_mut().filter(|c| c.detail == DEFERRED) {
         if let Some(program) = c.name.strip_prefix("load:") {
-            *c = if attachments.iter().any(|a| a.program == program) {
-                Check::new(
-                    c.name.clone(),
-                    true,
-                    "the verifier accepts it (loaded by the data plane at start)",
-                    EBPF,
-                )
+            *c = if let Some(a) = attachments.iter().find(|a| a.program == program) {
+                verified(a.program)
             } else {
                 not_probed(&c.name, "no hook of this start uses it")
             };
@@ -97,6 +95,17 @@ pub fn record_loaded(checks: &mut [Check], attachments: &[Attachment]) {
     }
 }
 
+/// The `load:*` check of `program`, which the data plane's load put through the
+/// verifier.
+fn verified(program: &str) -> Check {
+    Check::new(
+        format!("load:{program}"),
+        true,
+        "the verifier accepts it (loaded by the data plane at start)",
+        EBPF,
+    )
+}
+
 /// Marks the deferred checks not probed: the data plane `mode` runs, not eBPF.
 pub fn record_not_probed(checks: &mut [Check], mode: DataplaneMode) {
     for c in checks.iter_mut().filter(|c| c.detail == DEFERRED) {
@@ -113,12 +122,14 @@ fn not_probed(name: &str, why: &str) -> Check {
     )
 }
 
-/// The checks a failed load of the eBPF data plane failed, named as the probes
-/// name them: a rejected program is its `load:*`, a failed attachment its hook's
-/// `attach:*`, an object whose maps cannot be created every `load:*`. Empty for
-/// errors no probe covers (pins, map layouts): those stop the start.
+/// The checks a failed load of the eBPF data plane (configured with `hooks`)
+/// decided, named as the probes name them: a rejected program fails its `load:*`,
+/// an object whose maps cannot be created every `load:*`; a failed attachment
+/// fails its hook's `attach:*`, and the `load:*` of every program of `hooks` passed
+/// (they all went through the verifier first). Empty for errors no probe covers
+/// (pins, map layouts): those stop the start.
 #[must_use]
-pub fn failed_checks(error: &EbpfError) -> Vec<Check> {
+pub fn failed_checks(error: &EbpfError, hooks: &Hooks) -> Vec<Check> {
     let one = |name: String, detail: String| vec![Check::new(name, false, detail, EBPF)];
     match error {
         EbpfError::ProgramLoad { name, source } => {
@@ -128,7 +139,9 @@ pub fn failed_checks(error: &EbpfError) -> Vec<Check> {
             one(format!("load:{name}"), probes::error_chain(error))
         }
         EbpfError::Hook { name, .. } => {
-            one(attach_check(name).to_owned(), probes::error_chain(error))
+            let mut checks = one(attach_check(name).to_owned(), probes::error_chain(error));
+            checks.extend(hooks.programs().into_iter().map(verified));
+            checks
         }
         EbpfError::Object { .. } => PROGRAMS
             .iter()
@@ -145,9 +158,9 @@ pub fn failed_checks(error: &EbpfError) -> Vec<Check> {
     }
 }
 
-/// Replaces the checks named in `failed` by them.
-pub fn record_failed(checks: &mut [Check], failed: Vec<Check>) {
-    for f in failed {
+/// Replaces the checks named in `decided` (from [`failed_checks`]) by them.
+pub fn record_failed(checks: &mut [Check], decided: Vec<Check>) {
+    for f in decided {
         if let Some(c) = checks.iter_mut().find(|c| c.name == f.name) {
             *c = f;
         }
@@ -227,7 +240,7 @@ mod tests {
             name: lb::PROG_TC_INGRESS,
             source: Box::new(ProgramError::AlreadyLoaded),
         };
-        let failed = failed_checks(&error);
+        let failed = failed_checks(&error, &Hooks::default());
         assert_eq!(failed.len(), 1);
         record_failed(&mut checks, failed);
         let name = format!("load:{}", lb::PROG_TC_INGRESS);
@@ -250,20 +263,66 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_attachment_fails_its_hook_and_pin_errors_are_no_check() {
+    fn a_failed_attachment_fails_its_hook_and_passes_the_programs_verified_before_it() {
+        let hooks = Hooks {
+            cgroup: Some("/sys/fs/cgroup/x".into()),
+            tc: vec!["eth0".into()],
+            ..Hooks::default()
+        };
         let hook = EbpfError::Hook {
             name: lb::PROG_SENDMSG6,
             target: "/sys/fs/cgroup/x".into(),
             source: "no such file".into(),
         };
-        let failed = failed_checks(&hook);
-        assert_eq!(failed.len(), 1);
-        assert_eq!(failed[0].name, "attach:cgroup");
-        assert!(failed[0].detail.contains("no such file"), "{failed:?}");
+        let failed = failed_checks(&hook, &hooks);
+        assert_eq!(failed.len(), 1 + 10, "{failed:?}");
+        let attach = find(&failed, "attach:cgroup");
+        assert!(!attach.passed, "{attach:?}");
+        assert!(attach.detail.contains("no such file"), "{failed:?}");
+
+        let mut checks = start_checks();
+        record_failed(&mut checks, failed);
+        let s = decide(DataplaneChoice::Auto, &checks).unwrap();
+        assert_eq!(s.mode, DataplaneMode::Nftables, "{}", s.reason);
+        record_not_probed(&mut checks, DataplaneMode::Nftables);
+        for program in [lb::PROG_SENDMSG6, lb::PROG_TC_EGRESS] {
+            let c = find(&checks, &format!("load:{program}"));
+            assert!(
+                c.passed && c.detail.contains("verifier accepts it"),
+                "{c:?}"
+            );
+        }
+        let xdp = find(&checks, &format!("load:{}", lb::PROG_XDP_LB));
+        assert!(
+            xdp.detail.starts_with("not probed at this start"),
+            "{xdp:?}"
+        );
+        assert!(checks.iter().all(|c| c.detail != DEFERRED), "{checks:?}");
+    }
+
+    #[test]
+    fn pin_errors_are_no_check() {
         let pin = EbpfError::Pin {
             path: "/sys/fs/bpf/x".into(),
             reason: "busy".into(),
         };
-        assert!(failed_checks(&pin).is_empty());
+        assert!(failed_checks(&pin, &Hooks::default()).is_empty());
+    }
+
+    #[test]
+    fn hooks_name_the_programs_they_run() {
+        assert!(Hooks::default().programs().is_empty());
+        let all = Hooks {
+            cgroup: Some("/sys/fs/cgroup".into()),
+            tc: vec!["eth0".into()],
+            xdp: vec!["eth1".into()],
+            ..Hooks::default()
+        };
+        assert_eq!(all.programs(), PROGRAMS);
+        let xdp = Hooks {
+            xdp: vec!["eth1".into()],
+            ..Hooks::default()
+        };
+        assert_eq!(xdp.programs(), [lb::PROG_XDP_LB]);
     }
 }

@@ -39,6 +39,26 @@ pub struct Hooks {
     pub xdp_mode: XdpMode,
 }
 
+impl Hooks {
+    /// The programs these hooks run, in [`PROGRAMS`] order. [`attach_all`] puts
+    /// every one of them through the verifier before it attaches anything, so a
+    /// failed attachment means all of them were accepted.
+    #[must_use]
+    pub fn programs(&self) -> Vec<&'static str> {
+        let mut programs = Vec::new();
+        if self.cgroup.is_some() {
+            programs.extend_from_slice(CGROUP_PROGRAMS);
+        }
+        if !self.tc.is_empty() {
+            programs.extend([lb::PROG_TC_INGRESS, lb::PROG_TC_EGRESS]);
+        }
+        if !self.xdp.is_empty() {
+            programs.push(lb::PROG_XDP_LB);
+        }
+        programs
+    }
+}
+
 /// One program attached somewhere, for `status`.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Attachment {
@@ -173,17 +193,14 @@ pub fn attach_all(
 ) -> Result<Vec<Attachment>, EbpfError> {
     // Every program through the verifier before anything is attached: a rejected
     // one fails the start without swapping in half of the new programs.
-    if hooks.cgroup.is_some() {
-        for name in CGROUP_PROGRAMS {
+    for name in hooks.programs() {
+        if CGROUP_PROGRAMS.contains(&name) {
             load::<CgroupSockAddr>(ebpf, name)?;
+        } else if name == lb::PROG_XDP_LB {
+            load::<Xdp>(ebpf, name)?;
+        } else {
+            load::<SchedClassifier>(ebpf, name)?;
         }
-    }
-    if !hooks.tc.is_empty() {
-        load::<SchedClassifier>(ebpf, lb::PROG_TC_INGRESS)?;
-        load::<SchedClassifier>(ebpf, lb::PROG_TC_EGRESS)?;
-    }
-    if !hooks.xdp.is_empty() {
-        load::<Xdp>(ebpf, lb::PROG_XDP_LB)?;
     }
     let dir = links_dir(pin_dir);
     fs::create_dir_all(&dir).map_err(|e| pin_error(&dir, e))?;
