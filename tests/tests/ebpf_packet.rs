@@ -1442,3 +1442,46 @@ fn a_load_creates_the_vip_prefilter_afresh() {
         "words left from the earlier filter: {set:?}"
     );
 }
+
+/// A frontend and a backend whose ids lie beyond the counters' regions (the agent
+/// sizes a region by the map that hands out the ids, so only a layout mismatch
+/// makes this happen): the packet is still translated and counted nowhere, in
+/// particular not in CPU 1's region, where `cpu × per_cpu + id` lands for CPU 0.
+#[test]
+fn ids_beyond_the_counters_regions_are_translated_but_not_counted() {
+    const SVC_BEYOND: Svc = Svc {
+        id: STATS_ENTRIES,
+        vip: IpAddr::V6(VIP6),
+        port: 9000,
+        proto: PROTO_TCP,
+        backends: &[STATS_ENTRIES],
+    };
+    // On CPU 0, whose region an unbounded slot would overrun into CPU 1's.
+    // SAFETY: a zeroed cpu_set_t with one bit set, for this test's own thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(0, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set),
+            0
+        );
+    }
+    let mut lb = Lb::new();
+    lb.add_service(&SVC_BEYOND, ALL_SVCS.len() as u32 * TABLE);
+    let totals = |lb: &Lb| {
+        [lb::SERVICE_STATS, lb::BACKEND_STATS].map(|name| {
+            let m: Array<&MapData, TrafficStats> =
+                Array::try_from(lb.ebpf.map(name).unwrap()).unwrap();
+            (0..m.len()).fold(TrafficStats::default(), |sum, i| {
+                sum.add(m.get(&i, 0).unwrap())
+            })
+        })
+    };
+    let before = totals(&lb);
+    for prog in [lb::PROG_XDP_LB, lb::PROG_TC_INGRESS] {
+        let spec = vip_packet(&SVC_BEYOND, IpAddr::V6(CLIENT6), 40000);
+        // The table's only backend.
+        expect_dnat_to(&lb, prog, &spec, STATS_ENTRIES);
+    }
+    assert_eq!(totals(&lb), before, "counted outside the regions");
+}

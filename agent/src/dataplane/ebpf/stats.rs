@@ -23,8 +23,10 @@ use aya::{
 
 use super::{batch, loader::EbpfError};
 
-/// The number of possible CPUs: the number of regions in a counters array (as the
-/// kernel's per-CPU maps, sized by possible, not online, CPUs).
+/// The number of regions in a counters array: the highest possible CPU id + 1 (as
+/// the kernel's per-CPU maps, sized by possible, not online, CPUs). The programs
+/// index regions by `bpf_get_smp_processor_id`, so on a sparse possible mask
+/// (`0,2-3`) the count of CPUs (3) would leave the highest CPU (3) uncounted.
 pub fn possible_cpus() -> Result<u32, EbpfError> {
     cpus().map_err(|e| EbpfError::Pin {
         path: POSSIBLE_CPUS.into(),
@@ -32,13 +34,31 @@ pub fn possible_cpus() -> Result<u32, EbpfError> {
     })
 }
 
-/// Where the kernel lists the possible CPUs (what `aya::util::nr_cpus` reads).
+/// Where the kernel lists the possible CPUs.
 const POSSIBLE_CPUS: &str = "/sys/devices/system/cpu/possible";
 
 fn cpus() -> std::io::Result<u32> {
-    aya::util::nr_cpus()
-        .map(|n| u32::try_from(n).unwrap_or(u32::MAX).max(1))
-        .map_err(|(_, e)| e)
+    static REGIONS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    if let Some(n) = REGIONS.get() {
+        return Ok(*n);
+    }
+    let n = regions_of(&std::fs::read_to_string(POSSIBLE_CPUS)?)?;
+    Ok(*REGIONS.get_or_init(|| n))
+}
+
+/// The highest CPU id + 1 of a kernel CPU list (`0-3`, `0,2-5`).
+fn regions_of(list: &str) -> std::io::Result<u32> {
+    list.trim()
+        .rsplit([',', '-'])
+        .next()
+        .and_then(|last| last.parse::<u32>().ok())
+        .and_then(|highest| highest.checked_add(1))
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{POSSIBLE_CPUS}: not a CPU list: {list:?}"),
+            )
+        })
 }
 
 /// Entries per CPU of the two counters arrays, set on the loader before a load.
@@ -157,7 +177,7 @@ pub fn read_many<T: Borrow<MapData>>(
 fn cpus_for_read() -> Result<u32, MapError> {
     cpus().map_err(|io_error| {
         MapError::SyscallError(aya::sys::SyscallError {
-            call: "nr_cpus",
+            call: "reading /sys/devices/system/cpu/possible",
             io_error,
         })
     })
@@ -204,6 +224,16 @@ pub fn carry_over(old: MapData, ebpf: &mut Ebpf, name: &'static str) -> Result<u
 mod tests {
     use super::*;
     use crate::dataplane::ebpf::batch::tests::{BPF_MAP_TYPE_ARRAY, create};
+
+    #[test]
+    fn regions_cover_the_highest_possible_cpu() {
+        assert_eq!(regions_of("0-3\n").unwrap(), 4);
+        assert_eq!(regions_of("0").unwrap(), 1);
+        assert_eq!(regions_of("0,2-5").unwrap(), 6);
+        assert_eq!(regions_of("0-1,4\n").unwrap(), 5);
+        assert!(regions_of("").is_err());
+        assert!(regions_of("0-x").is_err());
+    }
 
     /// A scrape's batch read gives every id the sum over CPUs that the per-id read
     /// gives, across more than one batch, and zero for ids outside a region.
