@@ -15,7 +15,7 @@
 use std::{
     fmt::Write as _,
     os::fd::{AsFd, AsRawFd as _},
-    path::PathBuf,
+    path::{Path, PathBuf},
 };
 
 use agent_common::filter::{VIP_FILTER_WORDS, vip_filter_bit_v4};
@@ -50,6 +50,10 @@ fn ct_entries() -> u32 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(CT_ENTRIES)
 }
+
+/// Conntrack entries of the second load, whose full new-flow rows compare with
+/// Katran's: its `fallback_cache` LRU holds 1,000 entries.
+const SMALL_CT_ENTRIES: u32 = 1_000;
 
 /// Runs per figure (the median is reported).
 const RUNS: usize = 7;
@@ -99,55 +103,7 @@ impl Drop for Bench {
 }
 
 fn measure(object: PathBuf) -> Result<String> {
-    let pins = PathBuf::from(format!(
-        "/sys/fs/bpf/rune-bench-ebpf-{}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&pins)
-        .with_context(|| format!("creating {} (is bpffs mounted?)", pins.display()))?;
-    let cpus =
-        u32::try_from(aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?)?;
-    let mut loader = EbpfLoader::new();
-    loader
-        .override_global(lb::SERVICE_STATS_PER_CPU, &STATS_PER_CPU, true)
-        .override_global(lb::BACKEND_STATS_PER_CPU, &STATS_PER_CPU, true)
-        .map_max_entries(lb::SERVICE_STATS, STATS_PER_CPU * cpus)
-        .map_max_entries(lb::BACKEND_STATS, STATS_PER_CPU * cpus);
-    let ebpf = loader
-        .map_max_entries(lb::MAGLEV, 16)
-        .map_max_entries(lb::CONNTRACK_V4, ct_entries())
-        .default_map_pin_directory(&pins)
-        .load_file(&object)
-        .with_context(|| format!("loading {}", object.display()));
-    let mut b = Bench {
-        ebpf: match ebpf {
-            Ok(e) => e,
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&pins);
-                return Err(e);
-            }
-        },
-        pins,
-    };
-    for name in [
-        agent_common::XDP_PASS_PROGRAM,
-        lb::PROG_XDP_LB,
-        "rune_bench_xdp_driver",
-        "rune_bench_xdp_noop",
-    ] {
-        let p: &mut Xdp = b.ebpf.program_mut(name).context(name)?.try_into()?;
-        p.load().with_context(|| format!("loading {name}"))?;
-    }
-    for name in [
-        lb::PROG_TC_INGRESS,
-        lb::PROG_TC_EGRESS,
-        "rune_bench_tc_driver",
-        "rune_bench_tc_noop",
-    ] {
-        let p: &mut SchedClassifier = b.ebpf.program_mut(name).context(name)?.try_into()?;
-        p.load().with_context(|| format!("loading {name}"))?;
-    }
-    b.fill_maps()?;
+    let mut b = Bench::load(&object, ct_entries(), "")?;
 
     let vip = tcp_frame(CLIENT, 40000, VIP, 80, TCP_ACK);
     let vip_syn = tcp_frame(CLIENT, 40000, VIP, 80, TCP_SYN);
@@ -176,30 +132,49 @@ fn measure(object: PathBuf) -> Result<String> {
 
     // New flows: every iteration another source address, with a mid-stream ACK (a
     // flow picked up without its SYN: lookup, miss, pick, insert) and with a SYN (a
-    // connection's first packet: pick, one insert). First into a conntrack that
-    // still has free entries: few enough flows (one entry each) that even if every
-    // run of both lands on one CPU, that CPU's share of the per-CPU LRU lists
-    // (`BPF_F_NO_COMMON_LRU` splits the entries over the possible CPUs) holds them
-    // all, so nothing is evicted. Then the full runs, which fill the table and from
-    // then on evict on every insert, as a node at capacity does.
+    // connection's first packet: pick, one insert). First into a conntrack with free
+    // entries: emptied before each run, and a run inserts at most 90 % of one CPU's
+    // share of the per-CPU LRU lists (`BPF_F_NO_COMMON_LRU` splits the entries over
+    // the possible CPUs), so nothing is evicted even if the whole run stays on one
+    // CPU. Then the full runs, which fill the table and from then on evict on every
+    // insert, as a node at capacity does.
     let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?;
-    let fresh = (u64::from(ct_entries()) / (2 * RUNS as u64 * cpus as u64) * 9 / 10)
-        .min(u64::from(repeat())) as u32;
+    let fresh = (u64::from(ct_entries()) / cpus as u64 * 9 / 10).min(u64::from(repeat())) as u32;
     ensure!(fresh > 0, "conntrack too small for the not-full run");
     b.set_vary(true)?;
     b.set_jump("RUNE_BENCH_XDP_JMP", "rune_bench_xdp_noop")?;
     let xdp_driver_vary = b.median("rune_bench_xdp_driver", &vip, XDP_PASS)?;
     let xdp_driver_fresh = b.median_n("rune_bench_xdp_driver", &vip, XDP_PASS, fresh)?;
     b.set_jump("RUNE_BENCH_XDP_JMP", lb::PROG_XDP_LB)?;
-    let xdp_new_fresh = b.new_flows(&vip, fresh)?;
+    let xdp_new_fresh = b.new_flows(&vip, fresh, Conntrack::Emptied)?;
     b.set_saved(&vip_syn)?;
-    let xdp_syn_fresh = b.new_flows(&vip_syn, fresh)?;
+    let xdp_syn_fresh = b.new_flows(&vip_syn, fresh, Conntrack::Emptied)?;
     b.set_saved(&vip)?;
-    let xdp_new = b.new_flows(&vip, repeat())?;
+    let xdp_new = b.new_flows(&vip, repeat(), Conntrack::AsIs)?;
     b.set_saved(&vip_syn)?;
-    let xdp_syn = b.new_flows(&vip_syn, repeat())?;
+    let xdp_syn = b.new_flows(&vip_syn, repeat(), Conntrack::AsIs)?;
     b.set_saved(&vip)?;
     b.set_vary(false)?;
+    // The established flow's entry again (emptied or evicted above), for tc.
+    let out = test_run(b.fd("rune_bench_xdp_driver")?, &vip, 1)?;
+    ensure!(out.retval == XDP_PASS, "re-establishing the flow failed");
+
+    // The same full runs on a conntrack of 1,000 entries: the size of the LRU that
+    // takes Katran's new flows when no per-CPU LRU is set up for the CPU (its
+    // `fallback_cache`), as in a BPF_PROG_TEST_RUN measurement of Katran. The table
+    // fits in the caches, which the default size does not.
+    let (small_syn, small_ack) = {
+        let mut k = Bench::load(&object, SMALL_CT_ENTRIES, "-small")?;
+        k.set_saved(&vip)?;
+        k.set_vary(true)?;
+        k.set_jump("RUNE_BENCH_XDP_JMP", "rune_bench_xdp_noop")?;
+        let driver = k.median("rune_bench_xdp_driver", &vip, XDP_PASS)?;
+        k.set_jump("RUNE_BENCH_XDP_JMP", lb::PROG_XDP_LB)?;
+        let ack = k.new_flows(&vip, repeat(), Conntrack::AsIs)?;
+        k.set_saved(&vip_syn)?;
+        let syn = k.new_flows(&vip_syn, repeat(), Conntrack::AsIs)?;
+        (syn - driver, ack - driver)
+    };
 
     // tc, established flow.
     b.set_jump("RUNE_BENCH_TC_JMP", "rune_bench_tc_noop")?;
@@ -270,6 +245,18 @@ fn measure(object: PathBuf) -> Result<String> {
             None,
         ),
         (
+            "XDP VIP hit, new flow (SYN), conntrack of 1,000 entries, full",
+            small_syn,
+            "driver subtracted; Katran's fallback LRU size",
+            None,
+        ),
+        (
+            "XDP VIP hit, flow picked up mid-stream (ACK), conntrack of 1,000 entries, full",
+            small_ack,
+            "driver subtracted; Katran's fallback LRU size",
+            None,
+        ),
+        (
             "tc VIP hit, established flow",
             tc_hit - tc_driver,
             "driver subtracted",
@@ -288,8 +275,9 @@ fn measure(object: PathBuf) -> Result<String> {
     writeln!(t)?;
     writeln!(
         t,
-        "IPv4 TCP, 70-byte frame; repeat {} ({fresh} for the not-full conntrack), median \
-         of {RUNS} runs; conntrack {} entries per family over {cpus} per-CPU LRU lists. \
+        "IPv4 TCP, 70-byte frame; repeat {} ({fresh} into an emptied conntrack for the \
+         not-full rows), median of {RUNS} runs; conntrack {} entries per family over \
+         {cpus} per-CPU LRU lists. \
          Drivers alone: XDP {xdp_driver:.1} ns, XDP new-flow {xdp_driver_vary:.1} ns, \
          tc {tc_driver:.1} ns.",
         repeat(),
@@ -314,6 +302,75 @@ fn backend_of(id: u32) -> ([u8; 4], u16) {
 }
 
 impl Bench {
+    /// Loads `object` with a conntrack of `ct_entries` per family, its maps pinned in
+    /// a private directory (`tag` tells two loads of one run apart), every program
+    /// the bench runs loaded and the maps filled.
+    fn load(object: &Path, ct_entries: u32, tag: &str) -> Result<Self> {
+        let pins = PathBuf::from(format!(
+            "/sys/fs/bpf/rune-bench-ebpf-{}{tag}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&pins)
+            .with_context(|| format!("creating {} (is bpffs mounted?)", pins.display()))?;
+        let cpus = u32::try_from(
+            aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?,
+        )?;
+        let mut loader = EbpfLoader::new();
+        loader
+            .override_global(lb::SERVICE_STATS_PER_CPU, &STATS_PER_CPU, true)
+            .override_global(lb::BACKEND_STATS_PER_CPU, &STATS_PER_CPU, true)
+            .map_max_entries(lb::SERVICE_STATS, STATS_PER_CPU * cpus)
+            .map_max_entries(lb::BACKEND_STATS, STATS_PER_CPU * cpus);
+        let ebpf = loader
+            .map_max_entries(lb::MAGLEV, 16)
+            .map_max_entries(lb::CONNTRACK_V4, ct_entries)
+            .default_map_pin_directory(&pins)
+            .load_file(object)
+            .with_context(|| format!("loading {}", object.display()));
+        let mut b = Bench {
+            ebpf: match ebpf {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&pins);
+                    return Err(e);
+                }
+            },
+            pins,
+        };
+        for name in [
+            agent_common::XDP_PASS_PROGRAM,
+            lb::PROG_XDP_LB,
+            "rune_bench_xdp_driver",
+            "rune_bench_xdp_noop",
+        ] {
+            let p: &mut Xdp = b.ebpf.program_mut(name).context(name)?.try_into()?;
+            p.load().with_context(|| format!("loading {name}"))?;
+        }
+        for name in [
+            lb::PROG_TC_INGRESS,
+            lb::PROG_TC_EGRESS,
+            "rune_bench_tc_driver",
+            "rune_bench_tc_noop",
+        ] {
+            let p: &mut SchedClassifier = b.ebpf.program_mut(name).context(name)?.try_into()?;
+            p.load().with_context(|| format!("loading {name}"))?;
+        }
+        b.fill_maps()?;
+        Ok(b)
+    }
+
+    /// Removes every IPv4 conntrack entry, giving the entries back to the LRU lists'
+    /// free lists (so that the next run inserts without evicting).
+    fn clear_conntrack(&mut self) -> Result<()> {
+        let mut ct: HashMap<&mut MapData, CtKeyV4, CtValue> =
+            HashMap::try_from(self.ebpf.map_mut(lb::CONNTRACK_V4).context("conntrack")?)?;
+        let keys = ct.keys().collect::<Result<Vec<_>, _>>()?;
+        for key in &keys {
+            ct.remove(key)?;
+        }
+        Ok(())
+    }
+
     /// The backend id conntrack holds for the flow `client:sport` → VIP:80.
     fn flow_backend(&self, client: [u8; 4], sport: u16) -> Result<u32> {
         let ct: HashMap<&MapData, CtKeyV4, CtValue> =
@@ -468,9 +525,9 @@ impl Bench {
 
     /// Median ns per iteration of `RUNS` runs of the XDP driver on `frame` (saved,
     /// varied) with `repeat` iterations each; every iteration must be a new flow.
-    fn new_flows(&self, frame: &[u8], repeat: u32) -> Result<f64> {
+    fn new_flows(&mut self, frame: &[u8], repeat: u32, conntrack: Conntrack) -> Result<f64> {
         let before = self.stats()?;
-        let ns = self.median_n("rune_bench_xdp_driver", frame, XDP_PASS, repeat)?;
+        let ns = self.runs("rune_bench_xdp_driver", frame, XDP_PASS, repeat, conntrack)?;
         let after = self.stats()?;
         let runs = RUNS as u64 * u64::from(repeat);
         ensure!(
@@ -482,15 +539,30 @@ impl Bench {
 
     /// Median ns per iteration of `RUNS` runs of `prog` on `frame`; every run must
     /// return `want`.
-    fn median(&self, prog: &str, frame: &[u8], want: u32) -> Result<f64> {
+    fn median(&mut self, prog: &str, frame: &[u8], want: u32) -> Result<f64> {
         self.median_n(prog, frame, want, repeat())
     }
 
     /// As [`Self::median`], `repeat` iterations per run.
-    fn median_n(&self, prog: &str, frame: &[u8], want: u32, repeat: u32) -> Result<f64> {
+    fn median_n(&mut self, prog: &str, frame: &[u8], want: u32, repeat: u32) -> Result<f64> {
+        self.runs(prog, frame, want, repeat, Conntrack::AsIs)
+    }
+
+    /// As [`Self::median_n`], with the conntrack emptied before each run or not.
+    fn runs(
+        &mut self,
+        prog: &str,
+        frame: &[u8],
+        want: u32,
+        repeat: u32,
+        conntrack: Conntrack,
+    ) -> Result<f64> {
         let fd = self.fd(prog)?;
         let mut ns = Vec::with_capacity(RUNS);
         for _ in 0..RUNS {
+            if conntrack == Conntrack::Emptied {
+                self.clear_conntrack()?;
+            }
             let out = test_run(&fd, frame, repeat)?;
             ensure!(
                 out.retval == want,
@@ -501,6 +573,15 @@ impl Bench {
         }
         Ok(crate::bench::median(&mut ns))
     }
+}
+
+/// The conntrack a run starts with.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Conntrack {
+    /// As the previous runs left it.
+    AsIs,
+    /// Emptied: every entry free again.
+    Emptied,
 }
 
 /// TCP flag SYN.
