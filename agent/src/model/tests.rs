@@ -145,24 +145,62 @@ fn bad_inputs_are_refused_with_object_field_and_value() {
     ];
     assert!(cases.len() >= 15);
     for (input, object, field, fragment) in cases {
-        match parse_documents(&input) {
-            Err(ModelError::Invalid {
-                object: o,
-                field: f,
-                message,
-            }) => {
-                assert_eq!(
-                    (o.as_str(), f.as_str()),
-                    (object, field),
-                    "input:\n{input}\nmessage: {message}"
-                );
-                assert!(
-                    message.contains(fragment),
-                    "input:\n{input}\nmessage {message:?} lacks {fragment:?}"
-                );
+        // The same document as JSON (keys sorted, as the store writes them) takes the
+        // one-pass read first and must fail the same way.
+        let json: serde_json::Value = serde_yaml_ng::from_str(&input).unwrap();
+        for result in [
+            parse_documents(&input),
+            parse_json(&json.to_string()).map(|o| vec![o]),
+        ] {
+            match result {
+                Err(ModelError::Invalid {
+                    object: o,
+                    field: f,
+                    message,
+                }) => {
+                    assert_eq!(
+                        (o.as_str(), f.as_str()),
+                        (object, field),
+                        "input:\n{input}\nmessage: {message}"
+                    );
+                    assert!(
+                        message.contains(fragment),
+                        "input:\n{input}\nmessage {message:?} lacks {fragment:?}"
+                    );
+                }
+                other => panic!("input:\n{input}\nexpected an Invalid error, got {other:?}"),
             }
-            other => panic!("input:\n{input}\nexpected an Invalid error, got {other:?}"),
         }
+    }
+}
+
+/// The store's one-pass read gives the object the two-step parse gives; documents
+/// it does not take (keys in another order, a duplicate key) are read by the two-step
+/// parse as before.
+#[test]
+fn stored_documents_are_read_in_one_pass() {
+    let mut objs = parse_documents(WEB).unwrap();
+    objs.extend(
+        parse_documents("apiVersion: rune/v1\nkind: Endpoints\nmetadata: {name: bare}\n").unwrap(),
+    );
+    for obj in objs {
+        let text = obj.to_json().to_string();
+        let one_pass: document::Stored =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("one pass refused {text}: {e}"));
+        assert_eq!(one_pass.0, obj);
+        assert_eq!(parse_stored(&text).unwrap(), obj);
+    }
+    let reordered = r#"{"spec":{"endpoints":[{"address":"198.18.1.2"}]},"metadata":{"name":"web"},"kind":"Endpoints","apiVersion":"rune/v1"}"#;
+    let duplicate = r#"{"apiVersion":"rune/v1","kind":"Endpoints","kind":"Endpoints","metadata":{"name":"web"},"spec":{"endpoints":[{"address":"198.18.1.2"}]}}"#;
+    for text in [reordered, duplicate] {
+        assert!(
+            serde_json::from_str::<document::Stored>(text).is_err(),
+            "{text}"
+        );
+        let Object::Endpoints(e) = parse_stored(text).unwrap() else {
+            panic!("not endpoints: {text}")
+        };
+        assert_eq!(e.spec.endpoints.len(), 1, "{text}");
     }
 }
 
