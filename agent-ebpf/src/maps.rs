@@ -10,7 +10,7 @@ use agent_common::lb::{
     ServiceKeyV4, ServiceKeyV6, ServiceValue, SockRevKey, SockRevValue, TrafficStats,
 };
 use aya_ebpf::{
-    bindings::{BPF_F_MMAPABLE, BPF_F_NO_COMMON_LRU, BPF_F_NO_PREALLOC},
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
@@ -33,17 +33,18 @@ pub static RUNE_BACKENDS: Array<Backend> = Array::pinned(65536, 0);
 #[map]
 pub static RUNE_MAGLEV: Array<[u32; 2]> = Array::pinned(1, BPF_F_MMAPABLE);
 
-/// IPv4 conntrack of the tc/XDP path (`agent_common::lb::CONNTRACK_V4`). Per-CPU
-/// LRU lists (`BPF_F_NO_COMMON_LRU`): a new flow on a full table evicts from its own
-/// CPU's list instead of contending for one global list, as Katran's per-CPU LRUs.
+/// IPv4 conntrack of the tc/XDP path (`agent_common::lb::CONNTRACK_V4`). One
+/// common LRU, as Cilium's conntrack, not per-CPU lists (`BPF_F_NO_COMMON_LRU`):
+/// those split the entries over the *possible* CPUs and a CPU evicts from its own
+/// share only, so a node whose NIC queues feed a few of its CPUs could keep a
+/// fraction of the table's flows; and new flows measured ~30 % dearer with them
+/// (`cargo xtask bench ebpf`, 262,144 entries, README).
 #[map]
-pub static RUNE_CT_V4: LruHashMap<CtKeyV4, CtValue> =
-    LruHashMap::pinned(262_144, BPF_F_NO_COMMON_LRU);
+pub static RUNE_CT_V4: LruHashMap<CtKeyV4, CtValue> = LruHashMap::pinned(262_144, 0);
 
 /// IPv6 conntrack of the tc/XDP path (`agent_common::lb::CONNTRACK_V6`).
 #[map]
-pub static RUNE_CT_V6: LruHashMap<CtKeyV6, CtValue> =
-    LruHashMap::pinned(262_144, BPF_F_NO_COMMON_LRU);
+pub static RUNE_CT_V6: LruHashMap<CtKeyV6, CtValue> = LruHashMap::pinned(262_144, 0);
 
 /// Backend address → the frontends leading to it, for reverse NAT of replies
 /// (`agent_common::lb::REVNAT`). Written by the agent only, so not preallocated:

@@ -133,11 +133,11 @@ fn measure(object: PathBuf) -> Result<String> {
     // New flows: every iteration another source address, with a mid-stream ACK (a
     // flow picked up without its SYN: lookup, miss, pick, insert) and with a SYN (a
     // connection's first packet: pick, one insert). First into a conntrack with free
-    // entries: emptied before each run, and a run inserts at most 90 % of one CPU's
-    // share of the per-CPU LRU lists (`BPF_F_NO_COMMON_LRU` splits the entries over
-    // the possible CPUs), so nothing is evicted even if the whole run stays on one
-    // CPU. Then the full runs, which fill the table and from then on evict on every
-    // insert, as a node at capacity does.
+    // entries: emptied before each run, and a run inserts at most 90 % of the entries
+    // divided by the possible CPUs, so that nothing is evicted even with per-CPU LRU
+    // lists (`BPF_F_NO_COMMON_LRU`, which split the entries over the CPUs: objects of
+    // builds before 2026-12-01 evening). Then the full runs, which fill the table and
+    // from then on evict on every insert, as a node at capacity does.
     let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?;
     let fresh = (u64::from(ct_entries()) / cpus as u64 * 9 / 10).min(u64::from(repeat())) as u32;
     ensure!(fresh > 0, "conntrack too small for the not-full run");
@@ -276,8 +276,8 @@ fn measure(object: PathBuf) -> Result<String> {
     writeln!(
         t,
         "IPv4 TCP, 70-byte frame; repeat {} ({fresh} into an emptied conntrack for the \
-         not-full rows), median of {RUNS} runs; conntrack {} entries per family over \
-         {cpus} per-CPU LRU lists. \
+         not-full rows), median of {RUNS} runs; conntrack {} entries per family, \
+         {cpus} possible CPUs. \
          Drivers alone: XDP {xdp_driver:.1} ns, XDP new-flow {xdp_driver_vary:.1} ns, \
          tc {tc_driver:.1} ns.",
         repeat(),

@@ -108,8 +108,6 @@ const MAP_TYPES: [(&str, MapType); 4] = [
 // bpf(2) constants (uapi/linux/bpf.h).
 const BPF_MAP_CREATE: libc::c_long = 0;
 const BPF_MAP_TYPE_ARRAY: u32 = 2;
-const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
-const BPF_F_NO_COMMON_LRU: u32 = 1 << 1;
 const BPF_F_MMAPABLE: u32 = 1 << 10;
 
 // Capability bits of CapEff.
@@ -155,12 +153,6 @@ pub fn probe_all(options: &Options) -> Vec<Check> {
         BPF_MAP_TYPE_ARRAY,
         BPF_F_MMAPABLE,
         "arrays mapped into the agent's memory (BPF_F_MMAPABLE, Maglev tables)",
-    ));
-    checks.push(map_flag(
-        "map-flag:no_common_lru",
-        BPF_MAP_TYPE_LRU_HASH,
-        BPF_F_NO_COMMON_LRU,
-        "per-CPU LRU lists (BPF_F_NO_COMMON_LRU, conntrack)",
     ));
     for (type_name, kind, helpers) in HELPERS {
         for helper in helpers {

@@ -278,6 +278,7 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
     }
     ensure_pin_dir(pin_dir)?;
     check_pinned_layouts(pin_dir)?;
+    note_per_cpu_lru_conntrack(pin_dir);
     unpin_vip_filter(pin_dir)?;
     let legacy = LegacyMaps::unpin(pin_dir)?;
     let layout = match StatsLayout::new(pin_dir, sizes.frontends, sizes.backends) {
@@ -378,6 +379,30 @@ fn check_pinned_layouts(pin_dir: &Path) -> Result<(), EbpfError> {
         }
     }
     Ok(())
+}
+
+/// `BPF_F_NO_COMMON_LRU` (uapi/linux/bpf.h).
+const BPF_F_NO_COMMON_LRU: u32 = 1 << 1;
+
+/// Logs a pinned conntrack with per-CPU LRU lists (agents before 2026-12-01
+/// evening created them so). It is reused as it is, so that no flow is lost; only a
+/// new map, after `rune-agent cleanup`, gets the common LRU.
+fn note_per_cpu_lru_conntrack(pin_dir: &Path) {
+    for name in [lb::CONNTRACK_V4, lb::CONNTRACK_V6] {
+        let path = pin_dir.join(name);
+        if !path.exists() {
+            continue;
+        }
+        if let Ok(info) = aya::maps::MapInfo::from_pin(&path)
+            && info.map_flags() & BPF_F_NO_COMMON_LRU != 0
+        {
+            tracing::info!(
+                map = name,
+                "the pinned conntrack keeps its per-CPU LRU lists (an earlier agent's layout; \
+                 its flows are kept); `rune-agent cleanup` and a restart give it one common LRU"
+            );
+        }
+    }
 }
 
 /// The (key, value) sizes of the map pinned at `path`, if one is (anything else
