@@ -6,7 +6,7 @@
 //! decides (ids, tables, which entries change) is tested without privileges, and a
 //! map write that fails is tested without a broken kernel.
 
-use super::{batch, stats};
+use super::{batch, loader::PinnedBefore, stats};
 use agent_common::filter::VIP_FILTER_WORDS;
 use agent_common::lb::{
     self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, RevNatKey,
@@ -141,6 +141,19 @@ pub struct KernelMaps {
     /// Whether the kernel takes batch writes (false after it refused one: then one
     /// call per element, as before kernel 5.6).
     batch_ok: bool,
+    /// The maps this agent created and has not written yet: reading them back (the
+    /// engine adopts what the maps hold on its first sync) finds nothing, so it is
+    /// skipped (the backends array alone is 131,072 elements to copy out).
+    unwritten: Unwritten,
+}
+
+/// Which maps are known to be empty: created by this agent's load (no earlier
+/// agent pinned them) and not written since. The programs never write them.
+#[derive(Clone, Copy, Debug, Default)]
+struct Unwritten {
+    frontends: bool,
+    backends: bool,
+    revnat: bool,
 }
 
 /// Writes to the kernel maps, queued so that a sync makes one `bpf()` call per map
@@ -420,7 +433,20 @@ impl KernelMaps {
             capacity,
             pending: Pending::default(),
             batch_ok: true,
+            unwritten: Unwritten::default(),
         })
+    }
+
+    /// Tells which maps were pinned before the load that created these (see
+    /// [`PinnedBefore::probe`]): the others hold nothing to adopt yet.
+    #[must_use]
+    pub fn pinned_before(mut self, pinned: PinnedBefore) -> Self {
+        self.unwritten = Unwritten {
+            frontends: !pinned.frontends,
+            backends: !pinned.backends,
+            revnat: !pinned.revnat,
+        };
+        self
     }
 
     /// Writes the queued backends and reverse-NAT entries (what tables depend on).
@@ -511,6 +537,9 @@ impl LbMaps for KernelMaps {
     }
 
     fn frontends(&self) -> Result<Vec<(FrontendKey, ServiceValue)>, MapsError> {
+        if self.unwritten.frontends {
+            return Ok(Vec::new());
+        }
         let capacity = self.capacity.frontends;
         let v4 = batch::lookup_all::<ServiceKeyV4, ServiceValue>(
             self.svc_v4.map().fd().as_fd(),
@@ -547,6 +576,9 @@ impl LbMaps for KernelMaps {
     }
 
     fn backends(&self) -> Result<Vec<(u32, Backend)>, MapsError> {
+        if self.unwritten.backends {
+            return Ok(Vec::new());
+        }
         // A few calls for the whole array (131,072 entries took as many calls).
         match batch::lookup_all::<u32, Backend>(
             self.backends.map().fd().as_fd(),
@@ -573,6 +605,7 @@ impl LbMaps for KernelMaps {
     }
 
     fn put_frontend(&mut self, key: &FrontendKey, value: &ServiceValue) -> Result<(), MapsError> {
+        self.unwritten.frontends = false;
         match key {
             FrontendKey::V4(k) => {
                 self.pending.v4_keys.push(*k);
@@ -587,6 +620,7 @@ impl LbMaps for KernelMaps {
     }
 
     fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), MapsError> {
+        self.unwritten.frontends = false;
         self.flush_all()?;
         let (result, name) = match key {
             FrontendKey::V4(k) => (self.svc_v4.remove(k), lb::SERVICES_V4),
@@ -602,6 +636,9 @@ impl LbMaps for KernelMaps {
     }
 
     fn revnats(&self) -> Result<Vec<(RevNatKey, RevNatValue)>, MapsError> {
+        if self.unwritten.revnat {
+            return Ok(Vec::new());
+        }
         // A few calls instead of two per entry (100,000 after a restart).
         match batch::lookup_all::<RevNatKey, RevNatValue>(
             self.revnat.map().fd().as_fd(),
@@ -618,12 +655,14 @@ impl LbMaps for KernelMaps {
     }
 
     fn put_revnat(&mut self, key: &RevNatKey, value: &RevNatValue) -> Result<(), MapsError> {
+        self.unwritten.revnat = false;
         self.pending.revnat_keys.push(*key);
         self.pending.revnat_values.push(*value);
         self.flush_if_full()
     }
 
     fn delete_revnat(&mut self, key: &RevNatKey) -> Result<(), MapsError> {
+        self.unwritten.revnat = false;
         self.flush_all()?;
         match self.revnat.remove(key) {
             Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
@@ -657,6 +696,7 @@ impl LbMaps for KernelMaps {
         if id >= self.capacity.backends {
             return Err(MapsError::new(lb::BACKENDS, "write", "index out of range"));
         }
+        self.unwritten.backends = false;
         self.pending.backend_ids.push(id);
         self.pending.backends.push(*backend);
         self.flush_if_full()
