@@ -91,6 +91,23 @@ pub trait LbMaps: Send {
     /// Stores `(slot, backend id)` pairs into frontend `id`'s table (only the slots
     /// that change, so a read-only comparison is never counted as a write).
     fn set_slots(&mut self, id: u32, changes: &[(usize, u32)]) -> Result<(), MapsError>;
+    /// Makes frontend `id`'s table equal to `want` (a backend id per slot), storing
+    /// only the slots that differ; returns whether any did.
+    fn write_table(&mut self, id: u32, want: &[u32]) -> Result<bool, MapsError> {
+        let changes: Vec<(usize, u32)> = self
+            .table(id)?
+            .iter()
+            .zip(want)
+            .enumerate()
+            .filter(|(_, (have, want))| have != want)
+            .map(|(slot, (_, want))| (slot, *want))
+            .collect();
+        if changes.is_empty() {
+            return Ok(false);
+        }
+        self.set_slots(id, &changes)?;
+        Ok(true)
+    }
     /// Removes conntrack and affinity entries that lead to any of `backend_ids`;
     /// returns how many were removed.
     fn purge_flows(&mut self, backend_ids: &HashSet<u32>) -> Result<usize, MapsError>;
@@ -721,6 +738,32 @@ impl LbMaps for KernelMaps {
                 backend;
         }
         Ok(())
+    }
+
+    fn write_table(&mut self, id: u32, want: &[u32]) -> Result<bool, MapsError> {
+        let size = self.capacity.table_size as usize;
+        if want.len() != size {
+            return Err(MapsError::new(
+                lb::MAGLEV,
+                "write",
+                format!("{} slots for a table of {size}", want.len()),
+            ));
+        }
+        let start = id as usize * size;
+        // Compared in place (a fresh table differs everywhere, an unchanged one
+        // nowhere): no list of changed slots.
+        if self.maglev.table(start, size)? == want {
+            return Ok(false);
+        }
+        // The backends the slots name must be in the maps first.
+        self.flush_backends()?;
+        let table = self.maglev.table_mut(start, size)?;
+        for (have, want) in table.iter_mut().zip(want) {
+            if *have != *want {
+                *have = *want;
+            }
+        }
+        Ok(true)
     }
 
     fn purge_flows(&mut self, backend_ids: &HashSet<u32>) -> Result<usize, MapsError> {

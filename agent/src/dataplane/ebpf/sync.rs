@@ -510,6 +510,15 @@ impl<M: LbMaps> LbSync<M> {
             .iter()
             .map(|view| self.desired(view))
             .collect();
+        // Room for the backends at once (growing by doubling rehashed the index
+        // and copied the records ~17 times in a sync of 100,000 backends); a
+        // service's largest frontend counts (its others often list the same
+        // backends: never more room than needed).
+        let backends: usize = desired
+            .iter()
+            .map(|d| d.iter().map(|f| f.eligible.len()).max().unwrap_or(0))
+            .sum();
+        self.backends.reserve(backends);
         let tables = desired.iter().flatten().filter(|f| f.needs_table()).count();
         if tables >= PARALLEL_TABLES
             && std::thread::available_parallelism().is_ok_and(|n| n.get() > 1)
@@ -799,7 +808,6 @@ impl<M: LbMaps> LbSync<M> {
         let key = view.key();
         let spec = &view.service.spec;
         let drain = Duration::from_secs(u64::from(spec.drain_seconds));
-        let listed: HashSet<BackendAddr> = listed_backends(view);
 
         // Backend uses: eligible ones are active; ones that were in use (by this
         // service before, or in the maps after a restart) and no longer are drain.
@@ -829,35 +837,45 @@ impl<M: LbMaps> LbSync<M> {
                 }
             }
         }
-        for addr in &listed {
+        // (An address listed twice is in `uses` after its first time.)
+        for addr in listed_backends(view) {
             let adopted = self
                 .backends
-                .get(addr)
+                .get(&addr)
                 .is_some_and(|b| b.id != 0 && b.state != 0);
-            if adopted && !uses.contains_key(addr) && !previous.contains_key(addr) {
+            if adopted && !uses.contains_key(&addr) && !previous.contains_key(&addr) {
                 // In the maps from before a restart: let its flows drain.
-                uses.insert(*addr, Use::Draining { until: now + drain });
+                uses.insert(addr, Use::Draining { until: now + drain });
             }
         }
 
         // Which frontends lead to each backend: from the listed endpoints, plus what
         // led there before while the use lasts (flows through a frontend that no
         // longer leads to a backend still get their replies translated).
-        let mut derived = reach_of(view);
-        derived.normalize(|_| true);
-        let mut reach = derived.clone();
-        if let Some(old) = self.services.get(&key) {
-            reach.0.extend(old.reach.0.iter().copied());
-            if let Some(old_view) = &old.view {
-                reach.0.extend(reach_of(old_view).0);
+        // Only what the new view does not give is kept: nothing for a service
+        // without an earlier state (every service of a start).
+        let old = self
+            .services
+            .get(&key)
+            .filter(|old| old.view.is_some() || !old.reach.0.is_empty());
+        let reach = match old {
+            None => Reach::default(),
+            Some(old) => {
+                let mut derived = reach_of(view);
+                derived.normalize(|_| true);
+                let mut reach = derived.clone();
+                reach.0.extend(old.reach.0.iter().copied());
+                if let Some(old_view) = &old.view {
+                    reach.0.extend(reach_of(old_view).0);
+                }
+                reach.normalize(|addr| uses.contains_key(addr));
+                reach
+                    .0
+                    .retain(|pair| derived.0.binary_search(pair).is_err());
+                reach.0.shrink_to_fit();
+                reach
             }
-        }
-        reach.normalize(|addr| uses.contains_key(addr));
-        // Only what the new view does not give is kept.
-        reach
-            .0
-            .retain(|pair| derived.0.binary_search(pair).is_err());
-        reach.0.shrink_to_fit();
+        };
 
         // 1. Backends and their reverse-NAT entries, before any table names them.
         // In address order (`uses` is sorted): ids must not depend on hash order
@@ -1160,25 +1178,7 @@ impl<M: LbMaps> LbSync<M> {
             match built.unwrap_or_else(|| f.build_table(table_size)) {
                 Ok(maglev) => {
                     // Only the slots that differ are stored.
-                    let want = maglev.map_slots(&ids);
-                    let changes: Result<Vec<(usize, u32)>, MapsError> =
-                        self.maps.table(id).map(|table| {
-                            table
-                                .iter()
-                                .zip(&want)
-                                .enumerate()
-                                .filter(|(_, (have, want))| have != want)
-                                .map(|(slot, (_, want))| (slot, *want))
-                                .collect()
-                        });
-                    let written = changes.and_then(|changes| {
-                        if changes.is_empty() {
-                            Ok(())
-                        } else {
-                            self.maps.set_slots(id, &changes)
-                        }
-                    });
-                    if let Err(e) = written {
+                    if let Err(e) = self.maps.write_table(id, &maglev.map_slots(&ids)) {
                         if existing.is_none() {
                             self.free_frontends.insert(id);
                         }
@@ -1377,23 +1377,18 @@ fn refresh_backend_state<M: LbMaps>(
     Ok(())
 }
 
-/// Every endpoint address × port of `view` (any state).
-fn listed_backends(view: &ServiceView) -> HashSet<BackendAddr> {
-    let Some(endpoints) = &view.endpoints else {
-        return HashSet::default();
-    };
-    view.service
-        .spec
-        .ports
-        .iter()
-        .flat_map(|p| {
-            endpoints
-                .spec
-                .endpoints
-                .iter()
-                .map(move |e| SocketAddr::new(e.address, vip::endpoint_port(e, p)).into())
-        })
-        .collect()
+/// Every endpoint address × port of `view` (any state; an address may come twice).
+fn listed_backends(view: &ServiceView) -> impl Iterator<Item = BackendAddr> + '_ {
+    let endpoints = view
+        .endpoints
+        .as_ref()
+        .map(|e| &e.spec.endpoints[..])
+        .unwrap_or_default();
+    view.service.spec.ports.iter().flat_map(move |p| {
+        endpoints
+            .iter()
+            .map(move |e| SocketAddr::new(e.address, vip::endpoint_port(e, p)).into())
+    })
 }
 
 /// For every endpoint address × port of `view`, the frontends (VIP of the same
