@@ -14,12 +14,17 @@
 //! only then the removal of backends nothing uses any more (with their conntrack and
 //! affinity entries). The kernel maps queue backend, reverse-NAT and frontend writes
 //! and hand them over in batches (see [`super::maps::KernelMaps`]), keeping this
-//! order: a full sync writes its 100,000 backends in a few `bpf()` calls.
+//! order: a full sync writes its 100,000 backends in a few dozen `bpf()` calls.
+//! A large delta goes a chunk of services at a time (each chunk's backends and
+//! reverse-NAT entries before its tables and frontends), while another thread
+//! builds the Maglev tables of the next chunk (a table depends only on the backend
+//! addresses; ids are mapped in when it is stored). A table the maps hold for the
+//! same eligible backends already is neither rebuilt nor compared.
 //!
 //! A full delta first adopts what the maps hold (a previous agent's pinned maps, or
 //! the state after a failed write): frontends keep their ids and tables and backends
 //! keep their ids, so established flows, whose conntrack entries name backend ids,
-//! survive a restart.
+//! survive a restart. Maps this agent's load created hold nothing and are not read.
 
 use super::{
     backend_table::{BackendAddr, BackendTable},
