@@ -373,6 +373,24 @@ struct KnownService<'a> {
     view: &'a ServiceView,
 }
 
+/// A service's backends (sorted) with their slot ids, as its upsert left them
+/// (ids do not change until the end of the apply): its tables take their ids from
+/// here instead of a lookup in the backend table per eligible backend.
+struct BackendIds {
+    addrs: Vec<BackendAddr>,
+    ids: Vec<u32>,
+}
+
+impl BackendIds {
+    /// The id of `addr`, if it is one of the service's backends.
+    fn get(&self, addr: &SocketAddr) -> Option<u32> {
+        self.addrs
+            .binary_search(&BackendAddr::from(*addr))
+            .ok()
+            .map(|i| self.ids[i])
+    }
+}
+
 /// A frontend the cache asks for.
 struct DesiredFrontend {
     key: FrontendKey,
@@ -533,11 +551,12 @@ impl<M: LbMaps> LbSync<M> {
             // Every service's backends first, then every service's tables and
             // frontends: the backends reach the kernel in one batch write before
             // the first table names them.
+            let mut ids = Vec::with_capacity(desired.len());
             for (view, desired) in delta.upserted.iter().zip(&desired) {
-                self.prepare_backends(view, desired, now)?;
+                ids.push(self.prepare_backends(view, desired, now)?);
             }
-            for (view, desired) in delta.upserted.iter().zip(&desired) {
-                self.program_frontends(view, desired, &mut std::iter::empty())?;
+            for ((view, desired), ids) in delta.upserted.iter().zip(&desired).zip(&ids) {
+                self.program_frontends(view, desired, ids, &mut std::iter::empty())?;
             }
         }
         if delta.full {
@@ -596,13 +615,14 @@ impl<M: LbMaps> LbSync<M> {
                 }
             });
             for (views, desired) in views.chunks(TABLE_CHUNK).zip(desired.chunks(TABLE_CHUNK)) {
+                let mut ids = Vec::with_capacity(desired.len());
                 for (view, desired) in views.iter().zip(desired) {
-                    self.prepare_backends(view, desired, now)?;
+                    ids.push(self.prepare_backends(view, desired, now)?);
                 }
                 // Without the builder (it panicked), tables are built here.
                 let mut tables = receive.recv().unwrap_or_default().into_iter();
-                for (view, desired) in views.iter().zip(desired) {
-                    self.program_frontends(view, desired, &mut tables)?;
+                for ((view, desired), ids) in views.iter().zip(desired).zip(&ids) {
+                    self.program_frontends(view, desired, ids, &mut tables)?;
                 }
             }
             Ok(())
@@ -809,7 +829,7 @@ impl<M: LbMaps> LbSync<M> {
         view: &ServiceView,
         desired: &[DesiredFrontend],
         now: Instant,
-    ) -> Result<(), SyncError> {
+    ) -> Result<BackendIds, SyncError> {
         let key = view.key();
         let spec = &view.service.spec;
         let drain = Duration::from_secs(u64::from(spec.drain_seconds));
@@ -900,8 +920,9 @@ impl<M: LbMaps> LbSync<M> {
             state.reach = reach.clone();
             state.view = Some(view.clone());
         }
+        let mut ids = Vec::with_capacity(addrs.len());
         for addr in &addrs {
-            self.ensure_backend(*addr)?;
+            ids.push(self.ensure_backend(*addr)?);
         }
         let known = KnownService {
             key: &shared,
@@ -923,23 +944,25 @@ impl<M: LbMaps> LbSync<M> {
         for addr in &settled {
             self.touched.remove(addr);
         }
-        Ok(())
+        Ok(BackendIds { addrs, ids })
     }
 
     /// Second half of a service's upsert: its tables and frontends (after
     /// [`Self::prepare_backends`] put their backends in the maps), and the removal
-    /// of frontends it no longer has. `tables` holds, one per desired frontend,
-    /// the table built elsewhere, if it was (else it is built here).
+    /// of frontends it no longer has. `ids` is what the first half returned;
+    /// `tables` holds, one per desired frontend, the table built elsewhere, if it
+    /// was (else it is built here).
     fn program_frontends(
         &mut self,
         view: &ServiceView,
         desired: &[DesiredFrontend],
+        ids: &BackendIds,
         tables: &mut impl Iterator<Item = Option<Result<Maglev, MaglevError>>>,
     ) -> Result<(), SyncError> {
         let key = view.key();
         let mut keep = BTreeSet::new();
         for f in desired {
-            self.write_frontend(&key, f, tables.next().flatten())?;
+            self.write_frontend(&key, f, ids, tables.next().flatten())?;
             keep.insert(f.key);
         }
         let old_frontends = self
@@ -1099,9 +1122,10 @@ impl<M: LbMaps> LbSync<M> {
         Ok(exact)
     }
 
-    fn ensure_backend(&mut self, addr: BackendAddr) -> Result<(), SyncError> {
-        if self.slot_of(&addr).is_some() {
-            return Ok(());
+    /// Gives backend `addr` a slot unless it has one; returns the slot's id.
+    fn ensure_backend(&mut self, addr: BackendAddr) -> Result<u32, SyncError> {
+        if let Some(id) = self.slot_of(&addr) {
+            return Ok(id);
         }
         let id = self.free_backends.pop_first().ok_or(SyncError::Full {
             what: "backends",
@@ -1116,7 +1140,7 @@ impl<M: LbMaps> LbSync<M> {
         let b = self.backends.get_or_default(addr);
         b.id = id;
         b.state = BACKEND_ACTIVE;
-        Ok(())
+        Ok(id)
     }
 
     /// Writes the state of the backends at `addrs` (active when some service has
@@ -1134,11 +1158,13 @@ impl<M: LbMaps> LbSync<M> {
     }
 
     /// Writes frontend `f` of `service` and its table (`built`, when built
-    /// elsewhere; else built here unless the maps hold it already).
+    /// elsewhere; else built here unless the maps hold it already), its backends'
+    /// ids taken from `known` (the service's, as its upsert left them).
     fn write_frontend(
         &mut self,
         service: &ServiceKey,
         f: &DesiredFrontend,
+        known: &BackendIds,
         built: Option<Result<Maglev, MaglevError>>,
     ) -> Result<(), SyncError> {
         let existing = self.frontends.get(&f.key).cloned();
@@ -1172,7 +1198,7 @@ impl<M: LbMaps> LbSync<M> {
         } else {
             f.eligible
                 .iter()
-                .filter_map(|a| self.backend_id(a))
+                .filter_map(|a| known.get(a).or_else(|| self.backend_id(a)))
                 .collect()
         };
         let maglev_size = if let (true, Some(e)) = (keep_table, &existing) {
