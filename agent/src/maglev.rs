@@ -199,6 +199,19 @@ impl Maglev {
         }
     }
 
+    /// Every slot's entry of `values` (one per backend, in the order the table was
+    /// built from), in slot order: what a BPF map is filled with when it holds
+    /// backend ids. Panics when `values` is shorter than the backend list.
+    pub fn map_slots<T: Copy>(&self, values: &[T]) -> Vec<T> {
+        // One match for the whole table, not one per slot.
+        match &self.slots {
+            Slots::Empty => Vec::new(),
+            Slots::U8(t) => t.iter().map(|&i| values[usize::from(i)]).collect(),
+            Slots::U16(t) => t.iter().map(|&i| values[usize::from(i)]).collect(),
+            Slots::U32(t) => t.iter().map(|&i| values[i as usize]).collect(),
+        }
+    }
+
     /// Every slot's backend index in slot order (what a BPF map is filled with).
     pub fn slots(&self) -> impl Iterator<Item = usize> + '_ {
         (0..self.len()).filter_map(|i| self.get(i))
@@ -320,6 +333,17 @@ mod tests {
         let empty = Maglev::new(&[], DEFAULT_TABLE_SIZE).unwrap();
         assert_eq!(empty.lookup(42), None);
         assert!(empty.is_empty());
+    }
+
+    #[test]
+    fn mapped_slots_follow_the_indexes_in_every_width() {
+        for n in [0, 3, 300] {
+            let t = Maglev::new(&keys(n), 1021).unwrap();
+            let ids: Vec<u32> = (0..n as u32).map(|i| i * 7 + 5).collect();
+            let want: Vec<u32> = t.slots().map(|i| ids[i]).collect();
+            assert_eq!(t.map_slots(&ids), want, "{n} backends");
+            assert_eq!(want.len(), if n == 0 { 0 } else { 1021 });
+        }
     }
 
     #[test]

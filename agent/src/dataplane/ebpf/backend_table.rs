@@ -166,6 +166,16 @@ impl<V: Default> BackendTable<V> {
         self.records.iter_mut()
     }
 
+    /// Makes room for `total` records in all (no change when there is room).
+    pub(super) fn reserve(&mut self, total: usize) {
+        let additional = total.saturating_sub(self.records.len());
+        self.addrs.reserve(additional);
+        self.records.reserve(additional);
+        let (addrs, hasher) = (&self.addrs, &self.hasher);
+        self.index
+            .reserve(additional, |&j| hasher.hash_one(addrs[j as usize]));
+    }
+
     /// Gives back what a bulk change left unused (growth by doubling leaves up to
     /// half of the vectors empty after a full sync), keeping 1/16 spare: shrunk to
     /// the length, the next backend added would double the vectors again (and the

@@ -316,6 +316,31 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
     Ok(ebpf)
 }
 
+/// Which of the maps a sync adopts from were pinned under `pin_dir` before a load:
+/// the others are created empty by it, and reading them back would find nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PinnedBefore {
+    /// The IPv4 or IPv6 services map.
+    pub frontends: bool,
+    /// The backends array.
+    pub backends: bool,
+    /// The reverse-NAT index.
+    pub revnat: bool,
+}
+
+impl PinnedBefore {
+    /// Looks under `pin_dir` (call it before [`load_lb`], which pins what it creates).
+    #[must_use]
+    pub fn probe(pin_dir: &Path) -> Self {
+        let pinned = |name: &str| pin_dir.join(name).exists();
+        Self {
+            frontends: pinned(lb::SERVICES_V4) || pinned(lb::SERVICES_V6),
+            backends: pinned(lb::BACKENDS),
+            revnat: pinned(lb::REVNAT),
+        }
+    }
+}
+
 /// Removes the VIP prefilter's pin, so this load creates the map afresh: all zeros,
 /// which filters nothing (`agent_common::filter`), until the first sync writes
 /// every word. A pinned filter may not match the pinned frontends (an older agent

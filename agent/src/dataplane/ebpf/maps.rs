@@ -6,7 +6,7 @@
 //! decides (ids, tables, which entries change) is tested without privileges, and a
 //! map write that fails is tested without a broken kernel.
 
-use super::{batch, stats};
+use super::{batch, loader::PinnedBefore, stats};
 use agent_common::filter::VIP_FILTER_WORDS;
 use agent_common::lb::{
     self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, RevNatKey,
@@ -91,6 +91,23 @@ pub trait LbMaps: Send {
     /// Stores `(slot, backend id)` pairs into frontend `id`'s table (only the slots
     /// that change, so a read-only comparison is never counted as a write).
     fn set_slots(&mut self, id: u32, changes: &[(usize, u32)]) -> Result<(), MapsError>;
+    /// Makes frontend `id`'s table equal to `want` (a backend id per slot), storing
+    /// only the slots that differ; returns whether any did.
+    fn write_table(&mut self, id: u32, want: &[u32]) -> Result<bool, MapsError> {
+        let changes: Vec<(usize, u32)> = self
+            .table(id)?
+            .iter()
+            .zip(want)
+            .enumerate()
+            .filter(|(_, (have, want))| have != want)
+            .map(|(slot, (_, want))| (slot, *want))
+            .collect();
+        if changes.is_empty() {
+            return Ok(false);
+        }
+        self.set_slots(id, &changes)?;
+        Ok(true)
+    }
     /// Removes conntrack and affinity entries that lead to any of `backend_ids`;
     /// returns how many were removed.
     fn purge_flows(&mut self, backend_ids: &HashSet<u32>) -> Result<usize, MapsError>;
@@ -141,6 +158,19 @@ pub struct KernelMaps {
     /// Whether the kernel takes batch writes (false after it refused one: then one
     /// call per element, as before kernel 5.6).
     batch_ok: bool,
+    /// The maps this agent created and has not written yet: reading them back (the
+    /// engine adopts what the maps hold on its first sync) finds nothing, so it is
+    /// skipped (the backends array alone is 131,072 elements to copy out).
+    unwritten: Unwritten,
+}
+
+/// Which maps are known to be empty: created by this agent's load (no earlier
+/// agent pinned them) and not written since. The programs never write them.
+#[derive(Clone, Copy, Debug, Default)]
+struct Unwritten {
+    frontends: bool,
+    backends: bool,
+    revnat: bool,
 }
 
 /// Writes to the kernel maps, queued so that a sync makes one `bpf()` call per map
@@ -420,7 +450,20 @@ impl KernelMaps {
             capacity,
             pending: Pending::default(),
             batch_ok: true,
+            unwritten: Unwritten::default(),
         })
+    }
+
+    /// Tells which maps were pinned before the load that created these (see
+    /// [`PinnedBefore::probe`]): the others hold nothing to adopt yet.
+    #[must_use]
+    pub fn pinned_before(mut self, pinned: PinnedBefore) -> Self {
+        self.unwritten = Unwritten {
+            frontends: !pinned.frontends,
+            backends: !pinned.backends,
+            revnat: !pinned.revnat,
+        };
+        self
     }
 
     /// Writes the queued backends and reverse-NAT entries (what tables depend on).
@@ -511,6 +554,9 @@ impl LbMaps for KernelMaps {
     }
 
     fn frontends(&self) -> Result<Vec<(FrontendKey, ServiceValue)>, MapsError> {
+        if self.unwritten.frontends {
+            return Ok(Vec::new());
+        }
         let capacity = self.capacity.frontends;
         let v4 = batch::lookup_all::<ServiceKeyV4, ServiceValue>(
             self.svc_v4.map().fd().as_fd(),
@@ -547,6 +593,9 @@ impl LbMaps for KernelMaps {
     }
 
     fn backends(&self) -> Result<Vec<(u32, Backend)>, MapsError> {
+        if self.unwritten.backends {
+            return Ok(Vec::new());
+        }
         // A few calls for the whole array (131,072 entries took as many calls).
         match batch::lookup_all::<u32, Backend>(
             self.backends.map().fd().as_fd(),
@@ -573,6 +622,7 @@ impl LbMaps for KernelMaps {
     }
 
     fn put_frontend(&mut self, key: &FrontendKey, value: &ServiceValue) -> Result<(), MapsError> {
+        self.unwritten.frontends = false;
         match key {
             FrontendKey::V4(k) => {
                 self.pending.v4_keys.push(*k);
@@ -587,6 +637,7 @@ impl LbMaps for KernelMaps {
     }
 
     fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), MapsError> {
+        self.unwritten.frontends = false;
         self.flush_all()?;
         let (result, name) = match key {
             FrontendKey::V4(k) => (self.svc_v4.remove(k), lb::SERVICES_V4),
@@ -602,6 +653,9 @@ impl LbMaps for KernelMaps {
     }
 
     fn revnats(&self) -> Result<Vec<(RevNatKey, RevNatValue)>, MapsError> {
+        if self.unwritten.revnat {
+            return Ok(Vec::new());
+        }
         // A few calls instead of two per entry (100,000 after a restart).
         match batch::lookup_all::<RevNatKey, RevNatValue>(
             self.revnat.map().fd().as_fd(),
@@ -618,12 +672,14 @@ impl LbMaps for KernelMaps {
     }
 
     fn put_revnat(&mut self, key: &RevNatKey, value: &RevNatValue) -> Result<(), MapsError> {
+        self.unwritten.revnat = false;
         self.pending.revnat_keys.push(*key);
         self.pending.revnat_values.push(*value);
         self.flush_if_full()
     }
 
     fn delete_revnat(&mut self, key: &RevNatKey) -> Result<(), MapsError> {
+        self.unwritten.revnat = false;
         self.flush_all()?;
         match self.revnat.remove(key) {
             Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
@@ -657,6 +713,7 @@ impl LbMaps for KernelMaps {
         if id >= self.capacity.backends {
             return Err(MapsError::new(lb::BACKENDS, "write", "index out of range"));
         }
+        self.unwritten.backends = false;
         self.pending.backend_ids.push(id);
         self.pending.backends.push(*backend);
         self.flush_if_full()
@@ -681,6 +738,32 @@ impl LbMaps for KernelMaps {
                 backend;
         }
         Ok(())
+    }
+
+    fn write_table(&mut self, id: u32, want: &[u32]) -> Result<bool, MapsError> {
+        let size = self.capacity.table_size as usize;
+        if want.len() != size {
+            return Err(MapsError::new(
+                lb::MAGLEV,
+                "write",
+                format!("{} slots for a table of {size}", want.len()),
+            ));
+        }
+        let start = id as usize * size;
+        // Compared in place (a fresh table differs everywhere, an unchanged one
+        // nowhere): no list of changed slots.
+        if self.maglev.table(start, size)? == want {
+            return Ok(false);
+        }
+        // The backends the slots name must be in the maps first.
+        self.flush_backends()?;
+        let table = self.maglev.table_mut(start, size)?;
+        for (have, want) in table.iter_mut().zip(want) {
+            if *have != *want {
+                *have = *want;
+            }
+        }
+        Ok(true)
     }
 
     fn purge_flows(&mut self, backend_ids: &HashSet<u32>) -> Result<usize, MapsError> {

@@ -110,6 +110,7 @@ impl EbpfDataPlane<KernelMaps> {
         // not there before goes again (one that was belongs to an earlier agent,
         // whose programs keep running on it).
         let created = !config.pin_dir.exists();
+        let pinned = loader::PinnedBefore::probe(&config.pin_dir);
         let loaded = load_lb(&config.pin_dir, &config.sizes).and_then(|mut ebpf| {
             let attachments = attach::attach_all(&mut ebpf, &config.pin_dir, &config.hooks)?;
             Ok((ebpf, attachments))
@@ -142,7 +143,9 @@ impl EbpfDataPlane<KernelMaps> {
                 taken.insert(name.to_owned(), map);
             }
         }
-        let maps = KernelMaps::new(&mut taken).map_err(EbpfError::from)?;
+        let maps = KernelMaps::new(&mut taken)
+            .map_err(EbpfError::from)?
+            .pinned_before(pinned);
         let capacity = maps.capacity();
         if capacity.table_size != config.sizes.table_size
             || capacity.frontends != config.sizes.frontends

@@ -14,12 +14,17 @@
 //! only then the removal of backends nothing uses any more (with their conntrack and
 //! affinity entries). The kernel maps queue backend, reverse-NAT and frontend writes
 //! and hand them over in batches (see [`super::maps::KernelMaps`]), keeping this
-//! order: a full sync writes its 100,000 backends in a few `bpf()` calls.
+//! order: a full sync writes its 100,000 backends in a few dozen `bpf()` calls.
+//! A large delta goes a chunk of services at a time (each chunk's backends and
+//! reverse-NAT entries before its tables and frontends), while another thread
+//! builds the Maglev tables of the next chunk (a table depends only on the backend
+//! addresses; ids are mapped in when it is stored). A table the maps hold for the
+//! same eligible backends already is neither rebuilt nor compared.
 //!
 //! A full delta first adopts what the maps hold (a previous agent's pinned maps, or
 //! the state after a failed write): frontends keep their ids and tables and backends
 //! keep their ids, so established flows, whose conntrack entries name backend ids,
-//! survive a restart.
+//! survive a restart. Maps this agent's load created hold nothing and are not read.
 
 use super::{
     backend_table::{BackendAddr, BackendTable},
@@ -29,7 +34,7 @@ use super::{
 use crate::{
     dataplane::{ServicePortStatus, vip},
     endpoints::{Delta, ServiceView},
-    maglev::{BackendKey, Maglev},
+    maglev::{BackendKey, Maglev, MaglevError},
     model::{Protocol, ServiceKey, SessionAffinity},
 };
 use agent_common::lb::{
@@ -306,6 +311,11 @@ impl Listed {
     fn matches(&self, list: &[FrontendKey]) -> bool {
         self.iter().eq(list.iter().copied())
     }
+
+    /// Whether every frontend it lists is in `sorted`.
+    fn within(&self, sorted: &[FrontendKey]) -> bool {
+        self.iter().all(|fk| sorted.binary_search(&fk).is_ok())
+    }
 }
 
 /// Which of a service's frontends lead to which backend: (backend, frontend) pairs,
@@ -353,12 +363,68 @@ struct ServiceState {
     view: Option<ServiceView>,
 }
 
+/// A service's key with what [`LbSync::write_revnat`] needs of its state, at hand
+/// while the service is being upserted (a lookup by key compares strings).
+#[derive(Clone, Copy)]
+struct KnownService<'a> {
+    /// The key its backends' users share.
+    key: &'a Arc<ServiceKey>,
+    reach: &'a Reach,
+    view: &'a ServiceView,
+}
+
+/// A service's backends (sorted) with their slot ids, as its upsert left them
+/// (ids do not change until the end of the apply): its tables take their ids from
+/// here instead of a lookup in the backend table per eligible backend.
+struct BackendIds {
+    addrs: Vec<BackendAddr>,
+    ids: Vec<u32>,
+}
+
+impl BackendIds {
+    /// The id of `addr`, if it is one of the service's backends.
+    fn get(&self, addr: &SocketAddr) -> Option<u32> {
+        self.addrs
+            .binary_search(&BackendAddr::from(*addr))
+            .ok()
+            .map(|i| self.ids[i])
+    }
+}
+
 /// A frontend the cache asks for.
 struct DesiredFrontend {
     key: FrontendKey,
     eligible: Vec<SocketAddr>,
     affinity_timeout: u32,
+    /// The maps hold its table for `eligible` already: nothing to build or compare.
+    keep_table: bool,
 }
+
+impl DesiredFrontend {
+    /// Whether its Maglev table is to be built.
+    fn needs_table(&self) -> bool {
+        !self.keep_table && !self.eligible.is_empty()
+    }
+
+    /// Its Maglev table: slots hold indexes into `eligible`.
+    fn build_table(&self, table_size: u32) -> Result<Maglev, MaglevError> {
+        let keys: Vec<BackendKey> = self.eligible.iter().copied().map(BackendKey).collect();
+        Maglev::new(&keys, table_size)
+    }
+}
+
+/// Applies that build at least this many tables build them on another thread
+/// ([`LbSync::upsert_with_table_builder`]); smaller ones stay on one (a thread
+/// costs tens of microseconds, a table of 1,021 slots about ten).
+const PARALLEL_TABLES: usize = 256;
+
+/// Services per chunk of [`LbSync::upsert_with_table_builder`]: their backends
+/// go to the kernel in one batch write.
+const TABLE_CHUNK: usize = 512;
+
+/// Chunks of tables built ahead of the one being written (at 1,021 slots, a
+/// chunk's tables take ~0.5 MB).
+const TABLE_CHUNKS_AHEAD: usize = 1;
 
 /// The sync engine: desired state from the cache, written into [`LbMaps`] by diff.
 pub struct LbSync<M> {
@@ -462,26 +528,48 @@ impl<M: LbMaps> LbSync<M> {
         for key in &delta.removed {
             self.remove_service(key, now)?;
         }
-        // Every service's backends first, then every service's tables and
-        // frontends: the backends of a full sync then reach the kernel in a few
-        // batch writes before the first table names them.
-        let mut desired = Vec::with_capacity(delta.upserted.len());
-        for view in &delta.upserted {
-            desired.push(self.prepare_backends(view, now)?);
-        }
-        for (view, desired) in delta.upserted.iter().zip(desired) {
-            self.program_frontends(view, &desired)?;
+        let desired: Vec<Vec<DesiredFrontend>> = delta
+            .upserted
+            .iter()
+            .map(|view| self.desired(view))
+            .collect();
+        // Room for the backends at once (growing by doubling rehashed the index
+        // and copied the records ~17 times in a sync of 100,000 backends); a
+        // service's largest frontend counts (its others often list the same
+        // backends: never more room than needed).
+        let backends: usize = desired
+            .iter()
+            .map(|d| d.iter().map(|f| f.eligible.len()).max().unwrap_or(0))
+            .sum();
+        self.backends.reserve(backends);
+        let tables = desired.iter().flatten().filter(|f| f.needs_table()).count();
+        if tables >= PARALLEL_TABLES
+            && std::thread::available_parallelism().is_ok_and(|n| n.get() > 1)
+        {
+            self.upsert_with_table_builder(&delta.upserted, &desired, now)?;
+        } else {
+            // Every service's backends first, then every service's tables and
+            // frontends: the backends reach the kernel in one batch write before
+            // the first table names them.
+            let mut ids = Vec::with_capacity(desired.len());
+            for (view, desired) in delta.upserted.iter().zip(&desired) {
+                ids.push(self.prepare_backends(view, desired, now)?);
+            }
+            for ((view, desired), ids) in delta.upserted.iter().zip(&desired).zip(&ids) {
+                self.program_frontends(view, desired, ids, &mut std::iter::empty())?;
+            }
         }
         if delta.full {
-            // Backends adopted from the maps that no service claimed are freed, and
-            // every backend's state is checked.
-            let slots = self
+            // Backends adopted from the maps that no service claimed are freed. Every
+            // other one has a user, so some service of this delta took it up and
+            // brought its entry and state up to date (or left it touched).
+            let unclaimed = self
                 .backends
                 .iter()
-                .filter(|(_, b)| b.id != 0)
+                .filter(|(_, b)| b.id != 0 && b.users.is_empty())
                 .map(|(a, _)| *a);
-            self.unused.extend(slots.clone());
-            self.touched.extend(slots);
+            self.unused.extend(unclaimed.clone());
+            self.touched.extend(unclaimed);
             // Frontends adopted from the maps that no service claimed.
             let orphans: Vec<FrontendKey> = self
                 .frontends
@@ -496,6 +584,49 @@ impl<M: LbMaps> LbSync<M> {
         self.release_unused(now)?;
         self.stale = false;
         Ok(())
+    }
+
+    /// Upserts `views` (with their `desired` frontends) a chunk of services at a
+    /// time, each chunk's backends before its tables and frontends, while another
+    /// thread builds the Maglev tables of the chunks ahead: a table depends only on
+    /// the backend addresses (its slots hold indexes into them, mapped to ids when
+    /// stored), so the second core builds them while this one writes backends. At
+    /// most [`TABLE_CHUNKS_AHEAD`] chunks of tables wait (bounded memory).
+    fn upsert_with_table_builder(
+        &mut self,
+        views: &[ServiceView],
+        desired: &[Vec<DesiredFrontend>],
+        now: Instant,
+    ) -> Result<(), SyncError> {
+        let table_size = self.capacity.table_size;
+        std::thread::scope(|scope| {
+            let (send, receive) = std::sync::mpsc::sync_channel(TABLE_CHUNKS_AHEAD);
+            scope.spawn(move || {
+                for chunk in desired.chunks(TABLE_CHUNK) {
+                    let tables: Vec<Option<Result<Maglev, MaglevError>>> = chunk
+                        .iter()
+                        .flatten()
+                        .map(|f| f.needs_table().then(|| f.build_table(table_size)))
+                        .collect();
+                    // The receiver is gone when the apply failed: stop.
+                    if send.send(tables).is_err() {
+                        return;
+                    }
+                }
+            });
+            for (views, desired) in views.chunks(TABLE_CHUNK).zip(desired.chunks(TABLE_CHUNK)) {
+                let mut ids = Vec::with_capacity(desired.len());
+                for (view, desired) in views.iter().zip(desired) {
+                    ids.push(self.prepare_backends(view, desired, now)?);
+                }
+                // Without the builder (it panicked), tables are built here.
+                let mut tables = receive.recv().unwrap_or_default().into_iter();
+                for ((view, desired), ids) in views.iter().zip(desired).zip(&ids) {
+                    self.program_frontends(view, desired, ids, &mut tables)?;
+                }
+            }
+            Ok(())
+        })
     }
 
     /// Ends the drain of backends whose deadline passed (their flows are removed).
@@ -696,13 +827,12 @@ impl<M: LbMaps> LbSync<M> {
     fn prepare_backends(
         &mut self,
         view: &ServiceView,
+        desired: &[DesiredFrontend],
         now: Instant,
-    ) -> Result<Vec<DesiredFrontend>, SyncError> {
+    ) -> Result<BackendIds, SyncError> {
         let key = view.key();
         let spec = &view.service.spec;
         let drain = Duration::from_secs(u64::from(spec.drain_seconds));
-        let desired = self.desired(view);
-        let listed: HashSet<BackendAddr> = listed_backends(view);
 
         // Backend uses: eligible ones are active; ones that were in use (by this
         // service before, or in the maps after a restart) and no longer are drain.
@@ -716,7 +846,7 @@ impl<M: LbMaps> LbSync<M> {
         // in the heap between longer-lived objects).
         uses.active
             .reserve_exact(desired.iter().map(|f| f.eligible.len()).sum());
-        for f in &desired {
+        for f in desired {
             for addr in &f.eligible {
                 uses.insert(BackendAddr::from(*addr), Use::Active);
             }
@@ -732,73 +862,107 @@ impl<M: LbMaps> LbSync<M> {
                 }
             }
         }
-        for addr in &listed {
+        // (An address listed twice is in `uses` after its first time.)
+        for addr in listed_backends(view) {
             let adopted = self
                 .backends
-                .get(addr)
+                .get(&addr)
                 .is_some_and(|b| b.id != 0 && b.state != 0);
-            if adopted && !uses.contains_key(addr) && !previous.contains_key(addr) {
+            if adopted && !uses.contains_key(&addr) && !previous.contains_key(&addr) {
                 // In the maps from before a restart: let its flows drain.
-                uses.insert(*addr, Use::Draining { until: now + drain });
+                uses.insert(addr, Use::Draining { until: now + drain });
             }
         }
 
         // Which frontends lead to each backend: from the listed endpoints, plus what
         // led there before while the use lasts (flows through a frontend that no
         // longer leads to a backend still get their replies translated).
-        let mut derived = reach_of(view);
-        derived.normalize(|_| true);
-        let mut reach = derived.clone();
-        if let Some(old) = self.services.get(&key) {
-            reach.0.extend(old.reach.0.iter().copied());
-            if let Some(old_view) = &old.view {
-                reach.0.extend(reach_of(old_view).0);
+        // Only what the new view does not give is kept: nothing for a service
+        // without an earlier state (every service of a start).
+        let old = self
+            .services
+            .get(&key)
+            .filter(|old| old.view.is_some() || !old.reach.0.is_empty());
+        let reach = match old {
+            None => Reach::default(),
+            Some(old) => {
+                let mut derived = reach_of(view);
+                derived.normalize(|_| true);
+                let mut reach = derived.clone();
+                reach.0.extend(old.reach.0.iter().copied());
+                if let Some(old_view) = &old.view {
+                    reach.0.extend(reach_of(old_view).0);
+                }
+                reach.normalize(|addr| uses.contains_key(addr));
+                reach
+                    .0
+                    .retain(|pair| derived.0.binary_search(pair).is_err());
+                reach.0.shrink_to_fit();
+                reach
             }
-        }
-        reach.normalize(|addr| uses.contains_key(addr));
-        // Only what the new view does not give is kept.
-        reach
-            .0
-            .retain(|pair| derived.0.binary_search(pair).is_err());
-        reach.0.shrink_to_fit();
+        };
 
         // 1. Backends and their reverse-NAT entries, before any table names them.
         // In address order (`uses` is sorted): ids must not depend on hash order
         // (same maps for the same input, on every run).
         let addrs: Vec<BackendAddr> = uses.keys().copied().collect();
-        if !self.services.contains_key(&key) {
-            self.services
-                .insert(Arc::new(key.clone()), ServiceState::default());
-        }
+        let shared = match self.services.get_key_value(&key) {
+            Some((shared, _)) => shared.clone(),
+            None => {
+                let shared = Arc::new(key.clone());
+                self.services
+                    .insert(shared.clone(), ServiceState::default());
+                shared
+            }
+        };
         self.set_uses(&key, uses);
         if let Some(state) = self.services.get_mut(&key) {
-            state.reach = reach;
+            state.reach = reach.clone();
             state.view = Some(view.clone());
         }
+        let mut ids = Vec::with_capacity(addrs.len());
         for addr in &addrs {
-            self.ensure_backend(*addr)?;
+            ids.push(self.ensure_backend(*addr)?);
         }
+        let known = KnownService {
+            key: &shared,
+            reach: &reach,
+            view,
+        };
+        let mut settled = Vec::with_capacity(addrs.len());
         for addr in &addrs {
-            self.write_revnat(*addr, true)?;
+            if self.write_revnat(*addr, true, Some(known))? {
+                settled.push(*addr);
+            }
         }
         // Only this service's backends can have changed state (the rest are brought
         // up to date by `release_unused` at the end of every apply).
         self.refresh_backend_states_of(addrs.iter().chain(previous.keys()))?;
-        Ok(desired)
+        // Backends whose entry and state are now what their uses ask for need no
+        // second look at the end of the apply (a later change to their uses touches
+        // them again); the others keep frontends only `release_unused` drops.
+        for addr in &settled {
+            self.touched.remove(addr);
+        }
+        Ok(BackendIds { addrs, ids })
     }
 
     /// Second half of a service's upsert: its tables and frontends (after
     /// [`Self::prepare_backends`] put their backends in the maps), and the removal
-    /// of frontends it no longer has.
+    /// of frontends it no longer has. `ids` is what the first half returned;
+    /// `tables` holds, one per desired frontend, the table built elsewhere, if it
+    /// was (else it is built here).
     fn program_frontends(
         &mut self,
         view: &ServiceView,
         desired: &[DesiredFrontend],
+        ids: &BackendIds,
+        tables: &mut impl Iterator<Item = Option<Result<Maglev, MaglevError>>>,
     ) -> Result<(), SyncError> {
         let key = view.key();
         let mut keep = BTreeSet::new();
         for f in desired {
-            self.write_frontend(&key, f)?;
+            self.write_frontend(&key, f, ids, tables.next().flatten())?;
             keep.insert(f.key);
         }
         let old_frontends = self
@@ -816,8 +980,39 @@ impl<M: LbMaps> LbSync<M> {
         Ok(())
     }
 
-    /// The frontends `view` asks for, each with its eligible backends (sorted).
+    /// The frontends `view` asks for, each with its eligible backends (sorted), and
+    /// whether the maps hold its table for exactly those backends already: the
+    /// service owned the frontend and had the same eligible backends when last
+    /// applied (their ids cannot have changed: a backend keeps its slot while a
+    /// service has it in a table), and no write failed since.
     fn desired(&self, view: &ServiceView) -> Vec<DesiredFrontend> {
+        let mut out = self.frontends_of(view);
+        let key = view.key();
+        let before = self
+            .services
+            .get(&key)
+            .and_then(|s| s.view.as_ref())
+            .map(|old| self.frontends_of(old));
+        let (Some(before), false) = (before, self.stale) else {
+            return out;
+        };
+        let table_size = self.capacity.table_size;
+        for f in &mut out {
+            let owned = self.frontends.get(&f.key).filter(|existing| {
+                existing.service.as_deref() == Some(&key)
+                    && existing.value.maglev_size
+                        == if f.eligible.is_empty() { 0 } else { table_size }
+            });
+            f.keep_table = owned.is_some()
+                && before
+                    .iter()
+                    .any(|old| old.key == f.key && old.eligible == f.eligible);
+        }
+        out
+    }
+
+    /// The frontends `view` asks for, each with its eligible backends (sorted).
+    fn frontends_of(&self, view: &ServiceView) -> Vec<DesiredFrontend> {
         let spec = &view.service.spec;
         if spec.discovery.headless {
             return Vec::new();
@@ -835,6 +1030,7 @@ impl<M: LbMaps> LbSync<M> {
                     key: frontend_key(*vip, port.port, proto),
                     eligible,
                     affinity_timeout,
+                    keep_table: false,
                 });
             }
         }
@@ -844,29 +1040,49 @@ impl<M: LbMaps> LbSync<M> {
     /// Writes backend `addr`'s reverse-NAT entry when it differs from the maps: the
     /// frontends of every service using it that lead to it. With `grow`, frontends
     /// the entry already lists are kept (mid-apply, tables may still name them).
-    /// Entries of backends without a slot are left to `release_unused`.
-    fn write_revnat(&mut self, addr: BackendAddr, grow: bool) -> Result<(), SyncError> {
+    /// Entries of backends without a slot are left to `release_unused`. `known`
+    /// is a user's state at hand (not looked up again).
+    ///
+    /// Returns whether the entry now lists exactly those frontends (with `grow`, it
+    /// may list more, for `release_unused` to drop at the end of the apply).
+    fn write_revnat(
+        &mut self,
+        addr: BackendAddr,
+        grow: bool,
+        known: Option<KnownService<'_>>,
+    ) -> Result<bool, SyncError> {
         let Some(backend) = self.backends.get(&addr).filter(|b| b.id != 0) else {
-            return Ok(());
+            return Ok(true);
         };
         let id = backend.id;
-        let key = revnat_key(addr.socket_addr());
         let mut want = Frontends::new();
         for service in backend.users.iter() {
-            if let Some(state) = self.services.get(&**service) {
-                want.extend(state.reach.of(addr).copied());
-                if let Some(view) = &state.view {
-                    want.extend(frontends_to(view, addr));
-                }
+            let (reach, view) = match known {
+                Some(k) if Arc::ptr_eq(service, k.key) => (k.reach, Some(k.view)),
+                _ => match self.services.get(&**service) {
+                    Some(state) => (&state.reach, state.view.as_ref()),
+                    None => continue,
+                },
+            };
+            want.extend(reach.of(addr).copied());
+            if let Some(view) = view {
+                want.extend(frontends_to(view, addr));
             }
-        }
-        let have = backend.revnat_written.then_some(&backend.revnat);
-        if grow && let Some(frontends) = have {
-            want.extend(frontends.iter());
         }
         // Sorted and unique: the same list for the same frontends.
         want.sort_unstable();
         want.dedup();
+        let have = backend.revnat_written.then_some(&backend.revnat);
+        let mut exact = true;
+        if grow
+            && let Some(frontends) = have
+            && !frontends.within(&want)
+        {
+            want.extend(frontends.iter());
+            want.sort_unstable();
+            want.dedup();
+            exact = false;
+        }
         if want.len() > REVNAT_MAX_FRONTENDS {
             tracing::warn!(
                 backend = %addr.socket_addr(),
@@ -877,8 +1093,9 @@ impl<M: LbMaps> LbSync<M> {
             want.truncate(REVNAT_MAX_FRONTENDS);
         }
         if have.is_some_and(|f| f.matches(&want)) {
-            return Ok(());
+            return Ok(exact);
         }
+        let key = revnat_key(addr.socket_addr());
         if want.is_empty() {
             if have.is_some() {
                 self.maps.delete_revnat(&key)?;
@@ -887,7 +1104,7 @@ impl<M: LbMaps> LbSync<M> {
                     b.revnat = Listed::Empty;
                 }
             }
-            return Ok(());
+            return Ok(exact);
         }
         let mut value = RevNatValue {
             backend_id: id,
@@ -902,12 +1119,13 @@ impl<M: LbMaps> LbSync<M> {
             b.revnat_written = true;
             b.revnat = want.into();
         }
-        Ok(())
+        Ok(exact)
     }
 
-    fn ensure_backend(&mut self, addr: BackendAddr) -> Result<(), SyncError> {
-        if self.slot_of(&addr).is_some() {
-            return Ok(());
+    /// Gives backend `addr` a slot unless it has one; returns the slot's id.
+    fn ensure_backend(&mut self, addr: BackendAddr) -> Result<u32, SyncError> {
+        if let Some(id) = self.slot_of(&addr) {
+            return Ok(id);
         }
         let id = self.free_backends.pop_first().ok_or(SyncError::Full {
             what: "backends",
@@ -922,7 +1140,7 @@ impl<M: LbMaps> LbSync<M> {
         let b = self.backends.get_or_default(addr);
         b.id = id;
         b.state = BACKEND_ACTIVE;
-        Ok(())
+        Ok(id)
     }
 
     /// Writes the state of the backends at `addrs` (active when some service has
@@ -939,10 +1157,15 @@ impl<M: LbMaps> LbSync<M> {
         Ok(())
     }
 
+    /// Writes frontend `f` of `service` and its table (`built`, when built
+    /// elsewhere; else built here unless the maps hold it already), its backends'
+    /// ids taken from `known` (the service's, as its upsert left them).
     fn write_frontend(
         &mut self,
         service: &ServiceKey,
         f: &DesiredFrontend,
+        known: &BackendIds,
+        built: Option<Result<Maglev, MaglevError>>,
     ) -> Result<(), SyncError> {
         let existing = self.frontends.get(&f.key).cloned();
         if let Some(Frontend {
@@ -963,37 +1186,30 @@ impl<M: LbMaps> LbSync<M> {
                 setting: "--lb-max-frontends",
             })?,
         };
-        let ids: Vec<u32> = f
-            .eligible
-            .iter()
-            .filter_map(|a| self.backend_id(a))
-            .collect();
         let table_size = self.capacity.table_size;
-        let maglev_size = if ids.is_empty() {
+        // Still this service's table (another service of this delta may have
+        // claimed the frontend since `desired` looked).
+        let keep_table = f.keep_table
+            && existing
+                .as_ref()
+                .is_some_and(|e| e.service.as_deref() == Some(service));
+        let ids: Vec<u32> = if keep_table {
+            Vec::new()
+        } else {
+            f.eligible
+                .iter()
+                .filter_map(|a| known.get(a).or_else(|| self.backend_id(a)))
+                .collect()
+        };
+        let maglev_size = if let (true, Some(e)) = (keep_table, &existing) {
+            e.value.maglev_size
+        } else if ids.is_empty() {
             0
         } else {
-            let keys: Vec<BackendKey> = f.eligible.iter().copied().map(BackendKey).collect();
-            match Maglev::new(&keys, table_size) {
+            match built.unwrap_or_else(|| f.build_table(table_size)) {
                 Ok(maglev) => {
                     // Only the slots that differ are stored.
-                    let changes: Result<Vec<(usize, u32)>, MapsError> =
-                        self.maps.table(id).map(|table| {
-                            table
-                                .iter()
-                                .zip(maglev.slots())
-                                .enumerate()
-                                .filter(|(_, (have, index))| **have != ids[*index])
-                                .map(|(slot, (_, index))| (slot, ids[index]))
-                                .collect()
-                        });
-                    let written = changes.and_then(|changes| {
-                        if changes.is_empty() {
-                            Ok(())
-                        } else {
-                            self.maps.set_slots(id, &changes)
-                        }
-                    });
-                    if let Err(e) = written {
+                    if let Err(e) = self.maps.write_table(id, &maglev.map_slots(&ids)) {
                         if existing.is_none() {
                             self.free_frontends.insert(id);
                         }
@@ -1104,7 +1320,7 @@ impl<M: LbMaps> LbSync<M> {
         self.touched.shrink_to(SCRATCH_CAPACITY);
         touched.sort_unstable();
         for addr in &touched {
-            self.write_revnat(*addr, false)?;
+            self.write_revnat(*addr, false, None)?;
         }
         self.refresh_backend_states_of(touched.iter())
     }
@@ -1192,23 +1408,18 @@ fn refresh_backend_state<M: LbMaps>(
     Ok(())
 }
 
-/// Every endpoint address × port of `view` (any state).
-fn listed_backends(view: &ServiceView) -> HashSet<BackendAddr> {
-    let Some(endpoints) = &view.endpoints else {
-        return HashSet::default();
-    };
-    view.service
-        .spec
-        .ports
-        .iter()
-        .flat_map(|p| {
-            endpoints
-                .spec
-                .endpoints
-                .iter()
-                .map(move |e| SocketAddr::new(e.address, vip::endpoint_port(e, p)).into())
-        })
-        .collect()
+/// Every endpoint address × port of `view` (any state; an address may come twice).
+fn listed_backends(view: &ServiceView) -> impl Iterator<Item = BackendAddr> + '_ {
+    let endpoints = view
+        .endpoints
+        .as_ref()
+        .map(|e| &e.spec.endpoints[..])
+        .unwrap_or_default();
+    view.service.spec.ports.iter().flat_map(move |p| {
+        endpoints
+            .iter()
+            .map(move |e| SocketAddr::new(e.address, vip::endpoint_port(e, p)).into())
+    })
 }
 
 /// For every endpoint address × port of `view`, the frontends (VIP of the same
@@ -1359,9 +1570,18 @@ pub fn frontend_key(vip: IpAddr, port: u16, proto: u8) -> FrontendKey {
 /// The map value of backend `addr` in `state`.
 #[must_use]
 pub fn backend_value(addr: SocketAddr, state: u8) -> Backend {
-    let (octets, family) = match addr.ip() {
-        IpAddr::V4(a) => (a.octets().to_vec(), FAMILY_V4),
-        IpAddr::V6(a) => (a.octets().to_vec(), FAMILY_V6),
+    // An IPv4 address in the first four octets, the rest zero: the same words as
+    // its four octets alone (and no allocation).
+    let mut octets = [0u8; 16];
+    let family = match addr.ip() {
+        IpAddr::V4(a) => {
+            octets[..4].copy_from_slice(&a.octets());
+            FAMILY_V4
+        }
+        IpAddr::V6(a) => {
+            octets = a.octets();
+            FAMILY_V6
+        }
     };
     Backend {
         addr: addr_from_octets(&octets),

@@ -817,3 +817,64 @@ fn keys_and_values_are_in_network_order_and_round_trip() {
     assert_eq!(&b.addr[1..], [0, 0, 0]);
     assert_eq!(backend_addr(&Backend::default()), None);
 }
+
+/// `count` services, each with its own VIP and three endpoints, the last one of
+/// every fifth service also in the next service (shared backends).
+fn many_services(count: u32) -> String {
+    let mut yaml = String::new();
+    for i in 0..count {
+        let vip = format!("198.18.{}.{}", 100 + i / 250, i % 250 + 1);
+        let (a, b) = (i / 200, i % 200);
+        let shared = if i % 5 == 4 { i + 1 } else { i };
+        let _ = write!(
+            yaml,
+            "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: s{i:04}}}\n\
+             spec: {{ports: [{{port: 80, targetPort: 8080}}], discovery: {{vips: [{vip}]}}}}\n\
+             ---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: s{i:04}}}\n\
+             spec: {{endpoints: [{{address: 198.18.{a}.{b}}}, {{address: 198.18.{}.{b}}}, \
+             {{address: 198.18.{}.{}}}]}}\n---\n",
+            a + 10,
+            20 + shared / 200,
+            shared % 200,
+        );
+    }
+    yaml
+}
+
+/// A full sync large enough to build its tables on a second thread, a chunk of
+/// services at a time, ends with the same maps (ids included) as the same
+/// services applied in deltas small enough for one thread; and a second full
+/// sync of the same services (whose tables are kept, not rebuilt) writes nothing.
+#[test]
+fn tables_built_on_another_thread_give_the_same_maps() {
+    let capacity = Capacity {
+        frontends: 1200,
+        backends: 4096,
+        table_size: 31,
+        flows: 64,
+    };
+    let yaml = many_services(1100);
+    let now = Instant::now();
+    let mut parallel = LbSync::new(FakeMaps::new(capacity), NODE);
+    parallel.apply(&full(&yaml), now).unwrap();
+    check_invariants(parallel.maps());
+
+    let all = full(&yaml);
+    let mut sequential = LbSync::new(FakeMaps::new(capacity), NODE);
+    for (i, chunk) in all.upserted.chunks(100).enumerate() {
+        let delta = Delta {
+            revision: 1,
+            // The first adopts the (empty) maps.
+            full: i == 0,
+            upserted: chunk.to_vec(),
+            removed: Vec::new(),
+        };
+        sequential.apply(&delta, now).unwrap();
+    }
+    assert_eq!(parallel.frontends().len(), 1100);
+    assert_eq!(dump(parallel.maps(), true), dump(sequential.maps(), true));
+
+    parallel.maps_mut().writes.clear();
+    parallel.apply(&full(&yaml), now).unwrap();
+    assert_eq!(parallel.maps().writes, Vec::<String>::new());
+}
