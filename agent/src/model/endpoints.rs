@@ -24,7 +24,7 @@ pub struct Endpoints {
 #[serde(deny_unknown_fields)]
 pub struct EndpointsSpec {
     /// One entry per backend address.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::exact_vec")]
     pub endpoints: Vec<Endpoint>,
 }
 

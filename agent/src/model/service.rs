@@ -19,7 +19,7 @@ pub struct Service {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct ServiceSpec {
     /// The ports the service listens on.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::exact_vec")]
     pub ports: Vec<ServicePort>,
     /// VIPs and how clients find the service.
     #[serde(default)]
@@ -99,7 +99,11 @@ impl fmt::Display for Protocol {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Discovery {
     /// Virtual IPs, at most one per address family.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(
+        default,
+        deserialize_with = "super::exact_vec",
+        skip_serializing_if = "Vec::is_empty"
+    )]
     pub vips: Vec<IpAddr>,
     /// Whether to prefer or require endpoints on this node.
     #[serde(default)]

@@ -190,6 +190,29 @@ fn stored_documents_are_read_in_one_pass() {
         assert_eq!(one_pass.0, obj);
         assert_eq!(parse_stored(&text).unwrap(), obj);
     }
+    // Lists are sized to their length, whichever way they were read.
+    let many: Vec<String> = (1..=20)
+        .map(|i| format!(r#"{{"address":"198.18.1.{i}"}}"#))
+        .collect();
+    let text = format!(
+        r#"{{"apiVersion":"rune/v1","kind":"Endpoints","metadata":{{"name":"web"}},"spec":{{"endpoints":[{}]}}}}"#,
+        many.join(",")
+    );
+    for n in [3, 20] {
+        let text = text.replacen(
+            &many[n..]
+                .iter()
+                .map(|m| format!(",{m}"))
+                .collect::<String>(),
+            "",
+            1,
+        );
+        let Object::Endpoints(e) = parse_stored(&text).unwrap() else {
+            panic!("not endpoints")
+        };
+        assert_eq!(e.spec.endpoints.len(), n);
+        assert_eq!(e.spec.endpoints.capacity(), n, "spare capacity kept");
+    }
     let reordered = r#"{"spec":{"endpoints":[{"address":"198.18.1.2"}]},"metadata":{"name":"web"},"kind":"Endpoints","apiVersion":"rune/v1"}"#;
     let duplicate = r#"{"apiVersion":"rune/v1","kind":"Endpoints","kind":"Endpoints","metadata":{"name":"web"},"spec":{"endpoints":[{"address":"198.18.1.2"}]}}"#;
     for text in [reordered, duplicate] {
