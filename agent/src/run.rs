@@ -16,14 +16,11 @@ use crate::{
         reconciler::Reconciler,
     },
     dns::{DnsConfig, DnsServer, DnsState, ForwardConfig, ZoneConfig},
-    endpoints::{CacheFeed, EndpointCache},
+    endpoints::{CacheFeed, EndpointCache, read_first_snapshot},
     identity::Identity,
     localapi::{self, LocalApiServer, StatusFn},
     metrics::{Metrics, MetricsServer},
-    orderedlog::{
-        OrderedLog as _,
-        embedded::{EmbeddedLog, EmbeddedOptions},
-    },
+    orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
     preflight::{self, DataplaneMode},
     status::{AgentStatus, NodeStatus, SubsystemLine},
 };
@@ -49,15 +46,12 @@ pub async fn run(config: Config) -> Result<()> {
             history: config.log_history,
         },
     )?);
-    // The first snapshot is read (on the blocking pool) while preflight and the data
-    // plane's load run: at 10,000 services each takes a few hundred milliseconds, and
-    // the two cores of a small node do them side by side.
-    let first_snapshot = {
-        let store = store.clone();
-        tokio::spawn(async move { store.snapshot().await })
-    };
     let metrics = Arc::new(Metrics::new());
     let cache = Arc::new(EndpointCache::new());
+    // The first snapshot is read into the cache (on the blocking pool) while
+    // preflight and the data plane's load run: at 10,000 services each takes a few
+    // hundred milliseconds, and the two cores of a small node do them side by side.
+    let first_snapshot = read_first_snapshot(store.clone(), cache.clone());
     // Production runs preflight first; dev mode always uses the loopback proxies.
     let (plane, selected): (Arc<dyn DataPlane>, _) = match mode {
         Mode::Dev => (

@@ -247,19 +247,30 @@ async fn the_feed_resyncs_after_a_compaction() {
 #[tokio::test]
 async fn the_feed_starts_from_a_snapshot_read_earlier() {
     let log = Arc::new(CompactingLog {
-        snapshots: Mutex::new(vec![Snapshot {
-            revision: 5,
-            objects: vec![service("b", 81)],
-        }]),
+        snapshots: Mutex::new(vec![
+            Snapshot {
+                revision: 1,
+                objects: vec![service("a", 80)],
+            },
+            Snapshot {
+                revision: 5,
+                objects: vec![service("b", 81)],
+            },
+        ]),
         watches: Mutex::new(0),
     });
-    let early = tokio::spawn(async {
-        Ok(Snapshot {
-            revision: 1,
-            objects: vec![service("a", 80)],
-        })
-    });
-    let cache = Arc::new(EndpointCache::loaded());
+    let cache = Arc::new(EndpointCache::new());
+    // The early read takes its snapshot (revision 1) into the cache by itself,
+    // before any feed runs.
+    let early = read_first_snapshot(log.clone(), cache.clone());
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while cache.revision() != 1 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the early read loaded the cache");
+    assert!(cache.view(&ServiceKey::new("default", "a")).is_some());
     let metrics = Arc::new(Metrics::new());
     let feed = CacheFeed::new(log.clone(), cache.clone(), metrics).with_first_snapshot(early);
     let ctx = StartContext::new(CancellationToken::new(), crate::agent::Mode::Dev);
