@@ -519,10 +519,14 @@ async fn follow(
     };
     loop {
         let early = match first.take() {
-            Some(read) => tokio::select! {
-                () = cancel.cancelled() => return,
+            Some(mut read) => tokio::select! {
+                () = cancel.cancelled() => {
+                    // Not left to fill the cache after this feed is gone.
+                    read.abort();
+                    return;
+                }
                 // A read task that panicked or was cancelled: read again below.
-                r = read => r.ok(),
+                r = &mut read => r.ok(),
             },
             None => None,
         };

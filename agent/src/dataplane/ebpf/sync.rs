@@ -601,7 +601,7 @@ impl<M: LbMaps> LbSync<M> {
         let table_size = self.capacity.table_size;
         std::thread::scope(|scope| {
             let (send, receive) = std::sync::mpsc::sync_channel(TABLE_CHUNKS_AHEAD);
-            scope.spawn(move || {
+            let builder = scope.spawn(move || {
                 for chunk in desired.chunks(TABLE_CHUNK) {
                     let tables: Vec<Option<Result<Maglev, MaglevError>>> = chunk
                         .iter()
@@ -614,18 +614,27 @@ impl<M: LbMaps> LbSync<M> {
                     }
                 }
             });
-            for (views, desired) in views.chunks(TABLE_CHUNK).zip(desired.chunks(TABLE_CHUNK)) {
-                let mut ids = Vec::with_capacity(desired.len());
-                for (view, desired) in views.iter().zip(desired) {
-                    ids.push(self.prepare_backends(view, desired, now)?);
+            let mut upsert = || {
+                for (views, desired) in views.chunks(TABLE_CHUNK).zip(desired.chunks(TABLE_CHUNK)) {
+                    let mut ids = Vec::with_capacity(desired.len());
+                    for (view, desired) in views.iter().zip(desired) {
+                        ids.push(self.prepare_backends(view, desired, now)?);
+                    }
+                    // Without the builder (it panicked), tables are built here.
+                    let mut tables = receive.recv().unwrap_or_default().into_iter();
+                    for ((view, desired), ids) in views.iter().zip(desired).zip(&ids) {
+                        self.program_frontends(view, desired, ids, &mut tables)?;
+                    }
                 }
-                // Without the builder (it panicked), tables are built here.
-                let mut tables = receive.recv().unwrap_or_default().into_iter();
-                for ((view, desired), ids) in views.iter().zip(desired).zip(&ids) {
-                    self.program_frontends(view, desired, ids, &mut tables)?;
-                }
-            }
-            Ok(())
+                Ok(())
+            };
+            let result = upsert();
+            // The builder stops at its next send, and is joined here by hand: a
+            // panic of its own was made up for above, and `scope` would repeat it
+            // for a thread nobody joined.
+            drop(receive);
+            let _ = builder.join();
+            result
         })
     }
 
@@ -984,7 +993,10 @@ impl<M: LbMaps> LbSync<M> {
     /// whether the maps hold its table for exactly those backends already: the
     /// service owned the frontend and had the same eligible backends when last
     /// applied (their ids cannot have changed: a backend keeps its slot while a
-    /// service has it in a table), and no write failed since.
+    /// service has it in a table), and no write failed since. After a failed apply
+    /// the next one must be a full delta (the reconciler asks for one), whose
+    /// adoption leaves no frontend owned: a partial delta would clear `stale` with
+    /// a table the failed apply left behind still trusted.
     fn desired(&self, view: &ServiceView) -> Vec<DesiredFrontend> {
         let mut out = self.frontends_of(view);
         let key = view.key();
