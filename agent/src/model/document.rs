@@ -101,11 +101,11 @@ impl<'de> serde::de::Visitor<'de> for StoredVisitor {
                     api_version = true;
                 }
                 StoredKey::Kind if kind.is_none() => {
-                    kind = Some(match map.next_value::<String>()?.as_str() {
-                        "Service" => Kind::Service,
-                        "Endpoints" => Kind::Endpoints,
-                        _ => return Err(A::Error::custom("unknown kind")),
-                    });
+                    let name: String = map.next_value()?;
+                    kind = Some(
+                        Kind::from_document(&name)
+                            .ok_or_else(|| A::Error::custom("unknown kind"))?,
+                    );
                 }
                 StoredKey::Metadata if metadata.is_none() => metadata = Some(map.next_value()?),
                 StoredKey::Spec if spec.is_none() => {
@@ -164,10 +164,9 @@ fn parse_value(index: usize, mut value: Value) -> Result<Object, ModelError> {
         None => return Err(ModelError::invalid(doc, "apiVersion", "missing")),
     }
     let kind = match map.remove("kind") {
-        Some(Value::String(k)) => match k.as_str() {
-            "Service" => Kind::Service,
-            "Endpoints" => Kind::Endpoints,
-            _ => {
+        Some(Value::String(k)) => match Kind::from_document(&k) {
+            Some(kind) => kind,
+            None => {
                 return Err(ModelError::invalid(
                     doc,
                     "kind",

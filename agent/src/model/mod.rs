@@ -52,6 +52,11 @@ impl Kind {
         }
     }
 
+    /// The kind named exactly as documents write it ([`Kind::as_str`]).
+    pub fn from_document(s: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+
     /// Parses a kind as users type it on the command line: `Service`, `service`,
     /// `services`, `svc`, `Endpoints`, `endpoints`, `ep`.
     pub fn parse(s: &str) -> Option<Kind> {
