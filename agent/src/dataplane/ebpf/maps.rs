@@ -9,8 +9,8 @@
 use super::{batch, loader::PinnedBefore, stats};
 use agent_common::filter::VIP_FILTER_WORDS;
 use agent_common::lb::{
-    self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, RevNatKey,
-    RevNatValue, ServiceKeyV4, ServiceKeyV6, ServiceValue, TrafficStats,
+    self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, ServiceKeyV4,
+    ServiceKeyV6, ServiceValue, TrafficStats,
 };
 use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, MapError, PerCpuArray};
 use std::{
@@ -78,14 +78,8 @@ pub trait LbMaps: Send {
     fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), MapsError>;
     /// Writes backend slot `id` (a zeroed backend frees it).
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<(), MapsError>;
-    /// Every reverse-NAT index entry (backend address → frontends leading to it).
-    fn revnats(&self) -> Result<Vec<(RevNatKey, RevNatValue)>, MapsError>;
-    /// Inserts or replaces a backend's reverse-NAT index entry.
-    fn put_revnat(&mut self, key: &RevNatKey, value: &RevNatValue) -> Result<(), MapsError>;
     /// Writes words of the VIP prefilter (`agent_common::filter`): (index, word).
     fn put_vip_filter(&mut self, words: &[(u32, u64)]) -> Result<(), MapsError>;
-    /// Removes a backend's reverse-NAT index entry (absent is fine).
-    fn delete_revnat(&mut self, key: &RevNatKey) -> Result<(), MapsError>;
     /// Frontend `id`'s Maglev table, for reading.
     fn table(&self, id: u32) -> Result<&[u32], MapsError>;
     /// Stores `(slot, backend id)` pairs into frontend `id`'s table (only the slots
@@ -127,9 +121,9 @@ pub trait LbMaps: Send {
     fn drops(&self) -> Result<Vec<(DropReason, u64)>, MapsError>;
     /// Conntrack entries in use (both families), for map-pressure metrics.
     fn flows(&self) -> Result<usize, MapsError>;
-    /// Writes what earlier calls queued (the kernel maps batch backend, reverse-NAT
-    /// and frontend writes, see [`KernelMaps`]); called at the end of every sync and
-    /// before the maps are read back.
+    /// Writes what earlier calls queued (the kernel maps batch backend and frontend
+    /// writes, see [`KernelMaps`]); called at the end of every sync and before the
+    /// maps are read back.
     fn flush(&mut self) -> Result<(), MapsError> {
         Ok(())
     }
@@ -145,7 +139,6 @@ pub struct KernelMaps {
     backends: Array<MapData, Backend>,
     ct_v4: HashMap<MapData, CtKeyV4, CtValue>,
     ct_v6: HashMap<MapData, CtKeyV6, CtValue>,
-    revnat: HashMap<MapData, RevNatKey, RevNatValue>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     svc_stats: Array<MapData, TrafficStats>,
     backend_stats: Array<MapData, TrafficStats>,
@@ -170,24 +163,21 @@ pub struct KernelMaps {
 struct Unwritten {
     frontends: bool,
     backends: bool,
-    revnat: bool,
 }
 
 /// Writes to the kernel maps, queued so that a sync makes one `bpf()` call per map
-/// instead of one per element (a full sync of 100,000 backends: ~200,000 calls).
+/// instead of one per element (a full sync of 100,000 backends: ~100,000 calls).
 ///
 /// Order is kept where it matters: a table slot is only written (through memory)
-/// after the queued backends and reverse-NAT entries are in the maps, so a table
-/// never names a backend the kernel does not have yet; frontends go last in every
-/// flush, after their tables; a delete or a conntrack purge first writes everything
-/// queued, so no queued write lands after it. Within one map, elements are written
-/// in the order they were queued (a later write of the same key wins).
+/// after the queued backends are in the maps, so a table never names a backend the
+/// kernel does not have yet; frontends go last in every flush, after their tables;
+/// a delete or a conntrack purge first writes everything queued, so no queued write
+/// lands after it. Within one map, elements are written in the order they were
+/// queued (a later write of the same key wins).
 #[derive(Default)]
 struct Pending {
     backend_ids: Vec<u32>,
     backends: Vec<Backend>,
-    revnat_keys: Vec<RevNatKey>,
-    revnat_values: Vec<RevNatValue>,
     v4_keys: Vec<ServiceKeyV4>,
     v4_values: Vec<ServiceValue>,
     v6_keys: Vec<ServiceKeyV6>,
@@ -195,13 +185,12 @@ struct Pending {
 }
 
 /// Queued writes per map before they are written anyway (bounds the queue's memory:
-/// ~2.7 MB of reverse-NAT values).
+/// at most 36 B per entry, an IPv6 frontend's key and value, ~0.6 MB per map).
 const MAX_PENDING: usize = 16_384;
 
 impl Pending {
     fn is_full(&self) -> bool {
         self.backend_ids.len() >= MAX_PENDING
-            || self.revnat_keys.len() >= MAX_PENDING
             || self.v4_keys.len() >= MAX_PENDING
             || self.v6_keys.len() >= MAX_PENDING
     }
@@ -440,7 +429,6 @@ impl KernelMaps {
             backends,
             ct_v4,
             ct_v6: typed(maps, lb::CONNTRACK_V6)?,
-            revnat: typed(maps, lb::REVNAT)?,
             affinity: typed(maps, lb::AFFINITY)?,
             svc_stats: typed(maps, lb::SERVICE_STATS)?,
             backend_stats: typed(maps, lb::BACKEND_STATS)?,
@@ -461,12 +449,11 @@ impl KernelMaps {
         self.unwritten = Unwritten {
             frontends: !pinned.frontends,
             backends: !pinned.backends,
-            revnat: !pinned.revnat,
         };
         self
     }
 
-    /// Writes the queued backends and reverse-NAT entries (what tables depend on).
+    /// Writes the queued backends (what tables depend on).
     fn flush_backends(&mut self) -> Result<(), MapsError> {
         let p = &mut self.pending;
         if !write_batch(
@@ -484,25 +471,10 @@ impl KernelMaps {
         }
         p.backend_ids.clear();
         p.backends.clear();
-        if !write_batch(
-            &mut self.batch_ok,
-            self.revnat.map(),
-            lb::REVNAT,
-            &p.revnat_keys,
-            &p.revnat_values,
-        )? {
-            for (k, v) in p.revnat_keys.iter().zip(&p.revnat_values) {
-                self.revnat
-                    .insert(k, v, 0)
-                    .map_err(|e| MapsError::new(lb::REVNAT, "insert", e))?;
-            }
-        }
-        p.revnat_keys.clear();
-        p.revnat_values.clear();
         Ok(())
     }
 
-    /// Writes everything queued: backends and reverse-NAT entries, then frontends.
+    /// Writes everything queued: backends, then frontends.
     fn flush_all(&mut self) -> Result<(), MapsError> {
         self.flush_backends()?;
         let p = &mut self.pending;
@@ -649,44 +621,6 @@ impl LbMaps for KernelMaps {
                 Ok(())
             }
             Err(e) => Err(MapsError::new(name, "delete", e)),
-        }
-    }
-
-    fn revnats(&self) -> Result<Vec<(RevNatKey, RevNatValue)>, MapsError> {
-        if self.unwritten.revnat {
-            return Ok(Vec::new());
-        }
-        // A few calls instead of two per entry (100,000 after a restart).
-        match batch::lookup_all::<RevNatKey, RevNatValue>(
-            self.revnat.map().fd().as_fd(),
-            self.capacity.backends,
-        ) {
-            Ok((keys, values)) => return Ok(keys.into_iter().zip(values).collect()),
-            Err(e) if batch::unsupported(&e) => {}
-            Err(e) => return Err(MapsError::new(lb::REVNAT, "batch read", e)),
-        }
-        self.revnat
-            .iter()
-            .map(|entry| entry.map_err(|e| MapsError::new(lb::REVNAT, "read", e)))
-            .collect()
-    }
-
-    fn put_revnat(&mut self, key: &RevNatKey, value: &RevNatValue) -> Result<(), MapsError> {
-        self.unwritten.revnat = false;
-        self.pending.revnat_keys.push(*key);
-        self.pending.revnat_values.push(*value);
-        self.flush_if_full()
-    }
-
-    fn delete_revnat(&mut self, key: &RevNatKey) -> Result<(), MapsError> {
-        self.unwritten.revnat = false;
-        self.flush_all()?;
-        match self.revnat.remove(key) {
-            Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
-            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
-                Ok(())
-            }
-            Err(e) => Err(MapsError::new(lb::REVNAT, "delete", e)),
         }
     }
 
@@ -857,8 +791,6 @@ impl LbMaps for KernelMaps {
         let p = &mut self.pending;
         p.backend_ids.shrink_to(64);
         p.backends.shrink_to(64);
-        p.revnat_keys.shrink_to(64);
-        p.revnat_values.shrink_to(64);
         p.v4_keys.shrink_to(64);
         p.v4_values.shrink_to(64);
         p.v6_keys.shrink_to(64);
@@ -877,8 +809,6 @@ pub struct FakeMaps {
     pub maglev: Vec<u32>,
     /// Backend ids of the "conntrack" entries (one per flow).
     pub flows: Vec<u32>,
-    /// The reverse-NAT index.
-    pub revnat: BTreeMap<RevNatKey, RevNatValue>,
     /// Every write made, in order (`put_frontend …`, `table {id}` when slots of that
     /// table change; reads are not writes), so tests can see what changed.
     pub writes: Vec<String>,
@@ -898,7 +828,6 @@ impl FakeMaps {
             backends: vec![Backend::default(); capacity.backends as usize],
             maglev: vec![0; capacity.frontends as usize * capacity.table_size as usize],
             flows: Vec::new(),
-            revnat: BTreeMap::new(),
             writes: Vec::new(),
             vip_filter: vec![0; VIP_FILTER_WORDS as usize],
             vip_filter_writes: 0,
@@ -943,19 +872,6 @@ impl LbMaps for FakeMaps {
         Ok(())
     }
 
-    fn revnats(&self) -> Result<Vec<(RevNatKey, RevNatValue)>, MapsError> {
-        Ok(self.revnat.iter().map(|(k, v)| (*k, *v)).collect())
-    }
-
-    fn put_revnat(&mut self, key: &RevNatKey, value: &RevNatValue) -> Result<(), MapsError> {
-        if !self.revnat.contains_key(key) && self.revnat.len() >= self.capacity.backends as usize {
-            return Err(MapsError::new(lb::REVNAT, "insert", "map full"));
-        }
-        self.writes.push(format!("put_revnat {key:?}"));
-        self.revnat.insert(*key, *value);
-        Ok(())
-    }
-
     fn put_vip_filter(&mut self, words: &[(u32, u64)]) -> Result<(), MapsError> {
         for &(index, word) in words {
             *self
@@ -965,12 +881,6 @@ impl LbMaps for FakeMaps {
                 word;
         }
         self.vip_filter_writes += words.len();
-        Ok(())
-    }
-
-    fn delete_revnat(&mut self, key: &RevNatKey) -> Result<(), MapsError> {
-        self.writes.push(format!("delete_revnat {key:?}"));
-        self.revnat.remove(key);
         Ok(())
     }
 
@@ -1071,20 +981,9 @@ impl<M: LbMaps> LbMaps for FaultyMaps<M> {
         self.write(lb::SERVICES_V4)?;
         self.inner.delete_frontend(key)
     }
-    fn revnats(&self) -> Result<Vec<(RevNatKey, RevNatValue)>, MapsError> {
-        self.inner.revnats()
-    }
-    fn put_revnat(&mut self, key: &RevNatKey, value: &RevNatValue) -> Result<(), MapsError> {
-        self.write(lb::REVNAT)?;
-        self.inner.put_revnat(key, value)
-    }
     fn put_vip_filter(&mut self, words: &[(u32, u64)]) -> Result<(), MapsError> {
         self.write(lb::VIP_FILTER)?;
         self.inner.put_vip_filter(words)
-    }
-    fn delete_revnat(&mut self, key: &RevNatKey) -> Result<(), MapsError> {
-        self.write(lb::REVNAT)?;
-        self.inner.delete_revnat(key)
     }
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<(), MapsError> {
         self.write(lb::BACKENDS)?;

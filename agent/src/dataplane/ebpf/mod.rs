@@ -132,7 +132,6 @@ impl EbpfDataPlane<KernelMaps> {
             lb::MAGLEV,
             lb::CONNTRACK_V4,
             lb::CONNTRACK_V6,
-            lb::REVNAT,
             lb::AFFINITY,
             lb::SERVICE_STATS,
             lb::BACKEND_STATS,

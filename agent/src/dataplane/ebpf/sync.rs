@@ -7,19 +7,20 @@
 //! stored (as Katran does), so an endpoint change rewrites about `1/N` of a table.
 //!
 //! Order of writes, so that a packet never meets a half-built service: the
-//! backends of every service in the delta first, then their reverse-NAT index
-//! entries (the frontends each backend can be reached through, so that replies of a
-//! new flow are translated back from its first packet on; entries only grow until
-//! the end of the apply), then each service's table slots and frontend entry, and
-//! only then the removal of backends nothing uses any more (with their conntrack and
-//! affinity entries). The kernel maps queue backend, reverse-NAT and frontend writes
-//! and hand them over in batches (see [`super::maps::KernelMaps`]), keeping this
-//! order: a full sync writes its 100,000 backends in a few dozen `bpf()` calls.
-//! A large delta goes a chunk of services at a time (each chunk's backends and
-//! reverse-NAT entries before its tables and frontends), while another thread
-//! builds the Maglev tables of the next chunk (a table depends only on the backend
-//! addresses; ids are mapped in when it is stored). A table the maps hold for the
-//! same eligible backends already is neither rebuilt nor compared.
+//! backends of every service in the delta first, then each service's table slots
+//! and frontend entry, and only then the removal of backends nothing uses any more
+//! (with their conntrack and affinity entries). The kernel maps queue backend and
+//! frontend writes and hand them over in batches (see [`super::maps::KernelMaps`]),
+//! keeping this order: a full sync writes its 100,000 backends in a few dozen
+//! `bpf()` calls. A large delta goes a chunk of services at a time (each chunk's
+//! backends before its tables and frontends), while another thread builds the
+//! Maglev tables of the next chunk (a table depends only on the backend addresses;
+//! ids are mapped in when it is stored). A table the maps hold for the same
+//! eligible backends already is neither rebuilt nor compared.
+//!
+//! Replies need nothing from this engine: the programs translate them back through
+//! the reply-direction conntrack entry they write for every flow
+//! (`agent-ebpf/src/nat/ct.rs`).
 //!
 //! A full delta first adopts what the maps hold (a previous agent's pinned maps, or
 //! the state after a failed write): frontends keep their ids and tables and backends
@@ -38,9 +39,8 @@ use crate::{
     model::{Protocol, ServiceKey, SessionAffinity},
 };
 use agent_common::lb::{
-    self, BACKEND_ACTIVE, BACKEND_DRAINING, Backend, FAMILY_V4, FAMILY_V6, REVNAT_MAX_FRONTENDS,
-    RevNatFrontend, RevNatKey, RevNatValue, ServiceKeyV4, ServiceKeyV6, ServiceValue,
-    addr_from_octets,
+    self, BACKEND_ACTIVE, BACKEND_DRAINING, Backend, FAMILY_V4, FAMILY_V6, ServiceKeyV4,
+    ServiceKeyV6, ServiceValue, addr_from_octets,
 };
 use smallvec::SmallVec;
 use std::{
@@ -82,24 +82,20 @@ struct Frontend {
 }
 
 /// Everything the engine knows of one backend address, in one record of a
-/// [`BackendTable`] (four maps keyed by socket address cost ~27 MB at 100,000
-/// backends, one map ~15 MB, the table ~7 MB).
+/// [`BackendTable`] (32 B: the table takes ~6 MB at 100,000 backends; a map keyed
+/// by socket address adds a 32 B key to every record, spare buckets included).
 #[derive(Clone, Debug, Default)]
 struct BackendState {
     /// Its slot in the backends map; 0: none (id 0 is never handed out).
     id: u32,
     /// The slot's state as the maps hold it (0 for no slot).
     state: u8,
-    /// Whether the maps hold a reverse-NAT entry for it, listing `revnat`.
-    revnat_written: bool,
     /// How many services have it in their tables ([`Use::Active`]): its state is
     /// active exactly when this is not 0. Kept equal to the services' `uses`, so that
     /// one service's change does not rescan every service.
     active: u32,
     /// The services that use it in any way (active or draining).
     users: Users,
-    /// The frontends its reverse-NAT entry lists (when `revnat_written`).
-    revnat: Listed,
 }
 
 impl BackendState {
@@ -108,9 +104,9 @@ impl BackendState {
         (self.id != 0).then_some(self.id)
     }
 
-    /// Nothing left to remember: no slot, no use, no reverse-NAT entry.
+    /// Nothing left to remember: no slot, no use.
     fn is_empty(&self) -> bool {
-        self.id == 0 && self.active == 0 && self.users.is_empty() && !self.revnat_written
+        self.id == 0 && self.active == 0 && self.users.is_empty()
     }
 }
 
@@ -276,73 +272,6 @@ impl Users {
 /// A few frontends (one inline).
 type Frontends = SmallVec<[FrontendKey; 1]>;
 
-/// The frontends leading to one backend, as its reverse-NAT entry lists them: one
-/// IPv4 frontend (nearly always) inline in 16 bytes, other lists boxed (as
-/// [`Frontends`] they took 40 B per backend).
-#[derive(Clone, Debug, Default)]
-enum Listed {
-    #[default]
-    Empty,
-    V4(ServiceKeyV4),
-    Other(Box<Frontends>),
-}
-
-impl From<Frontends> for Listed {
-    fn from(list: Frontends) -> Self {
-        match list.as_slice() {
-            [] => Self::Empty,
-            [FrontendKey::V4(key)] => Self::V4(*key),
-            _ => Self::Other(Box::new(list)),
-        }
-    }
-}
-
-impl Listed {
-    fn iter(&self) -> impl Iterator<Item = FrontendKey> + '_ {
-        let (one, rest) = match self {
-            Self::Empty => (None, &[][..]),
-            Self::V4(key) => (Some(FrontendKey::V4(*key)), &[][..]),
-            Self::Other(list) => (None, list.as_slice()),
-        };
-        one.into_iter().chain(rest.iter().copied())
-    }
-
-    /// Whether it lists exactly `list`, in that order.
-    fn matches(&self, list: &[FrontendKey]) -> bool {
-        self.iter().eq(list.iter().copied())
-    }
-
-    /// Whether every frontend it lists is in `sorted`.
-    fn within(&self, sorted: &[FrontendKey]) -> bool {
-        self.iter().all(|fk| sorted.binary_search(&fk).is_ok())
-    }
-}
-
-/// Which of a service's frontends lead to which backend: (backend, frontend) pairs,
-/// sorted and without duplicates (compact; a map of sets per service cost ~50 B per
-/// pair more).
-#[derive(Clone, Debug, Default)]
-struct Reach(Vec<(BackendAddr, FrontendKey)>);
-
-impl Reach {
-    /// The frontends that lead to `addr`.
-    fn of(&self, addr: BackendAddr) -> impl Iterator<Item = &FrontendKey> {
-        let start = self.0.partition_point(|(a, _)| *a < addr);
-        self.0[start..]
-            .iter()
-            .take_while(move |(a, _)| *a == addr)
-            .map(|(_, fk)| fk)
-    }
-
-    /// Sorts, removes duplicates and pairs of backends `keep` rejects.
-    fn normalize(&mut self, keep: impl Fn(&BackendAddr) -> bool) {
-        self.0.retain(|(a, _)| keep(a));
-        self.0.sort_unstable();
-        self.0.dedup();
-        self.0.shrink_to_fit();
-    }
-}
-
 /// What the per-apply scratch sets keep between applies: enough for any change
 /// of a few services without growing.
 const SCRATCH_CAPACITY: usize = 1024;
@@ -353,24 +282,9 @@ struct ServiceState {
     /// Its frontends, sorted (inline for one; a set per service cost ~280 B).
     frontends: Frontends,
     uses: Uses,
-    /// For each backend in `uses`, the frontends of this service that led to it and
-    /// no longer do (kept while the use lasts): with those `view` leads to
-    /// ([`frontends_to`]), what replies from it may need as source. Usually empty
-    /// (all pairs kept here cost ~5.6 MB at 100,000 backends).
-    reach: Reach,
     /// The service as last applied: `status` is derived from it when asked (it
     /// shares the cache's objects; a copy per service would cost ~1.4 KB each).
     view: Option<ServiceView>,
-}
-
-/// A service's key with what [`LbSync::write_revnat`] needs of its state, at hand
-/// while the service is being upserted (a lookup by key compares strings).
-#[derive(Clone, Copy)]
-struct KnownService<'a> {
-    /// The key its backends' users share.
-    key: &'a Arc<ServiceKey>,
-    reach: &'a Reach,
-    view: &'a ServiceView,
 }
 
 /// A service's backends (sorted) with their slot ids, as its upsert left them
@@ -432,7 +346,7 @@ pub struct LbSync<M> {
     node: String,
     capacity: Capacity,
     frontends: BTreeMap<FrontendKey, Frontend>,
-    /// Every backend address with a slot, a use or a reverse-NAT entry.
+    /// Every backend address with a slot or a use.
     backends: BackendTable<BackendState>,
     /// By key, the one every backend's list of users and every frontend shares (a
     /// copy of the key as well cost ~130 B per service).
@@ -722,13 +636,10 @@ impl<M: LbMaps> LbSync<M> {
     fn adopt(&mut self) -> Result<(), SyncError> {
         self.maps.flush()?;
         self.frontends.clear();
-        // Slots and reverse-NAT entries are re-read; uses stay (they are the
-        // services' own).
+        // Slots are re-read; uses stay (they are the services' own).
         for b in self.backends.values_mut() {
             b.id = 0;
             b.state = 0;
-            b.revnat_written = false;
-            b.revnat = Listed::Empty;
         }
         self.backends.retain(|_, b| !b.is_empty());
         for state in self.services.values_mut() {
@@ -757,25 +668,6 @@ impl<M: LbMaps> LbSync<M> {
                     b.state = backend.state;
                 }
                 _ => self.maps.put_backend(id, &Backend::default())?,
-            }
-        }
-        for (key, value) in self.maps.revnats()? {
-            let addr = revnat_addr(&key).map(BackendAddr::from);
-            let owned = addr.and_then(|a| self.slot_of(&a));
-            match addr {
-                Some(addr) if owned == Some(value.backend_id) => {
-                    let count = (value.count as usize).min(REVNAT_MAX_FRONTENDS);
-                    let frontends: Frontends = value.frontends[..count]
-                        .iter()
-                        .map(|f| revnat_frontend_key(key.family, f))
-                        .collect();
-                    if let Some(b) = self.backends.get_mut(&addr) {
-                        b.revnat_written = true;
-                        b.revnat = frontends.into();
-                    }
-                }
-                // For a backend slot that is gone or was reused: unusable.
-                _ => self.maps.delete_revnat(&key)?,
             }
         }
         self.filter.reset(self.frontends.keys());
@@ -830,9 +722,9 @@ impl<M: LbMaps> LbSync<M> {
         Ok(())
     }
 
-    /// First half of a service's upsert: its backend uses, backends and
-    /// reverse-NAT entries, before any table names them. Returns the frontends the
-    /// service asks for, for [`Self::program_frontends`].
+    /// First half of a service's upsert: its backend uses and backends, before any
+    /// table names them. Returns its backends' ids, for
+    /// [`Self::program_frontends`].
     fn prepare_backends(
         &mut self,
         view: &ServiceView,
@@ -883,74 +775,28 @@ impl<M: LbMaps> LbSync<M> {
             }
         }
 
-        // Which frontends lead to each backend: from the listed endpoints, plus what
-        // led there before while the use lasts (flows through a frontend that no
-        // longer leads to a backend still get their replies translated).
-        // Only what the new view does not give is kept: nothing for a service
-        // without an earlier state (every service of a start).
-        let old = self
-            .services
-            .get(&key)
-            .filter(|old| old.view.is_some() || !old.reach.0.is_empty());
-        let reach = match old {
-            None => Reach::default(),
-            Some(old) => {
-                let mut derived = reach_of(view);
-                derived.normalize(|_| true);
-                let mut reach = derived.clone();
-                reach.0.extend(old.reach.0.iter().copied());
-                if let Some(old_view) = &old.view {
-                    reach.0.extend(reach_of(old_view).0);
-                }
-                reach.normalize(|addr| uses.contains_key(addr));
-                reach
-                    .0
-                    .retain(|pair| derived.0.binary_search(pair).is_err());
-                reach.0.shrink_to_fit();
-                reach
-            }
-        };
-
-        // 1. Backends and their reverse-NAT entries, before any table names them.
-        // In address order (`uses` is sorted): ids must not depend on hash order
-        // (same maps for the same input, on every run).
+        // Backends, before any table names them. In address order (`uses` is
+        // sorted): ids must not depend on hash order (same maps for the same input,
+        // on every run).
         let addrs: Vec<BackendAddr> = uses.keys().copied().collect();
-        let shared = match self.services.get_key_value(&key) {
-            Some((shared, _)) => shared.clone(),
-            None => {
-                let shared = Arc::new(key.clone());
-                self.services
-                    .insert(shared.clone(), ServiceState::default());
-                shared
-            }
-        };
+        if !self.services.contains_key(&key) {
+            self.services
+                .insert(Arc::new(key.clone()), ServiceState::default());
+        }
         self.set_uses(&key, uses);
         if let Some(state) = self.services.get_mut(&key) {
-            state.reach = reach.clone();
             state.view = Some(view.clone());
         }
         let mut ids = Vec::with_capacity(addrs.len());
         for addr in &addrs {
             ids.push(self.ensure_backend(*addr)?);
         }
-        let known = KnownService {
-            key: &shared,
-            reach: &reach,
-            view,
-        };
-        let mut settled = Vec::with_capacity(addrs.len());
-        for addr in &addrs {
-            if self.write_revnat(*addr, true, Some(known))? {
-                settled.push(*addr);
-            }
-        }
         // Only this service's backends can have changed state (the rest are brought
         // up to date by `release_unused` at the end of every apply).
         self.refresh_backend_states_of(addrs.iter().chain(previous.keys()))?;
-        // Backends whose entry and state are now what their uses ask for need no
-        // second look at the end of the apply (a later change to their uses touches
-        // them again); the others keep frontends only `release_unused` drops.
-        for addr in &settled {
+        // Their states are now what their uses ask for: no second look at the end
+        // of the apply (a later change to their uses touches them again).
+        for addr in addrs.iter().chain(previous.keys()) {
             self.touched.remove(addr);
         }
         Ok(BackendIds { addrs, ids })
@@ -1047,91 +893,6 @@ impl<M: LbMaps> LbSync<M> {
             }
         }
         out
-    }
-
-    /// Writes backend `addr`'s reverse-NAT entry when it differs from the maps: the
-    /// frontends of every service using it that lead to it. With `grow`, frontends
-    /// the entry already lists are kept (mid-apply, tables may still name them).
-    /// Entries of backends without a slot are left to `release_unused`. `known`
-    /// is a user's state at hand (not looked up again).
-    ///
-    /// Returns whether the entry now lists exactly those frontends (with `grow`, it
-    /// may list more, for `release_unused` to drop at the end of the apply).
-    fn write_revnat(
-        &mut self,
-        addr: BackendAddr,
-        grow: bool,
-        known: Option<KnownService<'_>>,
-    ) -> Result<bool, SyncError> {
-        let Some(backend) = self.backends.get(&addr).filter(|b| b.id != 0) else {
-            return Ok(true);
-        };
-        let id = backend.id;
-        let mut want = Frontends::new();
-        for service in backend.users.iter() {
-            let (reach, view) = match known {
-                Some(k) if Arc::ptr_eq(service, k.key) => (k.reach, Some(k.view)),
-                _ => match self.services.get(&**service) {
-                    Some(state) => (&state.reach, state.view.as_ref()),
-                    None => continue,
-                },
-            };
-            want.extend(reach.of(addr).copied());
-            if let Some(view) = view {
-                want.extend(frontends_to(view, addr));
-            }
-        }
-        // Sorted and unique: the same list for the same frontends.
-        want.sort_unstable();
-        want.dedup();
-        let have = backend.revnat_written.then_some(&backend.revnat);
-        let mut exact = true;
-        if grow
-            && let Some(frontends) = have
-            && !frontends.within(&want)
-        {
-            want.extend(frontends.iter());
-            want.sort_unstable();
-            want.dedup();
-            exact = false;
-        }
-        if want.len() > REVNAT_MAX_FRONTENDS {
-            tracing::warn!(
-                backend = %addr.socket_addr(),
-                frontends = want.len(),
-                max = REVNAT_MAX_FRONTENDS,
-                "backend reached through too many frontends: replies of flows through the rest are not translated back"
-            );
-            want.truncate(REVNAT_MAX_FRONTENDS);
-        }
-        if have.is_some_and(|f| f.matches(&want)) {
-            return Ok(exact);
-        }
-        let key = revnat_key(addr.socket_addr());
-        if want.is_empty() {
-            if have.is_some() {
-                self.maps.delete_revnat(&key)?;
-                if let Some(b) = self.backends.get_mut(&addr) {
-                    b.revnat_written = false;
-                    b.revnat = Listed::Empty;
-                }
-            }
-            return Ok(exact);
-        }
-        let mut value = RevNatValue {
-            backend_id: id,
-            count: want.len() as u32,
-            ..RevNatValue::default()
-        };
-        for (slot, fk) in value.frontends.iter_mut().zip(&want) {
-            *slot = revnat_frontend(fk);
-        }
-        self.maps.put_revnat(&key, &value)?;
-        if let Some(b) = self.backends.get_mut(&addr) {
-            b.revnat_written = true;
-            b.revnat = want.into();
-        }
-        Ok(exact)
     }
 
     /// Gives backend `addr` a slot unless it has one; returns the slot's id.
@@ -1304,15 +1065,6 @@ impl<M: LbMaps> LbSync<M> {
                 unused.iter().filter_map(|a| self.slot_of(a)).collect();
             let purged = self.maps.purge_flows(&ids)?;
             for addr in &unused {
-                if let Some(b) = self.backends.get_mut(addr)
-                    && b.revnat_written
-                {
-                    self.maps.delete_revnat(&revnat_key(addr.socket_addr()))?;
-                    b.revnat_written = false;
-                    b.revnat = Listed::Empty;
-                }
-            }
-            for addr in &unused {
                 if let Some(b) = self.backends.get_mut(addr).filter(|b| b.id != 0) {
                     let id = b.id;
                     self.maps.put_backend(id, &Backend::default())?;
@@ -1331,9 +1083,6 @@ impl<M: LbMaps> LbSync<M> {
         self.unused.shrink_to(SCRATCH_CAPACITY);
         self.touched.shrink_to(SCRATCH_CAPACITY);
         touched.sort_unstable();
-        for addr in &touched {
-            self.write_revnat(*addr, false, None)?;
-        }
         self.refresh_backend_states_of(touched.iter())
     }
 
@@ -1432,123 +1181,6 @@ fn listed_backends(view: &ServiceView) -> impl Iterator<Item = BackendAddr> + '_
             .iter()
             .map(move |e| SocketAddr::new(e.address, vip::endpoint_port(e, p)).into())
     })
-}
-
-/// For every endpoint address × port of `view`, the frontends (VIP of the same
-/// family × service port) that lead to it.
-fn reach_of(view: &ServiceView) -> Reach {
-    let mut reach = Reach::default();
-    let spec = &view.service.spec;
-    let Some(endpoints) = &view.endpoints else {
-        return reach;
-    };
-    if spec.discovery.headless {
-        return reach;
-    }
-    for port in &spec.ports {
-        let proto = proto_number(port.protocol);
-        for vip in &spec.discovery.vips {
-            let fk = frontend_key(*vip, port.port, proto);
-            for e in endpoints
-                .spec
-                .endpoints
-                .iter()
-                .filter(|e| e.address.is_ipv4() == vip.is_ipv4())
-            {
-                reach.0.push((
-                    SocketAddr::new(e.address, vip::endpoint_port(e, port)).into(),
-                    fk,
-                ));
-            }
-        }
-    }
-    reach
-}
-
-/// The frontends of `view` (VIP of the same family × service port) that lead to
-/// backend `addr`: the pairs of [`reach_of`] for one backend.
-fn frontends_to(view: &ServiceView, addr: BackendAddr) -> impl Iterator<Item = FrontendKey> + '_ {
-    let addr = addr.socket_addr();
-    let spec = &view.service.spec;
-    let endpoints = if spec.discovery.headless {
-        None
-    } else {
-        view.endpoints.as_deref()
-    };
-    spec.ports.iter().flat_map(move |port| {
-        let proto = proto_number(port.protocol);
-        let leads = endpoints.is_some_and(|eps| {
-            eps.spec
-                .endpoints
-                .iter()
-                .any(|e| e.address == addr.ip() && vip::endpoint_port(e, port) == addr.port())
-        });
-        spec.discovery
-            .vips
-            .iter()
-            .filter(move |vip| leads && vip.is_ipv4() == addr.is_ipv4())
-            .map(move |vip| frontend_key(*vip, port.port, proto))
-    })
-}
-
-/// The reverse-NAT index key of backend `addr`.
-#[must_use]
-pub fn revnat_key(addr: SocketAddr) -> RevNatKey {
-    let b = backend_value(addr, 0);
-    RevNatKey {
-        addr: b.addr,
-        port: b.port,
-        family: b.family,
-        pad: 0,
-    }
-}
-
-/// The backend address a reverse-NAT index key describes.
-#[must_use]
-pub fn revnat_addr(key: &RevNatKey) -> Option<SocketAddr> {
-    backend_addr(&Backend {
-        addr: key.addr,
-        port: key.port,
-        family: key.family,
-        state: 0,
-    })
-}
-
-/// A frontend as a reverse-NAT candidate.
-fn revnat_frontend(fk: &FrontendKey) -> RevNatFrontend {
-    match fk {
-        FrontendKey::V4(k) => RevNatFrontend {
-            addr: [k.addr, 0, 0, 0],
-            port: k.port,
-            proto: k.proto,
-            pad: 0,
-        },
-        FrontendKey::V6(k) => RevNatFrontend {
-            addr: k.addr,
-            port: k.port,
-            proto: k.proto,
-            pad: 0,
-        },
-    }
-}
-
-/// The frontend key of a reverse-NAT candidate of a backend of `family`.
-fn revnat_frontend_key(family: u8, f: &RevNatFrontend) -> FrontendKey {
-    if family == FAMILY_V6 {
-        FrontendKey::V6(ServiceKeyV6 {
-            addr: f.addr,
-            port: f.port,
-            proto: f.proto,
-            pad: 0,
-        })
-    } else {
-        FrontendKey::V4(ServiceKeyV4 {
-            addr: f.addr[0],
-            port: f.port,
-            proto: f.proto,
-            pad: 0,
-        })
-    }
 }
 
 /// The IP protocol number of `protocol`, as the maps store it.
@@ -1683,9 +1315,8 @@ mod tests {
     #[test]
     fn backend_records_stay_compact() {
         assert_eq!(size_of::<Users>(), 16);
-        assert_eq!(size_of::<Listed>(), 16);
         assert!(
-            size_of::<BackendState>() <= 48,
+            size_of::<BackendState>() <= 32,
             "{}",
             size_of::<BackendState>()
         );

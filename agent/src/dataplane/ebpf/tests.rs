@@ -4,10 +4,7 @@
 
 use super::{
     maps::{Capacity, FakeMaps, FaultyMaps, FrontendKey, LbMaps},
-    sync::{
-        LbSync, SyncError, backend_addr, backend_value, frontend_addr, frontend_key, revnat_addr,
-        revnat_key,
-    },
+    sync::{LbSync, SyncError, backend_addr, backend_value, frontend_addr, frontend_key},
 };
 use crate::{
     endpoints::{Delta, EndpointCache, ServiceView},
@@ -161,41 +158,6 @@ fn dump(maps: &FakeMaps, ids: bool) -> String {
         };
         writeln!(out, "  {id}{a} {family} {state}").unwrap();
     }
-    out.push_str("reverse nat:\n");
-    let mut revnat: Vec<(SocketAddr, lb::RevNatValue)> = maps
-        .revnat
-        .iter()
-        .map(|(k, v)| (revnat_addr(k).expect("a backend address"), *v))
-        .collect();
-    revnat.sort_by_key(|(a, _)| *a);
-    for (a, v) in revnat {
-        let id = if ids {
-            format!(" id={}", v.backend_id)
-        } else {
-            String::new()
-        };
-        let check = if backend_name(maps, v.backend_id) == a.to_string() {
-            ""
-        } else {
-            " BAD backend id"
-        };
-        let via: Vec<String> = v.frontends[..v.count as usize]
-            .iter()
-            .map(|f| {
-                let ip: IpAddr = if a.is_ipv4() {
-                    IpAddr::from(f.addr[0].to_ne_bytes())
-                } else {
-                    IpAddr::from(lb::addr_octets(&f.addr))
-                };
-                format!(
-                    "{}/{}",
-                    SocketAddr::new(ip, u16::from_be(f.port)),
-                    proto(f.proto)
-                )
-            })
-            .collect();
-        writeln!(out, "  {a}{id}{check} via {}", via.join(", ")).unwrap();
-    }
     out.push_str("tables:\n");
     for (a, p, v) in fronts.iter().filter(|f| f.2.maglev_size > 0) {
         let table = maps.table(v.id).unwrap();
@@ -311,8 +273,6 @@ fn one_endpoint_change_writes_only_that_service() {
     let mut want = vec![
         format!("put_backend {new}"), // the new endpoint, before any table names it
         format!("put_backend {old}"), // the old one: draining
-        // The new one's reverse-NAT entry, before any table names it.
-        format!("put_revnat {:?}", revnat_key(sa("198.18.2.4:80"))),
         format!("table {frontend}"),
     ];
     want.sort();
@@ -506,10 +466,6 @@ fn restart_adopts_the_maps_without_writing() {
         })
         .to_vec();
     want.extend(local_backends.iter().map(|id| format!("put_backend {id}")));
-    want.extend(
-        ["198.18.2.1:80", "198.18.2.3:80"]
-            .map(|a| format!("delete_revnat {:?}", revnat_key(sa(a)))),
-    );
     want.sort();
     assert_eq!(writes, want);
     assert_eq!(new.maps().flows, [1000]);
@@ -726,9 +682,8 @@ fn failed_release_never_strands_flows() {
     let t0 = Instant::now();
     let late = t0 + Duration::from_secs(60);
     let addrs = ["198.18.5.1", "198.18.5.2"];
-    // Releasing a backend takes three writes (its flows, its reverse-NAT entry, its
-    // slot): fail each.
-    for k in 0..4 {
+    // Releasing a backend takes two writes (its flows, its slot): fail each.
+    for k in 0..3 {
         let mut s = LbSync::new(
             FaultyMaps {
                 inner: FakeMaps::new(small()),
@@ -746,7 +701,7 @@ fn failed_release_never_strands_flows() {
 
         s.maps_mut().writes_left = Some(k);
         let result = s.expire(late);
-        assert_eq!(result.is_err(), k < 3, "k={k}: {result:?}");
+        assert_eq!(result.is_err(), k < 2, "k={k}: {result:?}");
         s.maps_mut().writes_left = None;
         for id in &s.maps().inner.flows {
             assert_ne!(
