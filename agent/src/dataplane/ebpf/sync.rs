@@ -27,6 +27,8 @@
 //! keep their ids, so established flows, whose conntrack entries name backend ids,
 //! survive a restart. Maps this agent's load created hold nothing and are not read.
 
+mod uses;
+
 use super::{
     backend_table::{BackendAddr, BackendTable},
     maps::{Capacity, FrontendKey, LbMaps, MapsError},
@@ -49,6 +51,7 @@ use std::{
     sync::Arc,
     time::{Duration, Instant},
 };
+use uses::{Use, Users, Uses};
 
 /// The engine's hash sets, of backend addresses and service keys: a fast seeded
 /// hash (std's SipHash took ~5% of a full sync's CPU).
@@ -107,165 +110,6 @@ impl BackendState {
     /// Nothing left to remember: no slot, no use.
     fn is_empty(&self) -> bool {
         self.id == 0 && self.active == 0 && self.users.is_empty()
-    }
-}
-
-/// How a service uses a backend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Use {
-    /// In the service's tables.
-    Active,
-    /// Out of the tables; its flows go on until the deadline.
-    Draining { until: Instant },
-}
-
-/// A service's backend uses, sorted by address: the active ones as bare addresses
-/// (20 B each), the draining ones (rare) with their deadlines. One vector of
-/// (`SocketAddr`, `Use`) pairs took 48 B per use, 4.8 MB at 100,000 backends.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-struct Uses {
-    active: Vec<BackendAddr>,
-    /// Each a [`Use::Draining`].
-    draining: Vec<(BackendAddr, Use)>,
-}
-
-impl Uses {
-    fn draining_position(&self, addr: &BackendAddr) -> Result<usize, usize> {
-        self.draining.binary_search_by(|(a, _)| a.cmp(addr))
-    }
-
-    fn get(&self, addr: &BackendAddr) -> Option<&Use> {
-        if self.active.binary_search(addr).is_ok() {
-            return Some(&Use::Active);
-        }
-        self.draining_position(addr)
-            .ok()
-            .map(|i| &self.draining[i].1)
-    }
-
-    fn contains_key(&self, addr: &BackendAddr) -> bool {
-        self.get(addr).is_some()
-    }
-
-    /// Sets `addr`'s use (replacing the one it had).
-    fn insert(&mut self, addr: BackendAddr, u: Use) {
-        match u {
-            Use::Active => {
-                if let Ok(i) = self.draining_position(&addr) {
-                    self.draining.remove(i);
-                }
-                if let Err(i) = self.active.binary_search(&addr) {
-                    self.active.insert(i, addr);
-                }
-            }
-            Use::Draining { .. } => {
-                if let Ok(i) = self.active.binary_search(&addr) {
-                    self.active.remove(i);
-                }
-                match self.draining_position(&addr) {
-                    Ok(i) => self.draining[i].1 = u,
-                    Err(i) => self.draining.insert(i, (addr, u)),
-                }
-            }
-        }
-    }
-
-    fn remove(&mut self, addr: &BackendAddr) {
-        if let Ok(i) = self.active.binary_search(addr) {
-            self.active.remove(i);
-        }
-        if let Ok(i) = self.draining_position(addr) {
-            self.draining.remove(i);
-        }
-    }
-
-    /// The addresses, in order.
-    fn keys(&self) -> impl Iterator<Item = &BackendAddr> {
-        self.iter().map(|(a, _)| a)
-    }
-
-    /// The uses, in address order.
-    fn iter(&self) -> impl Iterator<Item = (&BackendAddr, &Use)> {
-        let mut active = self.active.iter().peekable();
-        let mut draining = self.draining.iter().peekable();
-        std::iter::from_fn(move || {
-            let take_active = match (active.peek(), draining.peek()) {
-                (None, None) => return None,
-                (Some(a), Some((d, _))) => *a < d,
-                (Some(_), None) => true,
-                (None, Some(_)) => false,
-            };
-            if take_active {
-                active.next().map(|a| (a, &Use::Active))
-            } else {
-                draining.next().map(|(a, u)| (a, u))
-            }
-        })
-    }
-
-    fn shrink_to_fit(&mut self) {
-        self.active.shrink_to_fit();
-        self.draining.shrink_to_fit();
-    }
-}
-
-/// The services using one backend: one, nearly always, kept inline in 16 bytes
-/// (a set per backend cost ~600 B each, 60 MB at 100,000 backends; a `SmallVec`
-/// 32 B).
-#[derive(Clone, Debug, Default)]
-enum Users {
-    #[default]
-    None,
-    One(Arc<ServiceKey>),
-    /// Two or more.
-    #[expect(
-        clippy::box_collection,
-        reason = "a thin pointer keeps the enum at 16 bytes"
-    )]
-    Many(Box<Vec<Arc<ServiceKey>>>),
-}
-
-impl Users {
-    fn is_empty(&self) -> bool {
-        matches!(self, Self::None)
-    }
-
-    fn iter(&self) -> std::slice::Iter<'_, Arc<ServiceKey>> {
-        match self {
-            Self::None => [].iter(),
-            Self::One(key) => std::slice::from_ref(key).iter(),
-            Self::Many(keys) => keys.iter(),
-        }
-    }
-
-    fn push(&mut self, key: Arc<ServiceKey>) {
-        *self = match std::mem::take(self) {
-            Self::None => Self::One(key),
-            Self::One(first) => Self::Many(Box::new(vec![first, key])),
-            Self::Many(mut keys) => {
-                keys.push(key);
-                Self::Many(keys)
-            }
-        };
-    }
-
-    fn retain(&mut self, mut keep: impl FnMut(&Arc<ServiceKey>) -> bool) {
-        match self {
-            Self::None => {}
-            Self::One(key) => {
-                if !keep(key) {
-                    *self = Self::None;
-                }
-            }
-            Self::Many(keys) => {
-                keys.retain(keep);
-                *self = match keys.len() {
-                    0 => Self::None,
-                    1 => Self::One(keys.swap_remove(0)),
-                    _ => return,
-                };
-            }
-        }
     }
 }
 
@@ -743,10 +587,7 @@ impl<M: LbMaps> LbSync<M> {
             .map(|s| s.uses.clone())
             .unwrap_or_default();
         let mut uses = Uses::default();
-        // Sized once (grown by doubling, then shrunk, the vectors left small holes
-        // in the heap between longer-lived objects).
-        uses.active
-            .reserve_exact(desired.iter().map(|f| f.eligible.len()).sum());
+        uses.reserve_active(desired.iter().map(|f| f.eligible.len()).sum());
         for f in desired {
             for addr in &f.eligible {
                 uses.insert(BackendAddr::from(*addr), Use::Active);
@@ -1320,37 +1161,6 @@ mod tests {
             "{}",
             size_of::<BackendState>()
         );
-    }
-
-    /// Uses list active and draining backends in one address order, and a new use
-    /// of an address replaces its old one.
-    #[test]
-    fn uses_keep_one_use_per_address_in_address_order() {
-        let addr = |s: &str| BackendAddr::from(s.parse::<SocketAddr>().expect("address"));
-        let until = Instant::now();
-        let mut uses = Uses::default();
-        uses.insert(addr("10.0.0.3:80"), Use::Active);
-        uses.insert(addr("10.0.0.1:80"), Use::Draining { until });
-        uses.insert(addr("10.0.0.2:80"), Use::Active);
-        uses.insert(addr("[fd00::1]:80"), Use::Draining { until });
-        uses.insert(addr("10.0.0.2:80"), Use::Draining { until });
-        uses.insert(addr("10.0.0.1:80"), Use::Active);
-        let listed: Vec<(SocketAddr, Use)> =
-            uses.iter().map(|(a, u)| (a.socket_addr(), *u)).collect();
-        let want: Vec<(SocketAddr, Use)> = [
-            ("10.0.0.1:80", Use::Active),
-            ("10.0.0.2:80", Use::Draining { until }),
-            ("10.0.0.3:80", Use::Active),
-            ("[fd00::1]:80", Use::Draining { until }),
-        ]
-        .iter()
-        .map(|(a, u)| (a.parse().expect("address"), *u))
-        .collect();
-        assert_eq!(listed, want);
-        uses.remove(&addr("10.0.0.2:80"));
-        assert!(!uses.contains_key(&addr("10.0.0.2:80")));
-        assert_eq!(uses.get(&addr("10.0.0.3:80")), Some(&Use::Active));
-        assert_eq!(uses.keys().count(), 3);
     }
 
     /// A backend shared by two services stays active while either has it in a table,
