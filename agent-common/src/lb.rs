@@ -1,5 +1,5 @@
-//! The load balancer's maps: service frontends, backends, Maglev tables, conntrack,
-//! the reverse-NAT index, session affinity, the socket-LB reverse map and the counters.
+//! The load balancer's maps: service frontends, backends, Maglev tables, conntrack
+//! (both directions), session affinity, the socket-LB reverse map and the counters.
 //!
 //! Byte order: addresses and ports are stored exactly as they appear on the wire and
 //! in `struct bpf_sock_addr` (network order), so the programs compare and copy them
@@ -115,22 +115,25 @@ pub const BACKEND_ACTIVE: u8 = 1;
 /// has (through conntrack) but session affinity no longer leads to it.
 pub const BACKEND_DRAINING: u8 = 2;
 
-/// A conntrack entry's key, IPv4: the client's packet as it reached the hook
-/// (client → VIP). Key of [`CONNTRACK_V4`].
+/// A conntrack entry's key, IPv4: a packet's addresses and ports as it reached the
+/// hook. Key of [`CONNTRACK_V4`], where it is the client's packet (client → VIP),
+/// and of [`CONNTRACK_REPLY_V4`], where it is the backend's reply (backend → client,
+/// the client's port as the backend sees it: [`CtValue::nat_port`]).
 ///
-/// One entry per flow: a backend's reply finds it again through [`REVNAT`] (the
-/// frontends that lead to the backend), keyed with the reply's addresses and ports
-/// swapped and the candidate VIP and port as destination.
+/// Each flow has one entry in both: the reply entry names the forward one, so a
+/// reply finds its VIP with one lookup by its own tuple, however many frontends
+/// lead to its backend.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct CtKeyV4 {
-    /// Source address: the client (network order).
+    /// Source address: the client, or the backend in a reply key (network order).
     pub saddr: u32,
-    /// Destination address: the VIP (network order).
+    /// Destination address: the VIP, or the client in a reply key (network order).
     pub daddr: u32,
-    /// Source port: the client's (network order).
+    /// Source port: the client's, or the backend's in a reply key (network order).
     pub sport: u16,
-    /// Destination port: the service port (network order).
+    /// Destination port: the service port, or the client's as the backend sees it
+    /// in a reply key (network order).
     pub dport: u16,
     /// [`PROTO_TCP`] or [`PROTO_UDP`].
     pub proto: u8,
@@ -138,17 +141,19 @@ pub struct CtKeyV4 {
     pub pad: [u8; 3],
 }
 
-/// A conntrack entry's key, IPv6; see [`CtKeyV4`]. Key of [`CONNTRACK_V6`].
+/// A conntrack entry's key, IPv6; see [`CtKeyV4`]. Key of [`CONNTRACK_V6`] and
+/// [`CONNTRACK_REPLY_V6`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct CtKeyV6 {
-    /// Source address: the client (network order).
+    /// Source address: the client, or the backend in a reply key (network order).
     pub saddr: Addr,
-    /// Destination address: the VIP (network order).
+    /// Destination address: the VIP, or the client in a reply key (network order).
     pub daddr: Addr,
-    /// Source port: the client's (network order).
+    /// Source port: the client's, or the backend's in a reply key (network order).
     pub sport: u16,
-    /// Destination port: the service port (network order).
+    /// Destination port: the service port, or the client's as the backend sees it
+    /// in a reply key (network order).
     pub dport: u16,
     /// [`PROTO_TCP`] or [`PROTO_UDP`].
     pub proto: u8,
@@ -156,10 +161,9 @@ pub struct CtKeyV6 {
     pub pad: [u8; 3],
 }
 
-/// A conntrack entry's value (both families): where the flow goes, and what tells
-/// a reply of this flow from a later, direct (non-VIP) flow on the same addresses
-/// and ports. Small on purpose: a new flow writes one entry, and the whole element
-/// should sit in as few cache lines as possible.
+/// A conntrack entry's value (both families): where the flow goes, the client port
+/// the backend sees, and what tells a reply of this flow from a later, direct
+/// (non-VIP) flow on the same addresses and ports.
 ///
 /// At the backend a VIP flow and a direct flow from the same client address and
 /// port have the same 4-tuple, so the reverse NAT needs more than the tuple:
@@ -167,12 +171,20 @@ pub struct CtKeyV6 {
 /// * TCP: a packet from the backend with SYN set starts a connection. It belongs to
 ///   this flow only if it is a SYN-ACK acknowledging the SYN the client sent
 ///   through the VIP (`syn_ack`); any other SYN from the backend means the VIP flow
-///   is over: the entry is deleted and the packet left as it is. A client's SYN
+///   is over: its entries are deleted and the packet left as it is. A client's SYN
 ///   with a new sequence number (a new connection on the same tuple) re-initialises
 ///   the entry. Established packets only read the entry.
 /// * UDP (no handshake): replies are translated while the entry is younger than
 ///   [`CT_UDP_TIMEOUT_SECS`] (`last_seen`, refreshed by packets in either direction
 ///   at most once per [`ct_now`] unit).
+///
+/// Two flows through different frontends (or a direct flow the backend still
+/// remembers in TIME_WAIT) must not meet at the backend on one 4-tuple: its
+/// TIME_WAIT would refuse the second SYN (another client view: timestamps and
+/// sequence numbers from another offset) and the client would stall a second on
+/// a SYN retransmit; replies would be ambiguous. So a new flow takes the client's
+/// port only when no other flow's reply entry holds (backend, client, port);
+/// otherwise another port of the same class ([`nat_port_class`]), as Linux NAT does.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct CtValue {
@@ -186,6 +198,63 @@ pub struct CtValue {
     pub syn_ack: u32,
     /// UDP: [`ct_now`] at the flow's last packet (either direction). TCP: 0.
     pub last_seen: u32,
+    /// The client's port as the backend sees it (network order): the client's own
+    /// unless another flow held it towards this backend.
+    pub nat_port: u16,
+    /// Always zero.
+    pub pad: u16,
+}
+
+/// A reply entry's value, IPv4 ([`CONNTRACK_REPLY_V4`]): the forward entry the
+/// backend's reply belongs to, (client, `vip`, `cport`, `vport`) with the client
+/// from the reply's destination, and the backend it was made for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtReplyV4 {
+    /// The VIP the client addressed (network order).
+    pub vip: u32,
+    /// The service port (network order).
+    pub vport: u16,
+    /// The client's own port (network order).
+    pub cport: u16,
+    /// The backend the entry was made for: a forward entry naming another one has
+    /// moved on (the reply entry is stale).
+    pub backend_id: u32,
+}
+
+/// A reply entry's value, IPv6 ([`CONNTRACK_REPLY_V6`]); see [`CtReplyV4`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtReplyV6 {
+    /// The VIP the client addressed (network order).
+    pub vip: Addr,
+    /// The service port (network order).
+    pub vport: u16,
+    /// The client's own port (network order).
+    pub cport: u16,
+    /// The backend the entry was made for.
+    pub backend_id: u32,
+}
+
+/// Ports a new flow tries for its backend-side tuple: the client's own (or the one
+/// its entry had), then random ones of its class; when every one is held the packet
+/// is dropped ([`DropReason::NoNatPort`]) and the client's retransmission tries
+/// again.
+pub const NAT_PORT_TRIES: u32 = 4;
+
+/// The ports a client port may be replaced by (host order): `(first, count)`.
+/// Privileged ports stay privileged and others stay unprivileged, so that a
+/// backend that trusts source ports below 1024 (as NFS and rsh servers do) never
+/// sees one the client did not have; Linux NAT uses the same classes.
+#[must_use]
+pub const fn nat_port_class(port: u16) -> (u16, u16) {
+    if port < 512 {
+        (1, 511)
+    } else if port < 1024 {
+        (600, 424)
+    } else {
+        (1024, 64512)
+    }
 }
 
 /// Right shift from `bpf_ktime_get_ns()` (CLOCK_MONOTONIC, ns) to
@@ -212,55 +281,6 @@ pub const fn ct_now(monotonic_ns: u64) -> u32 {
 #[must_use]
 pub const fn ct_udp_live(last_seen: u32, now: u32) -> bool {
     (now.wrapping_sub(last_seen) as i32) <= CT_UDP_TIMEOUT_UNITS as i32
-}
-
-/// Key of [`REVNAT`]: a backend's address and port, as the backend's replies carry
-/// them as source.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RevNatKey {
-    /// The backend's address (network order).
-    pub addr: Addr,
-    /// The backend's port (network order).
-    pub port: u16,
-    /// [`FAMILY_V4`] or [`FAMILY_V6`].
-    pub family: u8,
-    /// Always zero.
-    pub pad: u8,
-}
-
-/// One frontend a backend can be reached through: the source a reply must get.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RevNatFrontend {
-    /// The VIP (network order).
-    pub addr: Addr,
-    /// The service port (network order).
-    pub port: u16,
-    /// [`PROTO_TCP`] or [`PROTO_UDP`].
-    pub proto: u8,
-    /// Always zero.
-    pub pad: u8,
-}
-
-/// Most frontends one backend's [`RevNatValue`] lists (per family). More are
-/// refused by the agent with a warning: replies of flows through the others would
-/// not be reverse-translated.
-pub const REVNAT_MAX_FRONTENDS: usize = 8;
-
-/// Value of [`REVNAT`]: the backend's id and the frontends (VIP, port, protocol)
-/// that lead to it. The egress program tries them in order, looking up the
-/// conntrack entry (client, candidate VIP, client port, candidate port), and takes
-/// the first whose backend is this one.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct RevNatValue {
-    /// The backend's id in [`BACKENDS`].
-    pub backend_id: u32,
-    /// How many of `frontends` are used.
-    pub count: u32,
-    /// The frontends, the first `count` used, the rest zero.
-    pub frontends: [RevNatFrontend; REVNAT_MAX_FRONTENDS],
 }
 
 /// Session affinity key: frontend and client address. Key of [`AFFINITY`].
@@ -356,16 +376,20 @@ pub enum DropReason {
     MapFull = 3,
     /// A VIP packet for a port or protocol the service does not have.
     NoFrontend = 4,
+    /// A new flow found its client port, and every other port it tried
+    /// ([`NAT_PORT_TRIES`]), held towards its backend by other flows.
+    NoNatPort = 5,
 }
 
 impl DropReason {
     /// Every reason, in index order.
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 6] = [
         Self::NoBackend,
         Self::BackendMissing,
         Self::Malformed,
         Self::MapFull,
         Self::NoFrontend,
+        Self::NoNatPort,
     ];
 
     /// The reason's label in metrics and `status`.
@@ -377,6 +401,7 @@ impl DropReason {
             Self::Malformed => "malformed",
             Self::MapFull => "map_full",
             Self::NoFrontend => "no_frontend",
+            Self::NoNatPort => "no_nat_port",
         }
     }
 }
@@ -405,9 +430,10 @@ pub const MAGLEV_SLOTS_PER_ENTRY: u32 = 2;
 pub const CONNTRACK_V4: &str = "RUNE_CT_V4";
 /// `LruHashMap<CtKeyV6, CtValue>`: IPv6 conntrack of the tc/XDP path.
 pub const CONNTRACK_V6: &str = "RUNE_CT_V6";
-/// `HashMap<RevNatKey, RevNatValue>`: backend address → the frontends that lead to
-/// it, for reverse NAT of replies (filled by the agent, one entry per backend).
-pub const REVNAT: &str = "RUNE_REVNAT";
+/// `LruHashMap<CtKeyV4, CtReplyV4>`: IPv4 reply entries, keyed by the reply's tuple.
+pub const CONNTRACK_REPLY_V4: &str = "RUNE_CT_REPLY_V4";
+/// `LruHashMap<CtKeyV6, CtReplyV6>`: IPv6 reply entries, keyed by the reply's tuple.
+pub const CONNTRACK_REPLY_V6: &str = "RUNE_CT_REPLY_V6";
 /// `LruHashMap<AffinityKey, AffinityValue>`: ClientIP session affinity.
 pub const AFFINITY: &str = "RUNE_AFFINITY";
 /// `LruHashMap<SockRevKey, SockRevValue>`: unconnected-UDP reverse translation.
@@ -471,10 +497,9 @@ const _: () = assert!(size_of::<ServiceValue>() == 16);
 const _: () = assert!(size_of::<Backend>() == 20);
 const _: () = assert!(size_of::<CtKeyV4>() == 16);
 const _: () = assert!(size_of::<CtKeyV6>() == 40);
-const _: () = assert!(size_of::<CtValue>() == 16);
-const _: () = assert!(size_of::<RevNatKey>() == 20);
-const _: () = assert!(size_of::<RevNatFrontend>() == 20);
-const _: () = assert!(size_of::<RevNatValue>() == 8 + 20 * REVNAT_MAX_FRONTENDS);
+const _: () = assert!(size_of::<CtValue>() == 20);
+const _: () = assert!(size_of::<CtReplyV4>() == 12);
+const _: () = assert!(size_of::<CtReplyV6>() == 24);
 const _: () = assert!(size_of::<AffinityKey>() == 20);
 const _: () = assert!(size_of::<AffinityValue>() == 16);
 const _: () = assert!(size_of::<SockRevKey>() == 32);
@@ -494,8 +519,8 @@ mod pod {
     unsafe impl aya::Pod for CtKeyV4 {}
     unsafe impl aya::Pod for CtKeyV6 {}
     unsafe impl aya::Pod for CtValue {}
-    unsafe impl aya::Pod for RevNatKey {}
-    unsafe impl aya::Pod for RevNatValue {}
+    unsafe impl aya::Pod for CtReplyV4 {}
+    unsafe impl aya::Pod for CtReplyV6 {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for SockRevKey {}
@@ -529,6 +554,25 @@ mod tests {
         // Refreshed by another CPU after this packet read the clock.
         assert!(ct_udp_live(now + 1, now));
         assert!(ct_udp_live(0, u32::MAX));
+    }
+
+    #[test]
+    fn nat_ports_keep_their_class() {
+        for port in [1u16, 80, 511, 512, 599, 600, 1023, 1024, 32768, 65535] {
+            let (first, count) = nat_port_class(port);
+            let last = u32::from(first) + u32::from(count) - 1;
+            assert!(last <= 65535, "{port}: {first}+{count}");
+            let privileged = |p: u32| p < 1024;
+            assert_eq!(
+                privileged(u32::from(first)),
+                privileged(u32::from(port)),
+                "{port}"
+            );
+            assert_eq!(privileged(last), privileged(u32::from(port)), "{port}");
+        }
+        assert_eq!(nat_port_class(40000), (1024, 64512));
+        assert_eq!(nat_port_class(700), (600, 424));
+        assert_eq!(nat_port_class(22), (1, 511));
     }
 
     #[test]

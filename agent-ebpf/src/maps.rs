@@ -6,11 +6,11 @@
 //! sets every map's capacity at load time from its configuration.
 
 use agent_common::lb::{
-    AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, RevNatKey, RevNatValue,
+    AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtReplyV4, CtReplyV6, CtValue,
     ServiceKeyV4, ServiceKeyV6, ServiceValue, SockRevKey, SockRevValue, TrafficStats,
 };
 use aya_ebpf::{
-    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
+    bindings::BPF_F_MMAPABLE,
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
@@ -46,11 +46,15 @@ pub static RUNE_CT_V4: LruHashMap<CtKeyV4, CtValue> = LruHashMap::pinned(262_144
 #[map]
 pub static RUNE_CT_V6: LruHashMap<CtKeyV6, CtValue> = LruHashMap::pinned(262_144, 0);
 
-/// Backend address → the frontends leading to it, for reverse NAT of replies
-/// (`agent_common::lb::REVNAT`). Written by the agent only, so not preallocated:
-/// memory follows the backends in use.
+/// IPv4 reply entries (`agent_common::lb::CONNTRACK_REPLY_V4`): a backend's reply,
+/// by its own tuple, to the forward entry of its flow. As large as the conntrack:
+/// every flow has one of each.
 #[map]
-pub static RUNE_REVNAT: HashMap<RevNatKey, RevNatValue> = HashMap::pinned(65536, BPF_F_NO_PREALLOC);
+pub static RUNE_CT_REPLY_V4: LruHashMap<CtKeyV4, CtReplyV4> = LruHashMap::pinned(262_144, 0);
+
+/// IPv6 reply entries (`agent_common::lb::CONNTRACK_REPLY_V6`).
+#[map]
+pub static RUNE_CT_REPLY_V6: LruHashMap<CtKeyV6, CtReplyV6> = LruHashMap::pinned(262_144, 0);
 
 /// ClientIP session affinity (`agent_common::lb::AFFINITY`).
 #[map]

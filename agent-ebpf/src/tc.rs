@@ -63,9 +63,9 @@ impl NatCtx for TcContext {
         .map_err(|_| DropReason::Malformed)?;
         self.l4_csum_replace(
             fix.l4_check_off,
-            u64::from(fix.old_port),
-            u64::from(fix.new_port),
-            2 | mangled0,
+            u64::from(fix.old_ports),
+            u64::from(fix.new_ports),
+            4 | mangled0,
         )
         .map_err(|_| DropReason::Malformed)
     }

@@ -17,9 +17,9 @@ use agent_common::{
     filter::{VIP_FILTER_WORDS, vip_filter_bit_v4, vip_filter_bit_v6},
     hash::{FLOW_HASH_SEED, flow_hash_v4, flow_hash_v6},
     lb::{
-        self, BACKEND_ACTIVE, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, FAMILY_V4, FAMILY_V6,
-        PROTO_TCP, PROTO_UDP, RevNatFrontend, RevNatKey, RevNatValue, ServiceKeyV4, ServiceKeyV6,
-        ServiceValue, TrafficStats, addr_from_octets,
+        self, BACKEND_ACTIVE, Backend, CtKeyV4, CtKeyV6, CtReplyV4, CtValue, DropReason, FAMILY_V4,
+        FAMILY_V6, PROTO_TCP, PROTO_UDP, ServiceKeyV4, ServiceKeyV6, ServiceValue, TrafficStats,
+        addr_from_octets,
     },
 };
 use aya::{
@@ -290,7 +290,6 @@ impl Lb {
         }
         for &id in svc.backends {
             self.set_backend(id, true);
-            self.add_revnat(id, svc);
         }
         if !svc.backends.is_empty() {
             let mut maglev: Array<_, [u32; 2]> =
@@ -326,32 +325,6 @@ impl Lb {
         for (i, word) in words.into_iter().enumerate() {
             filter.set(i as u32, word, 0).unwrap();
         }
-    }
-
-    /// Adds `svc`'s frontend to backend `id`'s reverse-NAT entry, as the agent does
-    /// for every frontend that leads to a backend.
-    fn add_revnat(&mut self, id: u32, svc: &Svc) {
-        let (addr, port) = backend_of(id);
-        let key = RevNatKey {
-            addr: addr_from_octets(&octets(addr)),
-            port: port.to_be(),
-            family: if addr.is_ipv4() { FAMILY_V4 } else { FAMILY_V6 },
-            pad: 0,
-        };
-        let mut m: HashMap<_, RevNatKey, RevNatValue> =
-            HashMap::try_from(self.ebpf.map_mut(lb::REVNAT).unwrap()).unwrap();
-        let mut value = m.get(&key, 0).unwrap_or(RevNatValue {
-            backend_id: id,
-            ..RevNatValue::default()
-        });
-        value.frontends[value.count as usize] = RevNatFrontend {
-            addr: addr_from_octets(&octets(svc.vip)),
-            port: svc.port.to_be(),
-            proto: svc.proto,
-            pad: 0,
-        };
-        value.count += 1;
-        m.insert(key, value, 0).unwrap();
     }
 
     /// Fills (or, with `present` false, empties) backend slot `id`.
@@ -1182,11 +1155,10 @@ fn no_backend_udp_is_refused_with_port_unreachable_and_counted() {
     assert_eq!(lb.service_stats(SVC_EMPTY_UDP.id), TrafficStats::default());
 }
 
-/// Backends behind two VIPs (every backend's reverse-NAT entry lists both
-/// frontends): each reply from a shared backend goes back from the VIP and port
-/// its own flow used, whichever candidate comes first; another backend of the
-/// service writing to the client's port is not a reply of the flow and passes
-/// untouched. One conntrack entry per flow.
+/// Backends behind two VIPs: each reply from a shared backend goes back from the
+/// VIP and port its own flow used; another backend of the service writing to the
+/// client's port is not a reply of the flow and passes untouched. One conntrack
+/// entry per flow (and its reply entry).
 #[test]
 fn shared_backend_replies_come_from_the_vip_of_their_flow() {
     let lb = Lb::new();
@@ -1228,6 +1200,107 @@ fn shared_backend_replies_come_from_the_vip_of_their_flow() {
             (TC_ACT_OK, &stray),
             "stray from {other}"
         );
+    }
+}
+
+/// Runs a client's VIP packet through `prog` and checks it left for backend
+/// `want_id` with valid checksums, the client's address unchanged; returns the
+/// source port the backend sees.
+fn dnat_port(lb: &Lb, prog: &str, spec: &PacketSpec, want_id: u32) -> u16 {
+    let frame = spec.build();
+    let out = lb.run(prog, &frame).unwrap();
+    let pass = if prog == lb::PROG_XDP_LB {
+        XDP_PASS
+    } else {
+        TC_ACT_OK
+    };
+    assert_eq!(out.retval, pass, "{prog}: return code");
+    let got = parse_and_verify(&out.data).unwrap_or_else(|e| panic!("{prog}: {e:#}"));
+    assert_eq!((got.dst, got.dport), backend_of(want_id), "{prog}: backend");
+    assert_eq!(got.src, spec.src, "{prog}: client address");
+    got.sport
+}
+
+/// Runs a backend's packet through tc egress and checks it was translated (valid
+/// checksums); returns its source, source port and destination port.
+fn egress_translated(lb: &Lb, spec: &PacketSpec) -> (IpAddr, u16, u16) {
+    let out = lb.run(lb::PROG_TC_EGRESS, &spec.build()).unwrap();
+    assert_eq!(out.retval, TC_ACT_OK);
+    let got = parse_and_verify(&out.data).unwrap();
+    assert_eq!(got.dst, spec.dst, "the client's address stays");
+    (got.src, got.sport, got.dport)
+}
+
+/// One client address and port to two frontends that share a backend (a backend
+/// behind many services, a client reusing ports): the second flow must not meet
+/// the first at the backend on one 4-tuple (the backend's TIME_WAIT or live socket
+/// would refuse its SYN), so it reaches the backend from another unprivileged port,
+/// which stays its own while its entry lives. Replies of each flow come back from
+/// its own VIP to the client's own port; restarting either flow on its tuple keeps
+/// its port. Through tc ingress and XDP.
+#[test]
+fn a_client_port_another_frontend_holds_at_the_backend_is_replaced() {
+    for (n, prog) in [lb::PROG_TC_INGRESS, lb::PROG_XDP_LB]
+        .into_iter()
+        .enumerate()
+    {
+        let lb = Lb::new();
+        let client = IpAddr::V4(CLIENT4);
+        let sport = 46000 + n as u16;
+        let first = vip_packet(&SVC_TCP4, client, sport);
+        let id = lb.expected_backend(&SVC_TCP4, client, sport);
+        assert_eq!(
+            lb.expected_backend(&SVC_SHARED, client, sport),
+            id,
+            "the two tables give the flow one backend"
+        );
+        assert_eq!(dnat_port(&lb, prog, &first, id), sport, "{prog}: own port");
+        let mut second = vip_packet(&SVC_SHARED, client, sport);
+        second.seq = 0x0102_0304;
+        let nat = dnat_port(&lb, prog, &second, id);
+        assert!(nat != sport && nat >= 1024, "{prog}: replaced by {nat}");
+        // Its further packets keep the port.
+        let ack = tcp_ack(client, sport, SVC_SHARED.vip, SVC_SHARED.port);
+        assert_eq!(dnat_port(&lb, prog, &ack, id), nat, "{prog}");
+
+        let (addr, port) = backend_of(id);
+        let syn_ack = |dport: u16, ack: u32| {
+            let mut spec = PacketSpec::tcp(addr, port, client, dport);
+            spec.tcp_flags = TCP_SYN | TCP_ACK;
+            spec.ack = ack;
+            spec
+        };
+        assert_eq!(
+            egress_translated(&lb, &syn_ack(sport, first.seq.wrapping_add(1))),
+            (SVC_TCP4.vip, SVC_TCP4.port, sport),
+            "{prog}: the first flow's reply"
+        );
+        assert_eq!(
+            egress_translated(&lb, &syn_ack(nat, second.seq.wrapping_add(1))),
+            (SVC_SHARED.vip, SVC_SHARED.port, sport),
+            "{prog}: the second flow's reply"
+        );
+        assert_eq!(
+            egress_translated(&lb, &tcp_ack(addr, port, client, nat)),
+            (SVC_SHARED.vip, SVC_SHARED.port, sport),
+            "{prog}"
+        );
+        assert_eq!(
+            egress_translated(&lb, &tcp_ack(addr, port, client, sport)),
+            (SVC_TCP4.vip, SVC_TCP4.port, sport),
+            "{prog}"
+        );
+
+        // New connections on both tuples (new sequence numbers): each keeps the
+        // port the backend knows it by, so the backend sees one client per tuple.
+        let mut again = second.clone();
+        again.seq = 0x0a0b_0c0d;
+        assert_eq!(dnat_port(&lb, prog, &again, id), nat, "{prog}");
+        let mut again_first = first.clone();
+        again_first.seq = 0x0d0c_0b0a;
+        assert_eq!(dnat_port(&lb, prog, &again_first, id), sport, "{prog}");
+        assert_eq!(lb.service_stats(SVC_SHARED.id).flows, 2, "{prog}");
+        assert_eq!(lb.drops(DropReason::NoNatPort), 0, "{prog}");
     }
 }
 
@@ -1311,41 +1384,108 @@ fn pinned_conntrack_of_another_layout_is_reported() {
         Err(e) => e.to_string(),
     };
     assert!(
-        err.contains(lb::CONNTRACK_V4) && err.contains("(16, 32)") && err.contains("(16, 16)"),
+        err.contains(lb::CONNTRACK_V4) && err.contains("(16, 32)") && err.contains("(16, 20)"),
         "{err}"
     );
     assert!(err.contains("rune-agent cleanup --bpf-pin-dir"), "{err}");
 }
 
-/// Conntrack pinned by the agent before entries had a lifetime (8-byte values) is
-/// replaced by maps of this layout with its flows copied over, as flows picked up
-/// mid-stream (no SYN-ACK expected; UDP seen now).
+/// Conntrack pinned by agents of earlier layouts (8-byte values: before entries
+/// had a lifetime; 16-byte: before reply entries) is replaced by maps of this
+/// layout with its flows copied over, each keeping the client's own port, and
+/// every flow gets the reply entry it lacked (from the pinned backend it names),
+/// so that its replies stay translated.
 #[test]
-fn pinned_conntrack_of_the_previous_layout_is_carried_over() {
+fn pinned_conntrack_of_earlier_layouts_is_carried_over() {
     if let Err(e) = require_root() {
         panic!("{e}");
     }
-    let pins = PinDir::new();
-    let path = pins.0.join(lb::CONNTRACK_V4);
-    pin_raw_map(&path, 9, 16, 8); // BPF_MAP_TYPE_LRU_HASH
-    let key = ct_key_v4(&vip_packet(&SVC_TCP4, IpAddr::V4(CLIENT4), 50000));
-    {
-        let old = MapData::from_pin(&path).unwrap();
-        let mut old: HashMap<MapData, CtKeyV4, [u32; 2]> =
-            HashMap::try_from(aya::maps::Map::LruHashMap(old)).unwrap();
-        old.insert(key, [2, SVC_TCP4.id], 0).unwrap();
+    for (value_size, old) in [
+        (8u32, [2, SVC_TCP4.id, 0, 0]),
+        (16, [2, SVC_TCP4.id, 77, 0]),
+    ] {
+        let pins = PinDir::new();
+        // The earlier agent's backends (pinned; the load reuses them).
+        {
+            let mut ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES).unwrap();
+            let (addr, port) = backend_of(2);
+            let mut backends: Array<_, Backend> =
+                Array::try_from(ebpf.map_mut(lb::BACKENDS).unwrap()).unwrap();
+            let backend = Backend {
+                addr: addr_from_octets(&octets(addr)),
+                port: port.to_be(),
+                family: FAMILY_V4,
+                state: BACKEND_ACTIVE,
+            };
+            backends.set(2, backend, 0).unwrap();
+        }
+        for name in [
+            lb::CONNTRACK_V4,
+            lb::CONNTRACK_REPLY_V4,
+            lb::CONNTRACK_REPLY_V6,
+        ] {
+            std::fs::remove_file(pins.0.join(name)).unwrap();
+        }
+        let path = pins.0.join(lb::CONNTRACK_V4);
+        pin_raw_map(&path, 9, 16, value_size); // BPF_MAP_TYPE_LRU_HASH
+        let key = ct_key_v4(&vip_packet(&SVC_TCP4, IpAddr::V4(CLIENT4), 50000));
+        {
+            let old_map = aya::maps::Map::LruHashMap(MapData::from_pin(&path).unwrap());
+            if value_size == 8 {
+                let mut m: HashMap<MapData, CtKeyV4, [u32; 2]> =
+                    HashMap::try_from(old_map).unwrap();
+                m.insert(key, [old[0], old[1]], 0).unwrap();
+            } else {
+                let mut m: HashMap<MapData, CtKeyV4, [u32; 4]> =
+                    HashMap::try_from(old_map).unwrap();
+                m.insert(key, [old[0], old[1], old[2], old[3]], 0).unwrap();
+            }
+        }
+        let ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES)
+            .unwrap_or_else(|e| panic!("load over the {value_size}-byte layout: {e:#}"));
+        let ct: HashMap<&MapData, CtKeyV4, CtValue> =
+            HashMap::try_from(ebpf.map(lb::CONNTRACK_V4).unwrap()).unwrap();
+        let value = ct.get(&key, 0).expect("the flow carried over");
+        let syn_ack = if value_size == 8 { 0 } else { 77 };
+        assert_eq!(
+            (
+                value.backend_id,
+                value.service_id,
+                value.syn_ack,
+                value.nat_port
+            ),
+            (2, SVC_TCP4.id, syn_ack, 50000u16.to_be()),
+            "{value_size}-byte layout"
+        );
+        let info = aya::maps::MapInfo::from_pin(&path).unwrap();
+        assert_eq!((info.key_size(), info.value_size()), (16, 20), "re-pinned");
+        let replies: HashMap<&MapData, CtKeyV4, CtReplyV4> =
+            HashMap::try_from(ebpf.map(lb::CONNTRACK_REPLY_V4).unwrap()).unwrap();
+        let (addr, port) = backend_of(2);
+        let rkey = CtKeyV4 {
+            saddr: addr_from_octets(&octets(addr))[0],
+            daddr: key.saddr,
+            sport: port.to_be(),
+            dport: key.sport,
+            proto: PROTO_TCP,
+            pad: [0; 3],
+        };
+        let reply = replies.get(&rkey, 0).expect("the flow's reply entry");
+        assert_eq!(
+            reply,
+            CtReplyV4 {
+                vip: key.daddr,
+                vport: key.dport,
+                cport: key.sport,
+                backend_id: 2
+            },
+            "{value_size}-byte layout"
+        );
+        assert!(
+            !pins.0.join("RUNE_REVNAT").exists(),
+            "the old reverse-NAT index is unpinned"
+        );
     }
-    let ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES)
-        .unwrap_or_else(|e| panic!("load over the previous layout: {e:#}"));
-    let ct: HashMap<&MapData, CtKeyV4, CtValue> =
-        HashMap::try_from(ebpf.map(lb::CONNTRACK_V4).unwrap()).unwrap();
-    let value = ct.get(&key, 0).expect("the flow carried over");
-    assert_eq!(
-        (value.backend_id, value.service_id, value.syn_ack),
-        (2, SVC_TCP4.id, 0)
-    );
-    let info = aya::maps::MapInfo::from_pin(&path).unwrap();
-    assert_eq!((info.key_size(), info.value_size()), (16, 16), "re-pinned");
 }
 
 /// Counters pinned by an agent with per-CPU arrays are replaced by arrays of this

@@ -20,8 +20,8 @@ use std::{
 
 use agent_common::filter::{VIP_FILTER_WORDS, vip_filter_bit_v4};
 use agent_common::lb::{
-    self, BACKEND_ACTIVE, Backend, CtKeyV4, CtValue, FAMILY_V4, PROTO_TCP, RevNatFrontend,
-    RevNatKey, RevNatValue, ServiceKeyV4, ServiceValue, TrafficStats,
+    self, BACKEND_ACTIVE, Backend, CtKeyV4, CtReplyV4, CtValue, FAMILY_V4, PROTO_TCP, ServiceKeyV4,
+    ServiceValue, TrafficStats,
 };
 use anyhow::{Context as _, Result, bail, ensure};
 use aya::{
@@ -83,7 +83,8 @@ pub fn section() -> Result<String> {
         return Ok("\n## eBPF load balancer per packet\n\nskipped: needs root\n".into());
     }
     // `RUNE_BENCH_EBPF_OBJECT`: another build's object, to compare two builds back
-    // to back under the same load.
+    // to back under the same load (objects with reply entries: their conntrack
+    // layout is read here).
     let object = match std::env::var_os("RUNE_BENCH_EBPF_OBJECT") {
         Some(object) => PathBuf::from(object),
         None => crate::build_ebpf::build()?,
@@ -188,8 +189,8 @@ fn measure(object: PathBuf) -> Result<String> {
         "tc established-flow runs did not all hit conntrack: {before:?} → {after:?}"
     );
 
-    // tc egress, the backend's reply to the established flow: the reverse-NAT index
-    // names the VIP, the conntrack entry (found with the reply's tuple) the backend.
+    // tc egress, the backend's reply to the established flow: its reply entry (keyed
+    // by the reply's own tuple) names the flow's forward entry, which is looked up.
     let backend_id = b.flow_backend(CLIENT, 40000)?;
     let backend = backend_of(backend_id);
     let reply = tcp_frame(backend.0, backend.1, CLIENT, 40000, TCP_ACK);
@@ -263,7 +264,7 @@ fn measure(object: PathBuf) -> Result<String> {
             None,
         ),
         (
-            "tc egress reply, reverse NAT (index + conntrack lookup)",
+            "tc egress reply, reverse NAT (reply entry + conntrack lookup)",
             tc_reply - tc_reply_driver,
             "driver subtracted",
             None,
@@ -324,6 +325,7 @@ impl Bench {
         let ebpf = loader
             .map_max_entries(lb::MAGLEV, 16)
             .map_max_entries(lb::CONNTRACK_V4, ct_entries)
+            .map_max_entries(lb::CONNTRACK_REPLY_V4, ct_entries)
             .default_map_pin_directory(&pins)
             .load_file(object)
             .with_context(|| format!("loading {}", object.display()));
@@ -359,14 +361,23 @@ impl Bench {
         Ok(b)
     }
 
-    /// Removes every IPv4 conntrack entry, giving the entries back to the LRU lists'
-    /// free lists (so that the next run inserts without evicting).
+    /// Removes every IPv4 conntrack entry, both directions, giving the entries back
+    /// to the LRU lists' free lists (so that the next run inserts without evicting).
     fn clear_conntrack(&mut self) -> Result<()> {
         let mut ct: HashMap<&mut MapData, CtKeyV4, CtValue> =
             HashMap::try_from(self.ebpf.map_mut(lb::CONNTRACK_V4).context("conntrack")?)?;
         let keys = ct.keys().collect::<Result<Vec<_>, _>>()?;
         for key in &keys {
             ct.remove(key)?;
+        }
+        let mut replies: HashMap<&mut MapData, CtKeyV4, CtReplyV4> = HashMap::try_from(
+            self.ebpf
+                .map_mut(lb::CONNTRACK_REPLY_V4)
+                .context("reply entries")?,
+        )?;
+        let keys = replies.keys().collect::<Result<Vec<_>, _>>()?;
+        for key in &keys {
+            replies.remove(key)?;
         }
         Ok(())
     }
@@ -421,29 +432,6 @@ impl Bench {
                 },
                 0,
             )?;
-        }
-        let mut revnat: HashMap<_, RevNatKey, RevNatValue> =
-            HashMap::try_from(self.ebpf.map_mut(lb::REVNAT).context("revnat")?)?;
-        for id in 1..=3u32 {
-            let (addr, port) = backend_of(id);
-            let mut value = RevNatValue {
-                backend_id: id,
-                count: 1,
-                ..RevNatValue::default()
-            };
-            value.frontends[0] = RevNatFrontend {
-                addr: [u32::from_ne_bytes(VIP), 0, 0, 0],
-                port: 80u16.to_be(),
-                proto: PROTO_TCP,
-                pad: 0,
-            };
-            let key = RevNatKey {
-                addr: [u32::from_ne_bytes(addr), 0, 0, 0],
-                port: port.to_be(),
-                family: FAMILY_V4,
-                pad: 0,
-            };
-            revnat.insert(key, value, 0)?;
         }
         // The VIP prefilter as the agent writes it: only the VIP's bit clear (an
         // object without the map, as another build's, is measured without it).

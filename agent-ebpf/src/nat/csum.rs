@@ -19,12 +19,6 @@ pub const fn diff32(old: u32, new: u32) -> u32 {
     add(!old, new)
 }
 
-/// The diff of replacing the 16-bit word `old` by `new`.
-#[inline(always)]
-pub const fn diff16(old: u16, new: u16) -> u32 {
-    add((!old) as u32, new as u32)
-}
-
 /// The diff of replacing a 128-bit address (four words) `old` by `new`.
 #[inline(always)]
 pub const fn diff128(old: &[u32; 4], new: &[u32; 4]) -> u32 {

@@ -3,15 +3,14 @@
 //!
 //! * [`dnat`] (tc ingress, XDP): a TCP/UDP packet whose (daddr, dport, proto) is a
 //!   frontend goes to the backend its conntrack entry names, else to a new one from
-//!   `select::pick_backend` (one conntrack entry is stored, keyed as the client
-//!   sent the packet; [`ct::lookup`] and [`ct::insert`] decide); its daddr/dport
-//!   are rewritten to the backend's and the checksums updated.
-//! * [`snat`] (tc egress): a packet from a backend (found in the agent-filled
-//!   `RUNE_REVNAT` index, which lists the frontends leading to it) whose conntrack
-//!   entry, looked up as (client, candidate VIP, client port, candidate port), names
-//!   that backend and takes the packet as a reply of its flow ([`ct::is_reply`]: not
-//!   a SYN-ACK of another connection, not an expired UDP flow) gets the VIP and
-//!   service port back as its source.
+//!   `select::pick_backend` ([`ct::track`] decides, and keeps both directions'
+//!   entries); its daddr/dport are rewritten to the backend's, its sport to the
+//!   client port the backend is to see (the client's own unless another flow holds
+//!   it towards that backend), and the checksums updated.
+//! * [`snat`] (tc egress): a packet from a backend whose own tuple keys a reply
+//!   entry, and whose flow takes it as a reply ([`ct::reply`]: not a SYN-ACK of
+//!   another connection, not an expired UDP flow), gets the VIP and service port
+//!   back as its source and the client's own port as its destination.
 //! * A new flow to a frontend without backends is refused ([`refuse`]): TCP with a
 //!   RST, UDP with an ICMP/ICMPv6 port unreachable, sent back by the hook.
 //!
@@ -41,15 +40,13 @@ use agent_common::{
     filter::{vip_filter_bit_v4, vip_filter_bit_v6},
     hash::{FLOW_HASH_SEED, flow_hash_v4, flow_hash_v6},
     lb::{
-        Addr, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, FAMILY_V4, FAMILY_V6, PROTO_TCP,
-        REVNAT_MAX_FRONTENDS, RevNatKey, RevNatValue, ServiceKeyV4, ServiceKeyV6, ServiceValue,
+        Backend, DropReason, FAMILY_V4, FAMILY_V6, PROTO_TCP, ServiceKeyV4, ServiceKeyV6,
+        ServiceValue,
     },
 };
 
-use aya_ebpf::maps::LruHashMap;
-
 use crate::{
-    maps::{RUNE_CT_V4, RUNE_CT_V6, RUNE_REVNAT, RUNE_SVC_V4, RUNE_SVC_V6, RUNE_VIP_FILTER},
+    maps::{RUNE_SVC_V4, RUNE_SVC_V6, RUNE_VIP_FILTER},
     select,
 };
 use parse::{ETH_LEN, ETH_P_IP, ETH_P_IPV6, L4Pos, TCP_LEN, UDP_LEN, load, store};
@@ -90,7 +87,7 @@ pub trait NatCtx {
     /// Length of the whole packet from the Ethernet header (tc: also the part not
     /// directly accessible).
     fn len(&self) -> usize;
-    /// Updates the checksums after the core rewrote one address and one port in
+    /// Updates the checksums after the core rewrote one address and the ports in
     /// place. Packet pointers may be invalid afterwards (tc helpers).
     fn fix_csums(&self, fix: &CsumFix) -> Result<(), DropReason>;
     /// Turns the refused UDP datagram `plan` describes into its ICMP port
@@ -102,7 +99,7 @@ pub trait NatCtx {
     fn write_unreachable(&self, plan: &refuse::IcmpPlan) -> Result<usize, DropReason>;
 }
 
-/// The checksum update after one address and one port were rewritten.
+/// The checksum update after one address and the ports were rewritten.
 pub struct CsumFix {
     /// Address of the IPv4 header checksum; 0 for IPv6 (no IP checksum).
     pub ip_check: usize,
@@ -112,10 +109,10 @@ pub struct CsumFix {
     pub l4_check_off: usize,
     /// Ones'-complement diff of the address change ([`csum::diff32`]/[`csum::diff128`]).
     pub addr_diff: u32,
-    /// The port before (as loaded from the packet).
-    pub old_port: u16,
-    /// The port after.
-    pub new_port: u16,
+    /// Both ports before, as one word loaded from the packet (source port first).
+    pub old_ports: u32,
+    /// Both ports after.
+    pub new_ports: u32,
     /// UDP: a zero checksum means "none" and stays zero; a result of zero is sent
     /// as 0xffff.
     pub udp: bool,
@@ -145,7 +142,7 @@ pub unsafe fn fix_csums_in_place(fix: &CsumFix) {
         if fix.udp && check == 0 {
             return;
         }
-        let diff = csum::add(fix.addr_diff, csum::diff16(fix.old_port, fix.new_port));
+        let diff = csum::add(fix.addr_diff, csum::diff32(fix.old_ports, fix.new_ports));
         let mut new = csum::update(check, diff);
         if fix.udp && new == 0 {
             new = 0xffff;
@@ -221,6 +218,35 @@ fn full_l4<C: NatCtx>(
     }
 }
 
+/// The ports of a TCP/UDP header as one word, as a native load of the header's
+/// first four bytes reads them (`src` and `dst` in network order).
+#[inline(always)]
+fn ports_word(src: u16, dst: u16) -> u32 {
+    let (s, d) = (src.to_ne_bytes(), dst.to_ne_bytes());
+    u32::from_ne_bytes([s[0], s[1], d[0], d[1]])
+}
+
+/// What a refused new flow (no backend) becomes: the TCP RST or the ICMP/ICMPv6
+/// port unreachable `tcp_rst` / `v6` ask for, written in place.
+#[inline(always)]
+fn refuse_flow<C: NatCtx>(
+    ctx: &C,
+    data: usize,
+    end: usize,
+    pos: &L4Pos,
+    tcp_rst: impl FnOnce() -> Option<usize>,
+    v6: bool,
+) -> Result<Verdict, DropReason> {
+    if pos.proto == PROTO_TCP {
+        return refused(tcp_rst().map(Verdict::Refused));
+    }
+    let Some(plan) = refuse::plan_icmp(data, end, pos, v6) else {
+        return Err(DropReason::NoBackend);
+    };
+    let len = ctx.write_unreachable(&plan)?;
+    refused(Some(Verdict::Refused(len)))
+}
+
 #[inline(always)]
 fn dnat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropReason> {
     let Some(pos) = parse::ipv4(data, end) else {
@@ -246,60 +272,56 @@ fn dnat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
     let tot_len = u16::from_be(unsafe { load::<u16>(pos.ip + 2) }) as usize;
     let check_off = full_l4(ctx, &pos, end, tot_len.checked_sub(ihl))?;
     // SAFETY: as above.
-    let (saddr, sport) = unsafe { (load::<u32>(pos.ip + 12), load::<u16>(pos.l4)) };
-
-    let key = CtKeyV4 {
-        saddr,
-        daddr,
-        sport,
-        dport,
+    let (saddr, sport, ports) = unsafe {
+        (
+            load::<u32>(pos.ip + 12),
+            load::<u16>(pos.l4),
+            load::<u32>(pos.l4),
+        )
+    };
+    let flow = ct::Tuple {
+        client: saddr,
+        vip: daddr,
+        cport: sport,
+        vport: dport,
         proto: pos.proto,
-        pad: [0; 3],
     };
     let seg = ct::Segment::read(&pos, end);
-    let found = ct::lookup(&RUNE_CT_V4, &key, svc.id, &seg, FAMILY_V4);
-    let (id, backend, new_flow) = match found {
-        Some(found) => found,
-        None => {
-            let hash = flow_hash_v4(u32::from_be(saddr), u16::from_be(sport), FLOW_HASH_SEED);
-            let (id, backend) = match pick(&svc, &[saddr, 0, 0, 0], hash, FAMILY_V4) {
-                Ok(found) => found,
-                Err(DropReason::NoBackend) if pos.proto == PROTO_TCP => {
-                    return refused(
-                        refuse::tcp_rst_v4(data, end, &pos, tot_len).map(Verdict::Refused),
-                    );
-                }
-                Err(DropReason::NoBackend) => {
-                    let plan = refuse::plan_icmp(data, end, &pos, false);
-                    let Some(plan) = plan else {
-                        return Err(DropReason::NoBackend);
-                    };
-                    let len = ctx.write_unreachable(&plan)?;
-                    return refused(Some(Verdict::Refused(len)));
-                }
-                Err(e) => return Err(e),
-            };
-            ct::insert(&RUNE_CT_V4, &key, id, svc.id, &seg);
-            (id, backend, true)
+    let pick = || {
+        let hash = flow_hash_v4(u32::from_be(saddr), u16::from_be(sport), FLOW_HASH_SEED);
+        pick(&svc, &[saddr, 0, 0, 0], hash, FAMILY_V4)
+    };
+    let route = match ct::track::<ct::V4>(&flow, svc.id, &seg, pick) {
+        Ok(route) => route,
+        Err(DropReason::NoBackend) => {
+            let rst = || refuse::tcp_rst_v4(data, end, &pos, tot_len);
+            return refuse_flow(ctx, data, end, &pos, rst, false);
         }
+        Err(e) => return Err(e),
     };
 
+    let new_ports = ports_word(route.nat_port, route.backend.port);
     // SAFETY: the fields were bounds-checked above.
     unsafe {
-        store(pos.ip + 16, backend.addr[0]);
-        store(pos.l4 + 2, backend.port);
+        store(pos.ip + 16, route.backend.addr[0]);
+        store(pos.l4, new_ports);
     }
     ctx.fix_csums(&CsumFix {
         ip_check: pos.ip + 10,
         l4_check: pos.l4 + check_off,
         l4_check_off: pos.l4_off + check_off,
-        addr_diff: csum::diff32(daddr, backend.addr[0]),
-        old_port: dport,
-        new_port: backend.port,
+        addr_diff: csum::diff32(daddr, route.backend.addr[0]),
+        old_ports: ports,
+        new_ports,
         udp: pos.proto != PROTO_TCP,
         v6: false,
     })?;
-    select::count_packet(svc.id, id, (ctx.len() - ETH_LEN) as u64, new_flow);
+    select::count_packet(
+        svc.id,
+        route.id,
+        (ctx.len() - ETH_LEN) as u64,
+        route.new_flow,
+    );
     Ok(Verdict::Translated)
 }
 
@@ -327,66 +349,62 @@ fn dnat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
     let payload = u16::from_be(unsafe { load::<u16>(pos.ip + 4) }) as usize;
     let check_off = full_l4(ctx, &pos, end, Some(payload))?;
     // SAFETY: as above.
-    let (saddr, sport) = unsafe { (load::<[u32; 4]>(pos.ip + 8), load::<u16>(pos.l4)) };
-
-    let key = CtKeyV6 {
-        saddr,
-        daddr,
-        sport,
-        dport,
+    let (saddr, sport, ports) = unsafe {
+        (
+            load::<[u32; 4]>(pos.ip + 8),
+            load::<u16>(pos.l4),
+            load::<u32>(pos.l4),
+        )
+    };
+    let flow = ct::Tuple {
+        client: saddr,
+        vip: daddr,
+        cport: sport,
+        vport: dport,
         proto: pos.proto,
-        pad: [0; 3],
     };
     let seg = ct::Segment::read(&pos, end);
-    let found = ct::lookup(&RUNE_CT_V6, &key, svc.id, &seg, FAMILY_V6);
-    let (id, backend, new_flow) = match found {
-        Some(found) => found,
-        None => {
-            let words = [
-                u32::from_be(saddr[0]),
-                u32::from_be(saddr[1]),
-                u32::from_be(saddr[2]),
-                u32::from_be(saddr[3]),
-            ];
-            let hash = flow_hash_v6(words, u16::from_be(sport), FLOW_HASH_SEED);
-            let (id, backend) = match pick(&svc, &saddr, hash, FAMILY_V6) {
-                Ok(found) => found,
-                Err(DropReason::NoBackend) if pos.proto == PROTO_TCP => {
-                    return refused(
-                        refuse::tcp_rst_v6(data, end, &pos, payload).map(Verdict::Refused),
-                    );
-                }
-                Err(DropReason::NoBackend) => {
-                    let plan = refuse::plan_icmp(data, end, &pos, true);
-                    let Some(plan) = plan else {
-                        return Err(DropReason::NoBackend);
-                    };
-                    let len = ctx.write_unreachable(&plan)?;
-                    return refused(Some(Verdict::Refused(len)));
-                }
-                Err(e) => return Err(e),
-            };
-            ct::insert(&RUNE_CT_V6, &key, id, svc.id, &seg);
-            (id, backend, true)
+    let pick = || {
+        let words = [
+            u32::from_be(saddr[0]),
+            u32::from_be(saddr[1]),
+            u32::from_be(saddr[2]),
+            u32::from_be(saddr[3]),
+        ];
+        let hash = flow_hash_v6(words, u16::from_be(sport), FLOW_HASH_SEED);
+        pick(&svc, &saddr, hash, FAMILY_V6)
+    };
+    let route = match ct::track::<ct::V6>(&flow, svc.id, &seg, pick) {
+        Ok(route) => route,
+        Err(DropReason::NoBackend) => {
+            let rst = || refuse::tcp_rst_v6(data, end, &pos, payload);
+            return refuse_flow(ctx, data, end, &pos, rst, true);
         }
+        Err(e) => return Err(e),
     };
 
+    let new_ports = ports_word(route.nat_port, route.backend.port);
     // SAFETY: the fields were bounds-checked above.
     unsafe {
-        store(pos.ip + 24, backend.addr);
-        store(pos.l4 + 2, backend.port);
+        store(pos.ip + 24, route.backend.addr);
+        store(pos.l4, new_ports);
     }
     ctx.fix_csums(&CsumFix {
         ip_check: 0,
         l4_check: pos.l4 + check_off,
         l4_check_off: pos.l4_off + check_off,
-        addr_diff: csum::diff128(&daddr, &backend.addr),
-        old_port: dport,
-        new_port: backend.port,
+        addr_diff: csum::diff128(&daddr, &route.backend.addr),
+        old_ports: ports,
+        new_ports,
         udp: pos.proto != PROTO_TCP,
         v6: true,
     })?;
-    select::count_packet(svc.id, id, (ctx.len() - ETH_LEN) as u64, new_flow);
+    select::count_packet(
+        svc.id,
+        route.id,
+        (ctx.len() - ETH_LEN) as u64,
+        route.new_flow,
+    );
     Ok(Verdict::Translated)
 }
 
@@ -405,110 +423,48 @@ fn pick(
     Ok((id, backend))
 }
 
-/// The frontend a backend's reply belongs to: the backend's [`RevNatValue`] lists
-/// the candidates, and the first whose conntrack entry in `ct` (keyed by `ct_key`
-/// from the candidate's VIP and port) names this backend and takes `seg` as a reply
-/// ([`ct::is_reply`]) wins; an entry that names the backend but whose flow is over
-/// is deleted on the way. Returns the VIP, the service port and the entry.
-#[inline(always)]
-fn reply_frontend<K>(
-    revnat: &RevNatValue,
-    proto: u8,
-    seg: &ct::Segment,
-    ct_key: impl Fn(&Addr, u16) -> K,
-    ct: &LruHashMap<K, CtValue>,
-) -> Option<(Addr, u16, CtValue)> {
-    let count = revnat.count as usize;
-    for i in 0..REVNAT_MAX_FRONTENDS {
-        if i >= count {
-            break;
-        }
-        let f = &revnat.frontends[i];
-        if f.proto != proto {
-            continue;
-        }
-        let key = ct_key(&f.addr, f.port);
-        let Some(entry) = ct.get_ptr_mut(&key) else {
-            continue;
-        };
-        // SAFETY: a pointer from a successful lookup stays valid for this run.
-        let value = unsafe { *entry };
-        if value.backend_id != revnat.backend_id {
-            continue;
-        }
-        if ct::is_reply(entry, seg) {
-            return Some((f.addr, f.port, value));
-        }
-        // Deleting a missing entry (another CPU was first) is fine.
-        let _ = ct.remove(&key);
-    }
-    None
-}
-
 #[inline(always)]
 fn snat_v4<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropReason> {
     let Some(pos) = parse::ipv4(data, end) else {
         return Ok(Verdict::Untouched);
     };
     // SAFETY: the IPv4 fixed header and the ports are inside the packet.
-    let (saddr, daddr, sport, dport) = unsafe {
+    let (saddr, daddr, sport, dport, ports) = unsafe {
         (
             load::<u32>(pos.ip + 12),
             load::<u32>(pos.ip + 16),
             load::<u16>(pos.l4),
             load::<u16>(pos.l4 + 2),
+            load::<u32>(pos.l4),
         )
     };
-    let rkey = RevNatKey {
-        addr: [saddr, 0, 0, 0],
-        port: sport,
-        family: FAMILY_V4,
-        pad: 0,
-    };
-    // SAFETY: the value is only read during this run.
-    let Some(revnat) = (unsafe { RUNE_REVNAT.get(&rkey) }) else {
-        return Ok(Verdict::Untouched);
-    };
     let seg = ct::Segment::read(&pos, end);
-    let found = reply_frontend(
-        revnat,
-        pos.proto,
-        &seg,
-        |vip, vport| CtKeyV4 {
-            saddr: daddr,
-            daddr: vip[0],
-            sport: dport,
-            dport: vport,
-            proto: pos.proto,
-            pad: [0; 3],
-        },
-        &RUNE_CT_V4,
-    );
-    let Some((vip, vport, ct)) = found else {
+    let Some(flow) = ct::reply::<ct::V4>(saddr, daddr, sport, dport, pos.proto, &seg) else {
         return Ok(Verdict::Untouched);
     };
     let ihl = pos.l4_off - ETH_LEN;
     // SAFETY: as above.
     let tot_len = u16::from_be(unsafe { load::<u16>(pos.ip + 2) }) as usize;
     let check_off = full_l4(ctx, &pos, end, tot_len.checked_sub(ihl))?;
+    let new_ports = ports_word(flow.vport, flow.cport);
     // SAFETY: the fields were bounds-checked above.
     unsafe {
-        store(pos.ip + 12, vip[0]);
-        store(pos.l4, vport);
+        store(pos.ip + 12, flow.vip);
+        store(pos.l4, new_ports);
     }
     ctx.fix_csums(&CsumFix {
         ip_check: pos.ip + 10,
         l4_check: pos.l4 + check_off,
         l4_check_off: pos.l4_off + check_off,
-        addr_diff: csum::diff32(saddr, vip[0]),
-        old_port: sport,
-        new_port: vport,
+        addr_diff: csum::diff32(saddr, flow.vip),
+        old_ports: ports,
+        new_ports,
         udp: pos.proto != PROTO_TCP,
         v6: false,
     })?;
     select::count_packet(
-        ct.service_id,
-        ct.backend_id,
+        flow.entry.service_id,
+        flow.entry.backend_id,
         (ctx.len() - ETH_LEN) as u64,
         false,
     );
@@ -521,63 +477,41 @@ fn snat_v6<C: NatCtx>(ctx: &C, data: usize, end: usize) -> Result<Verdict, DropR
         return Ok(Verdict::Untouched);
     };
     // SAFETY: the IPv6 fixed header and the ports are inside the packet.
-    let (saddr, daddr, sport, dport) = unsafe {
+    let (saddr, daddr, sport, dport, ports) = unsafe {
         (
             load::<[u32; 4]>(pos.ip + 8),
             load::<[u32; 4]>(pos.ip + 24),
             load::<u16>(pos.l4),
             load::<u16>(pos.l4 + 2),
+            load::<u32>(pos.l4),
         )
     };
-    let rkey = RevNatKey {
-        addr: saddr,
-        port: sport,
-        family: FAMILY_V6,
-        pad: 0,
-    };
-    // SAFETY: the value is only read during this run.
-    let Some(revnat) = (unsafe { RUNE_REVNAT.get(&rkey) }) else {
-        return Ok(Verdict::Untouched);
-    };
     let seg = ct::Segment::read(&pos, end);
-    let found = reply_frontend(
-        revnat,
-        pos.proto,
-        &seg,
-        |vip, vport| CtKeyV6 {
-            saddr: daddr,
-            daddr: *vip,
-            sport: dport,
-            dport: vport,
-            proto: pos.proto,
-            pad: [0; 3],
-        },
-        &RUNE_CT_V6,
-    );
-    let Some((vip, vport, ct)) = found else {
+    let Some(flow) = ct::reply::<ct::V6>(saddr, daddr, sport, dport, pos.proto, &seg) else {
         return Ok(Verdict::Untouched);
     };
     // SAFETY: as above.
     let payload = u16::from_be(unsafe { load::<u16>(pos.ip + 4) }) as usize;
     let check_off = full_l4(ctx, &pos, end, Some(payload))?;
+    let new_ports = ports_word(flow.vport, flow.cport);
     // SAFETY: the fields were bounds-checked above.
     unsafe {
-        store(pos.ip + 8, vip);
-        store(pos.l4, vport);
+        store(pos.ip + 8, flow.vip);
+        store(pos.l4, new_ports);
     }
     ctx.fix_csums(&CsumFix {
         ip_check: 0,
         l4_check: pos.l4 + check_off,
         l4_check_off: pos.l4_off + check_off,
-        addr_diff: csum::diff128(&saddr, &vip),
-        old_port: sport,
-        new_port: vport,
+        addr_diff: csum::diff128(&saddr, &flow.vip),
+        old_ports: ports,
+        new_ports,
         udp: pos.proto != PROTO_TCP,
         v6: true,
     })?;
     select::count_packet(
-        ct.service_id,
-        ct.backend_id,
+        flow.entry.service_id,
+        flow.entry.backend_id,
         (ctx.len() - ETH_LEN) as u64,
         false,
     );

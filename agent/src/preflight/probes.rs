@@ -53,6 +53,8 @@ const HELPERS: [(&str, ProgramType, &[BpfHelper]); 3] = {
                 BpfHelper::BPF_FUNC_map_update_elem,
                 BpfHelper::BPF_FUNC_ktime_get_ns,
                 BpfHelper::BPF_FUNC_get_smp_processor_id,
+                // A new flow's port when its own is held at its backend.
+                BpfHelper::BPF_FUNC_get_prandom_u32,
                 // The refusal of a service without backends (RST / ICMP error,
                 // resized in place and sent back with XDP_TX).
                 BpfHelper::BPF_FUNC_xdp_adjust_head,
@@ -66,9 +68,12 @@ const HELPERS: [(&str, ProgramType, &[BpfHelper]); 3] = {
             &[
                 BpfHelper::BPF_FUNC_map_lookup_elem,
                 BpfHelper::BPF_FUNC_map_update_elem,
-                // tc egress deletes the conntrack entry of a VIP flow that is over.
+                // tc egress deletes the conntrack entries of a VIP flow that is over.
                 BpfHelper::BPF_FUNC_map_delete_elem,
                 BpfHelper::BPF_FUNC_ktime_get_ns,
+                // A new flow whose client port another flow holds at its backend
+                // tries random ports of its class.
+                BpfHelper::BPF_FUNC_get_prandom_u32,
                 BpfHelper::BPF_FUNC_get_smp_processor_id,
                 BpfHelper::BPF_FUNC_l3_csum_replace,
                 BpfHelper::BPF_FUNC_l4_csum_replace,

@@ -15,12 +15,12 @@ use agent_common::lb;
 use agent_common::{PacketStats, XDP_PASS_PROGRAM, XDP_STATS_MAP};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, Map, MapData, MapError, PerCpuArray},
+    maps::{MapError, PerCpuArray},
     programs::{ProgramError, Xdp, xdp::XdpLinkId},
 };
 use std::path::{Path, PathBuf};
 
-use super::stats::{self, StatsLayout};
+use super::{stats::StatsLayout, upgrade};
 
 pub use aya::programs::XdpMode;
 
@@ -211,7 +211,8 @@ pub struct MapSizes {
     pub backends: u32,
     /// Slots per Maglev table (a prime).
     pub table_size: u32,
-    /// Conntrack entries per family, and socket-LB reverse entries.
+    /// Conntrack entries per family (as many reply entries), and socket-LB reverse
+    /// entries.
     pub flows: u32,
     /// ClientIP affinity entries.
     pub affinity: u32,
@@ -277,10 +278,10 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
         return Err(EbpfError::NotEmbedded);
     }
     ensure_pin_dir(pin_dir)?;
-    check_pinned_layouts(pin_dir)?;
+    upgrade::check_pinned_layouts(pin_dir)?;
     note_per_cpu_lru_conntrack(pin_dir);
     unpin_vip_filter(pin_dir)?;
-    let legacy = LegacyMaps::unpin(pin_dir)?;
+    let legacy = upgrade::Legacy::unpin(pin_dir)?;
     let layout = match StatsLayout::new(pin_dir, sizes.frontends, sizes.backends) {
         Ok(layout) => layout,
         Err(e) => {
@@ -297,9 +298,10 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
         .map_max_entries(lb::SERVICES_V6, sizes.frontends)
         .map_max_entries(lb::MAGLEV, slots.div_ceil(lb::MAGLEV_SLOTS_PER_ENTRY))
         .map_max_entries(lb::BACKENDS, sizes.backends)
-        .map_max_entries(lb::REVNAT, sizes.backends)
         .map_max_entries(lb::CONNTRACK_V4, sizes.flows)
         .map_max_entries(lb::CONNTRACK_V6, sizes.flows)
+        .map_max_entries(lb::CONNTRACK_REPLY_V4, sizes.flows)
+        .map_max_entries(lb::CONNTRACK_REPLY_V6, sizes.flows)
         .map_max_entries(lb::SOCK_REVERSE, sizes.flows)
         .map_max_entries(lb::AFFINITY, sizes.affinity);
     let mut ebpf = match loader.load(EMBEDDED_OBJECT) {
@@ -324,8 +326,6 @@ pub struct PinnedBefore {
     pub frontends: bool,
     /// The backends array.
     pub backends: bool,
-    /// The reverse-NAT index.
-    pub revnat: bool,
 }
 
 impl PinnedBefore {
@@ -336,7 +336,6 @@ impl PinnedBefore {
         Self {
             frontends: pinned(lb::SERVICES_V4) || pinned(lb::SERVICES_V6),
             backends: pinned(lb::BACKENDS),
-            revnat: pinned(lb::REVNAT),
         }
     }
 }
@@ -357,53 +356,6 @@ fn unpin_vip_filter(pin_dir: &Path) -> Result<(), EbpfError> {
         }),
         _ => Ok(()),
     }
-}
-
-/// Fails with [`EbpfError::PinnedLayout`] when a pinned map whose layout changed
-/// between releases has other key or value sizes than this agent's, instead of a
-/// verifier error at load. Maps of the previous layout (see [`LegacyMaps`]) are
-/// carried over instead.
-fn check_pinned_layouts(pin_dir: &Path) -> Result<(), EbpfError> {
-    let size = |n: usize| n as u32;
-    for (name, want, legacy) in [
-        (
-            lb::CONNTRACK_V4,
-            (
-                size(size_of::<lb::CtKeyV4>()),
-                size(size_of::<lb::CtValue>()),
-            ),
-            Some(size(size_of::<LegacyCtValue>())),
-        ),
-        (
-            lb::CONNTRACK_V6,
-            (
-                size(size_of::<lb::CtKeyV6>()),
-                size(size_of::<lb::CtValue>()),
-            ),
-            Some(size(size_of::<LegacyCtValue>())),
-        ),
-        (
-            lb::REVNAT,
-            (
-                size(size_of::<lb::RevNatKey>()),
-                size(size_of::<lb::RevNatValue>()),
-            ),
-            None,
-        ),
-    ] {
-        let Some(found) = pinned_sizes(&pin_dir.join(name)) else {
-            continue;
-        };
-        if found != want && Some(found) != legacy.map(|value| (want.0, value)) {
-            return Err(EbpfError::PinnedLayout {
-                name,
-                dir: pin_dir.display().to_string(),
-                found,
-                want,
-            });
-        }
-    }
-    Ok(())
 }
 
 /// `BPF_F_NO_COMMON_LRU` (uapi/linux/bpf.h).
@@ -428,177 +380,6 @@ fn note_per_cpu_lru_conntrack(pin_dir: &Path) {
             );
         }
     }
-}
-
-/// The (key, value) sizes of the map pinned at `path`, if one is (anything else
-/// wrong with the pin is the loader's to report).
-fn pinned_sizes(path: &Path) -> Option<(u32, u32)> {
-    if !path.exists() {
-        return None;
-    }
-    let info = aya::maps::MapInfo::from_pin(path).ok()?;
-    Some((info.key_size(), info.value_size()))
-}
-
-/// The conntrack value of agents before conntrack entries had a lifetime
-/// (`backend_id`, `service_id`; 8 bytes).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct LegacyCtValue {
-    backend_id: u32,
-    service_id: u32,
-}
-
-// SAFETY: `#[repr(C)]`, two `u32`s, no padding, every bit pattern valid.
-unsafe impl aya::Pod for LegacyCtValue {}
-
-/// Tells whether the map pinned at a path has a previous layout.
-type PinnedTest = fn(&Path) -> bool;
-
-/// Whether the map pinned at `path` is conntrack with [`LegacyCtValue`]s.
-fn pinned_legacy_conntrack(path: &Path) -> bool {
-    pinned_sizes(path).is_some_and(|(_, value)| value == size_of::<LegacyCtValue>() as u32)
-}
-
-/// Maps pinned by an agent of a previous layout, held open across the load: their
-/// pins are removed first, so the loader creates maps of this agent's layout, and
-/// their entries are copied into those afterwards. Conntrack of the previous layout
-/// ([`LegacyCtValue`]): established flows keep their backends (the old programs keep
-/// using the old maps until the new ones are attached, and flows that start in that
-/// short window are not carried over). Per-CPU counters arrays (see
-/// [`super::stats`]): their counts are added to the new arrays.
-struct LegacyMaps {
-    /// (map name, pin path, the open map).
-    maps: Vec<(&'static str, PathBuf, MapData)>,
-}
-
-impl LegacyMaps {
-    /// Opens and unpins the maps of a previous layout under `pin_dir` (those
-    /// already unpinned are pinned back should a later one fail).
-    fn unpin(pin_dir: &Path) -> Result<Self, EbpfError> {
-        let candidates: [(&'static str, PinnedTest); 4] = [
-            (lb::CONNTRACK_V4, pinned_legacy_conntrack),
-            (lb::CONNTRACK_V6, pinned_legacy_conntrack),
-            (lb::SERVICE_STATS, stats::pinned_per_cpu),
-            (lb::BACKEND_STATS, stats::pinned_per_cpu),
-        ];
-        let mut legacy = Self { maps: Vec::new() };
-        for (name, is_legacy) in candidates {
-            let path = pin_dir.join(name);
-            if !path.exists() || !is_legacy(&path) {
-                continue;
-            }
-            let pin_error = |e: String| EbpfError::Pin {
-                path: path.clone(),
-                reason: e,
-            };
-            let map = match MapData::from_pin(&path).map_err(|e| pin_error(e.to_string())) {
-                Ok(map) => map,
-                Err(e) => {
-                    legacy.restore();
-                    return Err(e);
-                }
-            };
-            if let Err(e) = std::fs::remove_file(&path) {
-                legacy.restore();
-                return Err(pin_error(e.to_string()));
-            }
-            legacy.maps.push((name, path, map));
-        }
-        Ok(legacy)
-    }
-
-    /// Pins the old maps back after a failed load, so the next start still finds
-    /// the flows (the old programs keep using them meanwhile); a pin the failed
-    /// load left at the same path is replaced. Failures are logged: the load's
-    /// error is the one to report.
-    fn restore(self) {
-        for (_, path, map) in self.maps {
-            if path.exists() {
-                let _ = std::fs::remove_file(&path);
-            }
-            if let Err(e) = map.pin(&path) {
-                tracing::warn!(path = %path.display(), error = %e, "pinning a map of the previous layout back failed: its flows or counts are lost at the next start");
-            }
-        }
-    }
-
-    /// Copies the old entries into `ebpf`'s maps: conntrack as flows picked up
-    /// mid-stream (no SYN-ACK expected), UDP ones as seen now; counters summed over
-    /// CPUs. A copy that fails is logged, not fatal: the flows it misses are
-    /// re-picked (same backend while its Maglev slot is unchanged), counts restart.
-    fn carry_over(self, ebpf: &mut Ebpf) {
-        let now = lb::ct_now(monotonic_ns());
-        for (name, _, old) in self.maps {
-            let copied = match name {
-                lb::CONNTRACK_V4 => copy_entries::<lb::CtKeyV4>(old, ebpf, name, now),
-                lb::CONNTRACK_V6 => copy_entries::<lb::CtKeyV6>(old, ebpf, name, now),
-                _ => stats::carry_over(old, ebpf, name).map(|carried| {
-                    tracing::info!(
-                        map = name,
-                        carried,
-                        "counters pinned by an earlier agent were a per-CPU array: \
-                         recreated as one array with a region per CPU, counts carried over"
-                    );
-                }),
-            };
-            if let Err(e) = copied {
-                tracing::warn!(map = name, error = %e, "map of the previous layout not carried over");
-            }
-        }
-    }
-}
-
-/// Copies one conntrack map of the previous layout into `name` of `ebpf`.
-fn copy_entries<K: aya::Pod>(
-    old: MapData,
-    ebpf: &mut Ebpf,
-    name: &'static str,
-    now: u32,
-) -> Result<(), EbpfError> {
-    let map_err = |e: MapError| EbpfError::CarryOver {
-        name,
-        reason: e.to_string(),
-    };
-    let old: HashMap<MapData, K, LegacyCtValue> =
-        HashMap::try_from(Map::from_map_data(old).map_err(map_err)?).map_err(map_err)?;
-    let mut new: HashMap<&mut MapData, K, lb::CtValue> =
-        HashMap::try_from(ebpf.map_mut(name).ok_or(EbpfError::MapNotFound { name })?)
-            .map_err(map_err)?;
-    let (mut copied, mut failed) = (0usize, 0usize);
-    for (key, value) in old.iter().filter_map(Result::ok) {
-        // `last_seen` is what UDP needs; a TCP flow's first packet resets it to 0
-        // (one write, as for any entry whose time changes).
-        let value = lb::CtValue {
-            backend_id: value.backend_id,
-            service_id: value.service_id,
-            syn_ack: 0,
-            last_seen: now,
-        };
-        match new.insert(key, value, 0) {
-            Ok(()) => copied += 1,
-            Err(_) => failed += 1,
-        }
-    }
-    tracing::warn!(
-        map = name,
-        copied,
-        failed,
-        "conntrack pinned by an earlier agent had the previous layout (8-byte values): \
-         recreated with this agent's and its flows copied over"
-    );
-    Ok(())
-}
-
-/// CLOCK_MONOTONIC in ns: the clock of `bpf_ktime_get_ns()`.
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// Loads `rune_xdp_pass` (once) and attaches it to `interface` in `mode`.

@@ -9,10 +9,13 @@
 use super::{batch, loader::PinnedBefore, stats};
 use agent_common::filter::VIP_FILTER_WORDS;
 use agent_common::lb::{
-    self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtValue, DropReason, ServiceKeyV4,
-    ServiceKeyV6, ServiceValue, TrafficStats,
+    self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtReplyV4, CtReplyV6, CtValue,
+    DropReason, ServiceKeyV4, ServiceKeyV6, ServiceValue, TrafficStats,
 };
-use aya::maps::{Array, HashMap, IterableMap as _, Map, MapData, MapError, PerCpuArray};
+use aya::{
+    Pod,
+    maps::{Array, HashMap, IterableMap as _, Map, MapData, MapError, PerCpuArray},
+};
 use std::{
     collections::{BTreeMap, HashSet},
     os::fd::AsFd as _,
@@ -132,6 +135,22 @@ pub trait LbMaps: Send {
     fn release(&mut self) {}
 }
 
+/// Removes the entries of `map` whose value `stale` picks (read first, then
+/// deleted; an entry another CPU removed meanwhile is not counted). Returns how
+/// many it removed.
+fn remove_where<K: Pod, V: Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    stale: impl Fn(&V) -> bool,
+) -> usize {
+    let keys: Vec<K> = map
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(_, v)| stale(v))
+        .map(|(k, _)| k)
+        .collect();
+    keys.iter().filter(|key| map.remove(key).is_ok()).count()
+}
+
 /// The kernel's maps, taken from a loaded (or re-opened pinned) object.
 pub struct KernelMaps {
     svc_v4: HashMap<MapData, ServiceKeyV4, ServiceValue>,
@@ -139,6 +158,8 @@ pub struct KernelMaps {
     backends: Array<MapData, Backend>,
     ct_v4: HashMap<MapData, CtKeyV4, CtValue>,
     ct_v6: HashMap<MapData, CtKeyV6, CtValue>,
+    replies_v4: HashMap<MapData, CtKeyV4, CtReplyV4>,
+    replies_v6: HashMap<MapData, CtKeyV6, CtReplyV6>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     svc_stats: Array<MapData, TrafficStats>,
     backend_stats: Array<MapData, TrafficStats>,
@@ -198,7 +219,7 @@ impl Pending {
 
 /// Writes `keys[i] → values[i]` into `map` with one batch call; `Ok(false)` when the
 /// kernel has no batch writes (the caller then writes one by one and stops trying).
-fn write_batch<K: aya::Pod, V: aya::Pod>(
+fn write_batch<K: Pod, V: Pod>(
     batch_ok: &mut bool,
     map: &MapData,
     name: &'static str,
@@ -429,6 +450,8 @@ impl KernelMaps {
             backends,
             ct_v4,
             ct_v6: typed(maps, lb::CONNTRACK_V6)?,
+            replies_v4: typed(maps, lb::CONNTRACK_REPLY_V4)?,
+            replies_v6: typed(maps, lb::CONNTRACK_REPLY_V6)?,
             affinity: typed(maps, lb::AFFINITY)?,
             svc_stats: typed(maps, lb::SERVICE_STATS)?,
             backend_stats: typed(maps, lb::BACKEND_STATS)?,
@@ -706,36 +729,16 @@ impl LbMaps for KernelMaps {
         }
         self.flush_all()?;
         let mut removed = 0;
-        let stale_v4: Vec<CtKeyV4> = self
-            .ct_v4
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(_, v)| backend_ids.contains(&v.backend_id))
-            .map(|(k, _)| k)
-            .collect();
-        for key in &stale_v4 {
-            removed += usize::from(self.ct_v4.remove(key).is_ok());
-        }
-        let stale_v6: Vec<CtKeyV6> = self
-            .ct_v6
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(_, v)| backend_ids.contains(&v.backend_id))
-            .map(|(k, _)| k)
-            .collect();
-        for key in &stale_v6 {
-            removed += usize::from(self.ct_v6.remove(key).is_ok());
-        }
-        let stale_affinity: Vec<AffinityKey> = self
-            .affinity
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(_, v)| backend_ids.contains(&v.backend_id))
-            .map(|(k, _)| k)
-            .collect();
-        for key in &stale_affinity {
-            removed += usize::from(self.affinity.remove(key).is_ok());
-        }
+        removed += remove_where(&mut self.ct_v4, |v| backend_ids.contains(&v.backend_id));
+        removed += remove_where(&mut self.ct_v6, |v| backend_ids.contains(&v.backend_id));
+        // Their reply entries too: a later flow may claim their tuples at once.
+        removed += remove_where(&mut self.replies_v4, |v| {
+            backend_ids.contains(&v.backend_id)
+        });
+        removed += remove_where(&mut self.replies_v6, |v| {
+            backend_ids.contains(&v.backend_id)
+        });
+        removed += remove_where(&mut self.affinity, |v| backend_ids.contains(&v.backend_id));
         Ok(removed)
     }
 

@@ -16,6 +16,7 @@ pub mod maps;
 pub mod prefilter;
 pub mod stats;
 pub mod sync;
+mod upgrade;
 
 #[cfg(test)]
 mod tests;
@@ -132,6 +133,8 @@ impl EbpfDataPlane<KernelMaps> {
             lb::MAGLEV,
             lb::CONNTRACK_V4,
             lb::CONNTRACK_V6,
+            lb::CONNTRACK_REPLY_V4,
+            lb::CONNTRACK_REPLY_V6,
             lb::AFFINITY,
             lb::SERVICE_STATS,
             lb::BACKEND_STATS,
