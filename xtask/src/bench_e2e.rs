@@ -18,6 +18,9 @@
 //! (client and backend) and of the agent, a figure other load disturbs less than the
 //! rates. Traffic stays in 198.18.0.0/15 inside the bench's own
 //! namespaces, which are deleted on drop; every run is bounded in time.
+//!
+//! Then the short-connection scenario with source port reuse through two VIPs
+//! ([`crate::bench_reuse`], also `cargo xtask bench reuse` alone).
 
 use crate::agent_proc::AgentProcess;
 use crate::bench::{RUN, Scenario, load, median, start_backend_on};
@@ -46,7 +49,7 @@ const ADDRS_PER_MODE: u8 = 4 * ROUNDS + 2;
 /// A production data plane measured through the VIP. Add a mode here (its label,
 /// its agent flags, its targets) and to [`Mode::ALL`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
+pub(crate) enum Mode {
     /// eBPF: tc DNAT on the node's client-facing veth.
     Ebpf,
     /// eBPF: XDP DNAT on that veth (reverse NAT still in tc egress). The client's
@@ -62,11 +65,11 @@ enum Mode {
 
 impl Mode {
     /// Every mode, in the order they run.
-    const ALL: [Mode; 4] = [Mode::Ebpf, Mode::EbpfXdp, Mode::Nftables, Mode::Userspace];
+    pub(crate) const ALL: [Mode; 4] = [Mode::Ebpf, Mode::EbpfXdp, Mode::Nftables, Mode::Userspace];
 
     /// The modes to run: those named in `RUNE_BENCH_MODES` (comma-separated
     /// [`Mode::name`]s, to iterate on one mode alone), else [`Mode::ALL`].
-    fn selected() -> Result<Vec<(usize, Mode)>> {
+    pub(crate) fn selected() -> Result<Vec<(usize, Mode)>> {
         let all = Mode::ALL.into_iter().enumerate();
         let Ok(list) = std::env::var("RUNE_BENCH_MODES") else {
             return Ok(all.collect());
@@ -100,7 +103,8 @@ impl Mode {
         }
     }
 
-    fn label(self) -> &'static str {
+    /// Its name in the report's tables.
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Mode::Ebpf => "eBPF (tc)",
             Mode::EbpfXdp => "eBPF (XDP)",
@@ -110,7 +114,7 @@ impl Mode {
     }
 
     /// `rune-agent run` flags beyond the state dir, metrics and DNS addresses.
-    fn flags(self, pins: &Path) -> Vec<String> {
+    pub(crate) fn flags(self, pins: &Path) -> Vec<String> {
         match self {
             Mode::Ebpf | Mode::EbpfXdp => {
                 let mut flags: Vec<String> = vec![
@@ -175,8 +179,16 @@ pub fn run_alone() -> Result<()> {
     Ok(())
 }
 
-/// The section of the report (a note when not root).
+/// The section of the report: TCP through one VIP, then short HTTP connections with
+/// port reuse through two VIPs ([`crate::bench_reuse`]); a note when not root.
 pub fn section(bin: &Path) -> Result<String> {
+    let mut t = one_vip(bin)?;
+    t.push_str(&crate::bench_reuse::section(bin)?);
+    Ok(t)
+}
+
+/// TCP through one VIP vs straight to its backend, per mode (a note when not root).
+fn one_vip(bin: &Path) -> Result<String> {
     const TITLE: &str = "## End to end through the VIP per data plane mode (netns)";
     if !crate::util::is_root() {
         return Ok(format!("\n{TITLE}\n\nskipped: needs root\n"));
@@ -292,7 +304,7 @@ pub fn section(bin: &Path) -> Result<String> {
 
 /// Writes the bench service into the store of a stopped agent (the CLI writes the
 /// store directly), so that agent and CLI never race for it.
-fn apply_offline(bin: &Path, state: &Path, yaml: &str) -> Result<()> {
+pub(crate) fn apply_offline(bin: &Path, state: &Path, yaml: &str) -> Result<()> {
     crate::util::rune_apply(bin, state, yaml).context("applying the bench service")
 }
 
@@ -420,7 +432,7 @@ async fn load_once(target: SocketAddr) -> Result<()> {
 }
 
 /// Moves the calling thread into the namespace at `path`.
-fn enter(path: &Path) -> Result<()> {
+pub(crate) fn enter(path: &Path) -> Result<()> {
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     // SAFETY: setns on an open namespace file changes only this thread's namespace.
     if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
@@ -429,7 +441,8 @@ fn enter(path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn ip(args: &[&str]) -> Result<()> {
+/// Runs `ip ARGS` (the bench's namespaces only); fails unless it succeeds.
+pub(crate) fn ip(args: &[&str]) -> Result<()> {
     crate::util::run_status(
         "configure the bench's namespaces",
         Command::new("ip").args(args),
@@ -478,7 +491,7 @@ fn wire(client: &Netns, node: &Netns, backend: &Netns) -> Result<()> {
 
 /// Turns TX checksum offload of the client's veth on or off (`ethtool -K c-node tx
 /// on|off` inside the client namespace).
-fn client_tx_checksum(client: &Netns, on: bool) -> Result<()> {
+pub(crate) fn client_tx_checksum(client: &Netns, on: bool) -> Result<()> {
     crate::util::run_status(
         "set TX checksum offload of the client's veth (ethtool)",
         Command::new("ip").args([
@@ -494,7 +507,8 @@ fn client_tx_checksum(client: &Netns, on: bool) -> Result<()> {
     )
 }
 
-fn client_name(ns: &Netns) -> String {
+/// The name of a bench namespace (for `ip -n` and `ip netns exec`).
+pub(crate) fn client_name(ns: &Netns) -> String {
     ns.path()
         .file_name()
         .map(|f| f.to_string_lossy().into_owned())

@@ -8,6 +8,7 @@ mod bench;
 mod bench_dns;
 mod bench_e2e;
 mod bench_ebpf;
+mod bench_reuse;
 mod bench_sync;
 mod build_ebpf;
 mod run;
@@ -41,8 +42,9 @@ enum Command {
     /// Setup, then measure the dev-mode proxy against direct connections, the
     /// embedded DNS server against dnsmasq, the agent's memory (side by side in one
     /// run), the eBPF load balancer's per-packet cost and the eBPF map sync of
-    /// 10,000 services; prints a table. `bench ebpf` and `bench sync` run one
-    /// section alone (both need root).
+    /// 10,000 services, and TCP and short HTTP connections end to end through the
+    /// VIPs per data plane mode; prints a table. `bench ebpf`, `bench sync`, `bench
+    /// e2e` and `bench reuse` run one section alone (they need root).
     Bench {
         /// Only this section.
         #[arg(value_enum)]
@@ -58,8 +60,12 @@ enum BenchSection {
     /// The production agent's eBPF map sync: 10,000 services snapshot to maps, and
     /// one endpoint change from the ordered log to the maps.
     Sync,
-    /// TCP end to end through the eBPF VIP vs straight to the backend (netns).
+    /// TCP end to end through the VIP vs straight to the backend per data plane
+    /// mode, then the `reuse` scenario (netns).
     E2e,
+    /// Short HTTP connections (nginx, wrk) with quick source port reuse through two
+    /// VIPs sharing three backends, per data plane mode vs direct (netns).
+    Reuse,
     /// The embedded DNS server against dnsmasq, and its memory at 10,000 services.
     Dns,
 }
@@ -80,6 +86,9 @@ fn main() -> ExitCode {
         Command::Bench {
             section: Some(BenchSection::E2e),
         } => setup::run().and_then(|()| bench_e2e::run_alone()),
+        Command::Bench {
+            section: Some(BenchSection::Reuse),
+        } => setup::run().and_then(|()| bench_reuse::run_alone()),
         Command::Bench {
             section: Some(BenchSection::Dns),
         } => setup::run().and_then(|()| bench_dns::run_alone()),

@@ -14,9 +14,17 @@ use anyhow::{Context as _, anyhow};
 use crate::util;
 
 /// Debian packages the agent, its tests and the benchmarks run: `nft`, `ip`,
-/// `dnsmasq` (the DNS benchmark's reference server) and `ethtool` (the test topology
-/// turns off TX checksum offload on veths, which XDP needs).
-const APT_PACKAGES: &[&str] = &["nftables", "iproute2", "dnsmasq-base", "ethtool"];
+/// `dnsmasq` (the DNS benchmark's reference server), `ethtool` (the test topology
+/// turns off TX checksum offload on veths, which XDP needs), and `wrk` and `nginx`
+/// (the client and backends of the short-connection bench, `bench reuse`).
+const APT_PACKAGES: &[&str] = &[
+    "nftables",
+    "iproute2",
+    "dnsmasq-base",
+    "ethtool",
+    "wrk",
+    "nginx-light",
+];
 /// The toolchain the eBPF programs are built with (aya-build's default).
 const NIGHTLY: &str = "nightly";
 /// bpf-linker's semver range; `bpf-linker --version` must start with this.
