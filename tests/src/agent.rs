@@ -4,10 +4,11 @@
 //! [`Agent::start_in`] and [`http_get_in`]).
 
 use std::{
-    io::{Read, Write},
+    io::{BufRead as _, BufReader, Read, Write},
     net::{SocketAddr, TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -45,6 +46,8 @@ pub struct Agent {
     /// The network namespace file it runs in (`/run/netns/NAME`), if not the test
     /// process's own.
     pub netns: Option<PathBuf>,
+    /// What it wrote to stderr so far, when started by [`Agent::start_logged_in`].
+    log: Option<Arc<Mutex<String>>>,
 }
 
 impl Agent {
@@ -79,12 +82,57 @@ impl Agent {
     /// a free port of that namespace's 127.0.0.1, and [`Agent::wait_ready`] and
     /// [`Agent::metrics_text`] reach it there.
     pub fn start_in(ns: &NetNs, state_dir: &Path, args: &[&str]) -> Agent {
+        Self::start_in_piped(ns, state_dir, args, false)
+    }
+
+    /// [`Agent::start_in`], keeping what the agent writes to stderr (its log) for
+    /// [`Agent::log`]. Every line is also copied to the test's stderr as it comes
+    /// (`eprintln!`, so the test harness shows it with the test's own output).
+    pub fn start_logged_in(ns: &NetNs, state_dir: &Path, args: &[&str]) -> Agent {
+        let mut agent = Self::start_in_piped(ns, state_dir, args, true);
+        let stderr = agent.child.as_mut().and_then(|c| c.stderr.take());
+        let log = Arc::new(Mutex::new(String::new()));
+        let kept = log.clone();
+        // Ends at EOF, when the agent (and whatever it started) is gone.
+        std::thread::Builder::new()
+            .name("agent-log".to_owned())
+            .spawn(move || {
+                let Some(stderr) = stderr else { return };
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { return };
+                    eprintln!("{line}");
+                    let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
+                    kept.push_str(&without_ansi_escapes(&line));
+                    kept.push('\n');
+                }
+            })
+            .expect("spawn the agent log reader");
+        agent.log = Some(log);
+        agent
+    }
+
+    /// The agent's log so far, without its colours (see [`Agent::start_logged_in`]);
+    /// panics for an agent started otherwise.
+    pub fn log(&self) -> String {
+        let log = self
+            .log
+            .as_ref()
+            .expect("the agent's log is kept only with Agent::start_logged_in");
+        log.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// [`Agent::start_in`], with stderr piped when `pipe_stderr`.
+    fn start_in_piped(ns: &NetNs, state_dir: &Path, args: &[&str], pipe_stderr: bool) -> Agent {
         let port = ns.run(free_port).expect("a free port in the namespace");
         let metrics: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let mut all = vec!["--metrics-addr".to_owned(), metrics.to_string()];
         all.extend(args.iter().map(|a| a.to_string()));
         let all: Vec<&str> = all.iter().map(String::as_str).collect();
-        Self::start_with_in(ns, state_dir, &all, &[], metrics)
+        let mut cmd = ns.command(agent_bin()).unwrap_or_else(|e| panic!("{e:#}"));
+        if pipe_stderr {
+            cmd.stderr(Stdio::piped());
+        }
+        Self::spawn(cmd, Some(ns.path()), state_dir, &all, &[], metrics)
     }
 
     /// [`Agent::start_with`] inside the network namespace `ns`. The process enters it
@@ -128,6 +176,7 @@ impl Agent {
             state_dir: state_dir.to_owned(),
             metrics,
             netns,
+            log: None,
         }
     }
 
@@ -252,7 +301,7 @@ fn cli_at(netns: Option<&Path>, state_dir: &Path, args: &[&str], stdin: Option<&
             .unwrap();
     }
     let pid = child.id() as i32;
-    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let watchdog = {
         let done = done.clone();
         std::thread::spawn(move || {
@@ -274,6 +323,25 @@ fn cli_at(netns: Option<&Path>, state_dir: &Path, args: &[&str], stdin: Option<&
         !watchdog.join().unwrap(),
         "rune-agent {args:?} did not finish within {CLI_PATIENCE:?}"
     );
+    out
+}
+
+/// `line` without ANSI escape sequences (`ESC [ ... letter`: the log's colours).
+fn without_ansi_escapes(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // ESC, '[', parameters, then one final letter.
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
     out
 }
 

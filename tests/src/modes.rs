@@ -202,10 +202,13 @@ pub fn web_yaml(endpoints: &[Ep]) -> String {
 }
 
 /// A production agent of one [`Mode`] in `topo`'s node namespace, with its state
-/// directory and private pin directory (kept across restarts).
+/// directory and private pin directory (kept across restarts). Its log is kept
+/// ([`ModeAgent::log`]).
 pub struct ModeAgent<'t> {
     mode: Mode,
     topo: &'t Topology,
+    /// Flags after the mode's, for every start.
+    extra: Vec<String>,
     agent: Agent,
     state: tempfile::TempDir,
     pins: PinDir,
@@ -221,9 +224,16 @@ impl<'t> ModeAgent<'t> {
     /// an XDP program itself; otherwise they wait in the peer's ring for its next
     /// packet. A NIC needs nothing of the kind.
     pub fn start(mode: Mode, topo: &'t Topology) -> Self {
+        Self::start_with(mode, topo, &[])
+    }
+
+    /// [`ModeAgent::start`] with `extra` flags after the mode's (see
+    /// [`start_agent_with`]), also on every restart.
+    pub fn start_with(mode: Mode, topo: &'t Topology, extra: &[&str]) -> Self {
         let state = tempfile::tempdir().unwrap();
         let pins = PinDir::new(mode.dataplane());
-        let agent = start_agent(mode, topo, state.path(), &pins);
+        let extra: Vec<String> = extra.iter().map(|a| a.to_string()).collect();
+        let agent = start_logged_agent(mode, topo, state.path(), &pins, &extra);
         let peer_xdp = (mode == Mode::EbpfXdp).then(|| {
             let peer_pins = PinDir::new("vip-peer");
             let mut bpf = rune_agent::dataplane::ebpf::load_embedded(peer_pins.path())
@@ -243,6 +253,7 @@ impl<'t> ModeAgent<'t> {
         Self {
             mode,
             topo,
+            extra,
             agent,
             state,
             pins,
@@ -253,6 +264,11 @@ impl<'t> ModeAgent<'t> {
     /// The running agent.
     pub fn agent(&self) -> &Agent {
         &self.agent
+    }
+
+    /// What the running agent logged so far (stderr).
+    pub fn log(&self) -> String {
+        self.agent.log()
     }
 
     /// The mode.
@@ -273,7 +289,13 @@ impl<'t> ModeAgent<'t> {
     /// Starts the agent again on the same state and pin directories, and waits until
     /// it is ready.
     pub fn restart(&mut self) {
-        self.agent = start_agent(self.mode, self.topo, self.state.path(), &self.pins);
+        self.agent = start_logged_agent(
+            self.mode,
+            self.topo,
+            self.state.path(),
+            &self.pins,
+            &self.extra,
+        );
     }
 }
 
@@ -284,7 +306,8 @@ pub fn start_agent(mode: Mode, topo: &Topology, state: &Path, pins: &PinDir) -> 
 }
 
 /// [`start_agent`] with `extra` flags after the mode's (e.g.
-/// `--keep-rules-on-stop`).
+/// `--keep-rules-on-stop`). An `--lb-max-frontends` in `extra` replaces the
+/// mode's (64).
 pub fn start_agent_with(
     mode: Mode,
     topo: &Topology,
@@ -292,6 +315,31 @@ pub fn start_agent_with(
     pins: &PinDir,
     extra: &[&str],
 ) -> Agent {
+    let args = agent_args(mode, topo, pins, extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut agent = Agent::start_in(topo.node(), state, &args);
+    agent.wait_ready(PATIENCE);
+    agent
+}
+
+/// [`start_agent_with`], keeping the agent's log ([`Agent::start_logged_in`]).
+fn start_logged_agent(
+    mode: Mode,
+    topo: &Topology,
+    state: &Path,
+    pins: &PinDir,
+    extra: &[String],
+) -> Agent {
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let args = agent_args(mode, topo, pins, &extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut agent = Agent::start_logged_in(topo.node(), state, &args);
+    agent.wait_ready(PATIENCE);
+    agent
+}
+
+/// The flags of [`start_agent_with`].
+fn agent_args(mode: Mode, topo: &Topology, pins: &PinDir, extra: &[&str]) -> Vec<String> {
     let pin_dir = pins.path().display().to_string();
     let mut args = vec![
         "--dataplane",
@@ -302,22 +350,16 @@ pub fn start_agent_with(
         "1021",
     ];
     if matches!(mode, Mode::Ebpf | Mode::EbpfXdp) {
-        args.extend([
-            "--cgroup",
-            "none",
-            "--interfaces",
-            topo.node_client_if(),
-            "--lb-max-frontends",
-            "64",
-        ]);
+        args.extend(["--cgroup", "none", "--interfaces", topo.node_client_if()]);
+        if !extra.contains(&"--lb-max-frontends") {
+            args.extend(["--lb-max-frontends", "64"]);
+        }
     }
     if mode == Mode::EbpfXdp {
         args.extend(["--xdp-interfaces", topo.node_client_if()]);
     }
     args.extend_from_slice(extra);
-    let mut agent = Agent::start_in(topo.node(), state, &args);
-    agent.wait_ready(PATIENCE);
-    agent
+    args.into_iter().map(str::to_owned).collect()
 }
 
 /// Whether `e` is a refused connect (the RST of a service without backends), as

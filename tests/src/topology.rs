@@ -49,12 +49,13 @@
 //!
 //! Each backend serves, on IPv4 and IPv6, TCP on [`Topology::tcp_port`] (each
 //! received line answered with `"<backend-name> <line>\n"`, as long as the
-//! connection stays open) and UDP on [`Topology::udp_port`] (each datagram answered
-//! with `"<backend-name> <payload>"`), from threads of the test process whose
-//! sockets live in the backend's namespace. [`Topology::backend_counts`] tells what
-//! each one served. The client helpers ([`Topology::tcp_request`],
-//! [`Topology::tcp_open`], [`Topology::udp_request`] and their `_from` forms) open
-//! their sockets in the client namespace.
+//! connection stays open, or with [`TopologyConfig::tcp_close_after_reply`] only
+//! the first, the server then closing) and UDP on [`Topology::udp_port`] (each
+//! datagram answered with `"<backend-name> <payload>"`), from threads of the test
+//! process whose sockets live in the backend's namespace.
+//! [`Topology::backend_counts`] tells what each one served. The client helpers
+//! ([`Topology::tcp_request`], [`Topology::tcp_open`], [`Topology::udp_request`]
+//! and their `_from` forms) open their sockets in the client namespace.
 
 use std::{
     io::{self, BufRead as _, BufReader, Write as _},
@@ -131,6 +132,11 @@ pub struct TopologyConfig {
     pub client_tx_checksum_off: bool,
     /// Turn TX checksum offload off on each backend's veth too (default: no).
     pub backend_tx_checksum_off: bool,
+    /// The TCP servers close each connection right after answering its first line
+    /// (default: no, they answer until the client closes). The server closes first,
+    /// so the backend, not the client, holds the connection's TIME_WAIT. For clients
+    /// that send one line: a line still unread at the close would make it a reset.
+    pub tcp_close_after_reply: bool,
 }
 
 impl Default for TopologyConfig {
@@ -141,6 +147,7 @@ impl Default for TopologyConfig {
             udp_port: Some(8080),
             client_tx_checksum_off: true,
             backend_tx_checksum_off: false,
+            tcp_close_after_reply: false,
         }
     }
 }
@@ -274,7 +281,7 @@ impl Topology {
 
         let mut servers = Servers::default();
         for b in &backends {
-            servers.start(b, config.tcp_port, config.udp_port)?;
+            servers.start(b, config)?;
         }
         Ok(Self {
             servers,
@@ -630,13 +637,10 @@ struct Servers {
 
 impl Servers {
     /// Starts `backend`'s servers: TCP and UDP, IPv4 and IPv6, on the wildcard
-    /// addresses of its namespace.
-    fn start(
-        &mut self,
-        backend: &Backend,
-        tcp_port: Option<u16>,
-        udp_port: Option<u16>,
-    ) -> anyhow::Result<()> {
+    /// addresses of its namespace, as `config` says.
+    fn start(&mut self, backend: &Backend, config: &TopologyConfig) -> anyhow::Result<()> {
+        let (tcp_port, udp_port) = (config.tcp_port, config.udp_port);
+        let close_after_reply = config.tcp_close_after_reply;
         let stats = Arc::new(Stats::default());
         self.stats.push((backend.name.clone(), stats.clone()));
         let name: Arc<str> = backend.name.as_str().into();
@@ -653,10 +657,13 @@ impl Servers {
                     .with_context(|| format!("{}: TCP listen on {addr}", backend.name))?;
                 let (name, stats) = (name.clone(), stats.clone());
                 let (stop, active) = (self.stop.clone(), self.active.clone());
+                let serve = move || {
+                    serve_tcp(&listener, &name, &stats, &stop, &active, close_after_reply);
+                };
                 self.threads.push(
                     thread::Builder::new()
-                        .name(format!("{name}-tcp"))
-                        .spawn(move || serve_tcp(&listener, &name, &stats, &stop, &active))?,
+                        .name(format!("{}-tcp", backend.name))
+                        .spawn(serve)?,
                 );
             }
         }
@@ -766,6 +773,7 @@ fn serve_tcp(
     stats: &Arc<Stats>,
     stop: &Arc<AtomicBool>,
     active: &Arc<AtomicUsize>,
+    close_after_reply: bool,
 ) {
     while !stop.load(Ordering::SeqCst) {
         if !readable(listener.as_raw_fd()) {
@@ -782,7 +790,7 @@ fn serve_tcp(
         let spawned = thread::Builder::new()
             .name(format!("{name}-conn"))
             .spawn(move || {
-                serve_connection(stream, &name, &stats, &stop);
+                serve_connection(stream, &name, &stats, &stop, close_after_reply);
                 active_in.fetch_sub(1, Ordering::SeqCst);
             });
         if spawned.is_err() {
@@ -792,8 +800,15 @@ fn serve_tcp(
     }
 }
 
-/// Answers each line with `"<name> <line>\n"` until the client closes or `stop`.
-fn serve_connection(stream: TcpStream, name: &str, stats: &Stats, stop: &AtomicBool) {
+/// Answers each line with `"<name> <line>\n"` until the client closes or `stop`;
+/// with `close_after_reply`, closes after the first answer instead.
+fn serve_connection(
+    stream: TcpStream,
+    name: &str,
+    stats: &Stats,
+    stop: &AtomicBool,
+    close_after_reply: bool,
+) {
     let setup = (|| -> io::Result<(BufReader<TcpStream>, TcpStream)> {
         stream.set_nonblocking(false)?;
         stream.set_read_timeout(Some(POLL_INTERVAL))?;
@@ -820,6 +835,9 @@ fn serve_connection(stream: TcpStream, name: &str, stats: &Stats, stop: &AtomicB
                     return;
                 }
                 stats.tcp_lines.fetch_add(1, Ordering::SeqCst);
+                if close_after_reply {
+                    return; // the close sends a FIN: the server closes first
+                }
                 line.clear();
             }
             Ok(_) => return, // EOF in the middle of a line
