@@ -8,16 +8,16 @@
 //! * [`reused_source_ports_across_frontends`]: one client, a small range of source
 //!   ports, two VIPs in front of the same backend (IPv4 and IPv6). Each port comes
 //!   back within about a second through the other VIP, while the backend still
-//!   holds the previous connection's TIME_WAIT (its server closes first), and often
-//!   answers the new SYN with a challenge ACK. That ACK must go back through the VIP
-//!   the SYN came through; today it goes through the first VIP in the backend's
-//!   frontend list whenever that VIP's flow from the same port is still in
-//!   conntrack, the client never sees it, and its connect stalls for a second (a
-//!   SYN retransmitted on timeout).
+//!   holds the previous connection's TIME_WAIT (its server closes first). The two
+//!   flows must not meet at the backend on one 4-tuple (its TIME_WAIT would refuse
+//!   the second SYN, another client view) and each flow's packets, a challenge ACK
+//!   included, must go back through the VIP its SYN came through; otherwise the
+//!   client never sees them and its connect stalls for a second (a SYN
+//!   retransmitted on timeout).
 //! * [`one_backend_behind_many_frontends`] (20 and 200 TCP frontends, and 3 UDP
 //!   ones): replies through every frontend of one backend get their VIP and port
-//!   back, not only through the first 8 (today's per-backend list), and the agent
-//!   does not warn that it could not list them all.
+//!   back, with no bound on the frontends per backend, and the agent does not warn
+//!   of one.
 //!
 //! Needs root. Each test builds its own namespaces (and pin directory) and removes
 //! them on drop; traffic goes only to 198.18.0.0/15 and fd00::/8 inside them. Tests
@@ -421,8 +421,8 @@ fn one_backend_behind_200_frontends(mode: Mode) {
 /// own source port) must be answered by the backend with the frontend's VIP and
 /// port as its peer, and a UDP request through each UDP frontend must be answered
 /// from its VIP and port. The agent must not log that the backend is reached
-/// through "too many frontends" (today: replies through all but 8 of them are not
-/// translated back).
+/// through "too many frontends" (a bound on the frontends per backend leaves the
+/// replies through the others untranslated).
 fn one_backend_behind_many_frontends(mode: Mode, services: usize) {
     /// Services (the last ones) with a UDP port too.
     const UDP_SERVICES: usize = 3;
