@@ -222,7 +222,7 @@ fn measure(object: PathBuf) -> Result<String> {
             None,
         ),
         (
-            "XDP VIP hit, new flow (SYN), conntrack not full (Maglev, 1 insert)",
+            "XDP VIP hit, new flow (SYN), conntrack not full (Maglev, 2 inserts: forward and reply)",
             xdp_syn_fresh - xdp_driver_fresh,
             "driver subtracted",
             None,
@@ -234,7 +234,7 @@ fn measure(object: PathBuf) -> Result<String> {
             None,
         ),
         (
-            "XDP VIP hit, flow picked up mid-stream (ACK), conntrack not full (miss, Maglev, 1 insert)",
+            "XDP VIP hit, flow picked up mid-stream (ACK), conntrack not full (miss, Maglev, 2 inserts)",
             xdp_new_fresh - xdp_driver_fresh,
             "driver subtracted",
             None,

@@ -1,18 +1,19 @@
 //! `cargo xtask bench reuse` (root; also the end of `cargo xtask bench e2e`): short
 //! HTTP connections whose client source ports come back within seconds, through two
-//! VIPs that share their backends, in each production data plane mode ([`Mode`]), vs
-//! straight to the backends (issue 14).
+//! VIPs that share their backend, in each production data plane mode ([`Mode`]), vs
+//! straight to the backend.
 //!
 //! ```text
-//!                                                      ┌─veth── backend ns 1 (nginx)
-//! client ns (2 × wrk) ──veth── node ns (production agent) ─veth── backend ns 2 (nginx)
-//!                                                      └─veth── backend ns 3 (nginx)
+//! client ns (2 × wrk) ──veth── node ns (production agent) ──veth── backend ns (nginx)
 //! ```
 //!
-//! Two services (VIPs [`VIPS`], port 80) have the same three nginx backends, which
-//! answer `200 ok` and close every connection first (TIME_WAIT on the backend). Two
+//! Two services (VIPs [`VIPS`], port 80) have the same nginx backend, which answers
+//! `200 ok` and closes every connection first (TIME_WAIT on the backend). Two
 //! `wrk -H 'Connection: close'` run at once from one client address, one per VIP
-//! (direct: one per backend, backends 1 and 2). The client namespace's ephemeral
+//! (direct: both to the backend, so that both sides load the same processes the
+//! same way: with a backend per wrk directly and a hash's share of several through
+//! the VIPs, the sides would differ in how evenly the servers are loaded, not in
+//! the data path). The client namespace's ephemeral
 //! ports are narrowed to a few hundred with `tcp_tw_reuse`, so through the VIPs the
 //! same client address and port soon reach the same backend for either VIP, where an
 //! earlier flow's state (the data plane's, the backend's TIME_WAIT) may still be.
@@ -39,7 +40,7 @@ use net::{Topology, nginx, route_src, sysctl, wait_answering};
 use std::{fmt::Write as _, net::Ipv4Addr, path::Path, time::Duration};
 
 /// Rounds (each: one direct run, then one VIP run).
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 /// Length of one wrk run, in seconds (`wrk -d`).
 const RUN_SECS: u64 = 3;
 /// How long a wrk process may take before it is killed and the bench fails.
@@ -51,12 +52,9 @@ const VIPS: [Ipv4Addr; 2] = [
     Ipv4Addr::new(198, 18, 100, 10),
     Ipv4Addr::new(198, 18, 100, 11),
 ];
-/// The three backends (nginx on port 80), each in its own namespace and subnet.
-const BACKENDS: [Ipv4Addr; 3] = [
-    Ipv4Addr::new(198, 18, 11, 2),
-    Ipv4Addr::new(198, 18, 12, 2),
-    Ipv4Addr::new(198, 18, 13, 2),
-];
+/// The backend (nginx on port 80) both services share, in its own namespace and
+/// subnet.
+const BACKENDS: [Ipv4Addr; 1] = [Ipv4Addr::new(198, 18, 11, 2)];
 /// The client namespace's `net.ipv4.ip_local_port_range`: few enough ports that each
 /// is reused within seconds.
 const PORT_RANGE: &str = "20000 20299";
@@ -83,7 +81,7 @@ pub fn run_alone() -> Result<()> {
 /// The scenario's part of the report (a note when not root).
 pub fn section(bin: &Path) -> Result<String> {
     const TITLE: &str =
-        "## Short HTTP connections with source port reuse, two VIPs sharing three backends (netns)";
+        "## Short HTTP connections with source port reuse, two VIPs sharing one backend (netns)";
     if !crate::util::is_root() {
         return Ok(format!("\n{TITLE}\n\nskipped: needs root\n"));
     }
@@ -142,7 +140,7 @@ fn report(title: &str, rows: &[(Mode, Row)]) -> Result<String> {
     writeln!(t, "\n{title}\n")?;
     writeln!(
         t,
-        "Three nginx backends (`return 200 \"ok\"`, nginx closes each connection), two services whose VIPs ({}:80, {}:80) both have all three; two `wrk -t1 -c{CONNECTIONS} -d{RUN_SECS}s -H 'Connection: close'` at once from one client address, one per VIP (direct: one per backend, backends 1 and 2); client ports {} with tcp_tw_reuse=1. {ROUNDS} interleaved rounds; conns/s: medians of the two wrk's Requests/sec summed (and of each wrk's own); SYN retransmits (TcpExtTCPSynRetrans) and RSTs sent (TcpOutRsts) in the client namespace and wrk's socket errors (connect/read/write/timeout): totals over the rounds.\n",
+        "One nginx backend (`return 200 \"ok\"`, nginx closes each connection) behind two services ({}:80, {}:80); two `wrk -t1 -c{CONNECTIONS} -d{RUN_SECS}s -H 'Connection: close'` at once from one client address, one per VIP (direct: both to the backend); client ports {} with tcp_tw_reuse=1. {ROUNDS} interleaved rounds; conns/s: medians of the two wrk's Requests/sec summed (and of each wrk's own); SYN retransmits (TcpExtTCPSynRetrans) and RSTs sent (TcpOutRsts) in the client namespace and wrk's socket errors (connect/read/write/timeout): totals over the rounds.\n",
         VIPS[0],
         VIPS[1],
         PORT_RANGE.replace(' ', "-"),
@@ -192,7 +190,7 @@ fn report(title: &str, rows: &[(Mode, Row)]) -> Result<String> {
     Ok(t)
 }
 
-/// The services: one per VIP, port 80 → 80, each with all three backends.
+/// The services: one per VIP, port 80 → 80, each with the backend.
 fn services_yaml() -> String {
     let endpoints = BACKENDS
         .iter()
@@ -213,7 +211,7 @@ fn services_yaml() -> String {
 /// One mode's direct and VIP sides.
 #[derive(Default)]
 struct Row {
-    /// Straight to backends 1 and 2.
+    /// Straight to the backend (both wrk).
     direct: Side,
     /// Through the two VIPs.
     via: Side,
@@ -291,7 +289,7 @@ fn measure(client: &Netns, mode: usize, work: &Path) -> Result<Row> {
     wait_answering(client, &VIPS)?;
     let mut row = Row::default();
     for _ in 0..ROUNDS {
-        let direct = [BACKENDS[0], BACKENDS[1]];
+        let direct = [BACKENDS[0], BACKENDS[0]];
         row.direct
             .run(client, src_addr(mode, false), direct, work)?;
         row.via.run(client, src_addr(mode, true), VIPS, work)?;

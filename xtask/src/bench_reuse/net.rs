@@ -15,7 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-/// The bench's namespaces, wired: client and three backends, each linked to the node.
+/// The bench's namespaces, wired: client and the backends, each linked to the node.
 pub(super) struct Topology {
     /// Where wrk, nstat and the probes run.
     pub(super) client: Netns,
