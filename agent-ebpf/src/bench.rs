@@ -2,11 +2,11 @@
 //!
 //! `BPF_PROG_TEST_RUN` with `repeat` runs every iteration on the same buffer, so a
 //! program that rewrites the packet would time the rewritten packet's path from the
-//! second iteration on (FACTS.md). A driver restores the original headers from
-//! [`RUNE_BENCH_PKT`] (and, with [`RUNE_BENCH_VARY`] set, makes every iteration a
-//! new flow by writing a per-CPU sequence number into the IPv4 source address), then
-//! tail-calls the program under test at index 0 of its jump table. The cost of the
-//! driver itself is measured with the no-op targets and subtracted.
+//! second iteration on (docs/performance.md). A driver restores the original
+//! headers from [`RUNE_BENCH_PKT`] (and, with [`RUNE_BENCH_VARY`] set, makes every
+//! iteration a new flow by writing a per-CPU sequence number into the IPv4 source
+//! address), then tail-calls the program under test at index 0 of its jump table.
+//! The cost of the driver itself is measured with the no-op targets and subtracted.
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, xdp_action},

@@ -38,7 +38,7 @@ pub static RUNE_MAGLEV: Array<[u32; 2]> = Array::pinned(1, BPF_F_MMAPABLE);
 /// those split the entries over the *possible* CPUs and a CPU evicts from its own
 /// share only, so a node whose NIC queues feed a few of its CPUs could keep a
 /// fraction of the table's flows; and new flows measured ~30 % dearer with them
-/// (`cargo xtask bench ebpf`, 262,144 entries, README).
+/// (`cargo xtask bench ebpf`, 262,144 entries; docs/modes/ebpf.md).
 #[map]
 pub static RUNE_CT_V4: LruHashMap<CtKeyV4, CtValue> = LruHashMap::pinned(262_144, 0);
 

@@ -4,7 +4,8 @@
 //! drop, also when a test panics.
 //!
 //! The cgroup v2 hierarchy is at `/sys/fs/cgroup/unified` on these machines (hybrid
-//! layout; see FACTS.md), with `/sys/fs/cgroup` as the fallback for pure v2 systems.
+//! layout; see docs/testing.md), with `/sys/fs/cgroup` as the fallback for pure v2
+//! systems.
 
 use std::{
     ffi::OsStr,

@@ -2,9 +2,9 @@
 //! returns its return code, the packet as it left, and the mean time per run.
 //!
 //! aya 0.14 does not expose this command for packet programs, so it is issued
-//! directly. Nothing is sent on any network. Note (FACTS.md): with `repeat > 1` every
-//! run works on the same buffer, so a program that rewrites the packet times the
-//! rewritten packet's path from the second run on.
+//! directly. Nothing is sent on any network. Note (docs/performance.md): with
+//! `repeat > 1` every run works on the same buffer, so a program that rewrites the
+//! packet times the rewritten packet's path from the second run on.
 
 use std::os::fd::{AsFd, AsRawFd as _};
 

@@ -164,7 +164,7 @@ fn dev_mode_dns_answers_services_and_follows_changes() {
 
     // A new service resolves soon after `apply` returns. The 100 ms figure
     // is a performance target for `cargo xtask bench`; a timed assertion here would
-    // fail on a loaded CI machine (DESIGN.md), so the bound is loose.
+    // fail on a loaded CI machine (docs/testing.md), so the bound is loose.
     let before = ask_udp(dns, "api.default.rune.", RecordType::A);
     assert_eq!(before.metadata.response_code, ResponseCode::NXDomain);
     apply(&agent, &service("api", "198.18.100.11"));

@@ -5,10 +5,11 @@
 //! connections. Runs alternate (direct, proxied, direct, …) and the medians are
 //! compared as ratios, because on a 2-core machine absolute figures swing with
 //! whatever else runs. Direct and proxied runs use different client source addresses
-//! so that neither meets the other's TIME_WAIT entries (FACTS.md). Then the agent's
-//! memory with 1,000 services applied. Then the DNS figures ([`crate::bench_dns`]),
-//! the eBPF load balancer per packet ([`crate::bench_ebpf`], root only) and the
-//! production agent's eBPF map sync ([`crate::bench_sync`], root only).
+//! so that neither meets the other's TIME_WAIT entries (docs/performance.md). Then
+//! the agent's memory with 1,000 services applied. Then the DNS figures
+//! ([`crate::bench_dns`]), the eBPF load balancer per packet ([`crate::bench_ebpf`],
+//! root only) and the production agent's eBPF map sync ([`crate::bench_sync`], root
+//! only).
 //!
 //! Every load loop is bounded in time and stops by itself; all traffic stays on
 //! 127.0.0.0/8.
@@ -86,7 +87,7 @@ async fn bench_all(bin: &Path) -> Result<String> {
         load(scenario, proxied, Ipv4Addr::new(127, 0, 19, 1)).await?;
         for round in 0..ROUNDS {
             // Fresh client source addresses per round and side (never shared between
-            // direct and proxied runs: TIME_WAIT reuse stalls, FACTS.md).
+            // direct and proxied runs: TIME_WAIT reuse stalls, docs/performance.md).
             let d_src = Ipv4Addr::new(127, 0, 10, round as u8 + 1);
             let p_src = Ipv4Addr::new(127, 0, 20, round as u8 + 1);
             direct.push(load(scenario, backend, d_src).await?);

@@ -13,11 +13,11 @@
 //! runs the same two scenarios as the dev-proxy benchmark: new connections per second
 //! (1 B echo, close with RST) and 1 KiB round trips over 16 kept-alive connections.
 //! Direct and VIP runs alternate for several rounds, each round from fresh client
-//! source addresses never shared between the two sides (TIME_WAIT, FACTS.md), and the
-//! medians are compared, with the CPU time per transaction of the bench process
-//! (client and backend) and of the agent, a figure other load disturbs less than the
-//! rates. Traffic stays in 198.18.0.0/15 inside the bench's own
-//! namespaces, which are deleted on drop; every run is bounded in time.
+//! source addresses never shared between the two sides (TIME_WAIT,
+//! docs/performance.md), and the medians are compared, with the CPU time per
+//! transaction of the bench process (client and backend) and of the agent, a figure
+//! other load disturbs less than the rates. Traffic stays in 198.18.0.0/15 inside the
+//! bench's own namespaces, which are deleted on drop; every run is bounded in time.
 //!
 //! Then the short-connection scenario with source port reuse through two VIPs
 //! ([`crate::bench_reuse`], also `cargo xtask bench reuse` alone).
@@ -156,7 +156,7 @@ impl Mode {
 
 /// The client source address of one run: a block of [`ADDRS_PER_MODE`] per mode,
 /// never shared between direct and VIP runs, scenarios or modes (TIME_WAIT,
-/// FACTS.md). `run` is the round, or `ROUNDS` for the warm-up.
+/// docs/performance.md). `run` is the round, or `ROUNDS` for the warm-up.
 fn src_addr(mode: usize, scenario: Scenario, via_vip: bool, run: u8) -> Ipv4Addr {
     let scenario = match scenario {
         Scenario::Connections => 0,

@@ -2,11 +2,12 @@
 //! tc/XDP load balancer's per-packet cost through `BPF_PROG_TEST_RUN`, in ns per
 //! packet and as a ratio to an `XDP_PASS` program on the same packet.
 //!
-//! `repeat` runs every iteration on the same buffer (FACTS.md), so the rewrite paths
-//! run under a driver (`rune_bench_{xdp,tc}_driver`) that restores the packet's
-//! headers and tail-calls the program under test; the driver with a no-op target is
-//! measured the same way and subtracted. "New flow" makes the driver write a per-CPU
-//! sequence number into the source address, so every iteration misses conntrack.
+//! `repeat` runs every iteration on the same buffer (docs/performance.md), so the
+//! rewrite paths run under a driver (`rune_bench_{xdp,tc}_driver`) that restores the
+//! packet's headers and tail-calls the program under test; the driver with a no-op
+//! target is measured the same way and subtracted. "New flow" makes the driver write
+//! a per-CPU sequence number into the source address, so every iteration misses
+//! conntrack.
 //! Return codes and the frontend's counters prove which path each figure ran.
 //!
 //! Needs root (loading programs); without it the section says so and is skipped.
