@@ -1,5 +1,5 @@
 //! Builds the eBPF programs (`agent-ebpf`) with aya-build, so a plain `cargo build`
-//! produces an agent with its programs embedded (see `src/dataplane/ebpf.rs`).
+//! produces an agent with its programs embedded (see `src/dataplane/ebpf/loader.rs`).
 //!
 //! * `AYA_BUILD_SKIP=1` builds the agent without programs: an empty object is
 //!   embedded and the loader says so at run time.

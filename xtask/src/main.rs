@@ -64,7 +64,7 @@ enum BenchSection {
     /// mode, then the `reuse` scenario (netns).
     E2e,
     /// Short HTTP connections (nginx, wrk) with quick source port reuse through two
-    /// VIPs sharing three backends, per data plane mode vs direct (netns).
+    /// VIPs sharing one backend, per data plane mode vs direct (netns).
     Reuse,
     /// The embedded DNS server against dnsmasq, and its memory at 10,000 services.
     Dns,
