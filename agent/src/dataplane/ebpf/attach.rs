@@ -8,7 +8,7 @@
 //! so for a moment both run, which is harmless because they share the maps. Pins of
 //! targets no longer configured are removed, which detaches them.
 
-use super::loader::EbpfError;
+use super::error::EbpfError;
 use agent_common::lb;
 use aya::{
     Ebpf,

@@ -6,7 +6,7 @@
 //! decides (ids, tables, which entries change) is tested without privileges, and a
 //! map write that fails is tested without a broken kernel.
 
-use super::{batch, loader::PinnedBefore, stats};
+use super::{batch, error::MapsError, loader::PinnedBefore, stats};
 use agent_common::filter::VIP_FILTER_WORDS;
 use agent_common::lb::{
     self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtReplyV4, CtReplyV6, CtValue,
@@ -43,28 +43,6 @@ pub struct Capacity {
     pub table_size: u32,
     /// Conntrack entries per family.
     pub flows: u32,
-}
-
-/// A map operation that failed.
-#[derive(Debug, thiserror::Error)]
-#[error("eBPF map {map}: {op} failed: {reason}")]
-pub struct MapsError {
-    /// The map's name.
-    pub map: &'static str,
-    /// What was being done.
-    pub op: &'static str,
-    /// The OS's or aya's reason.
-    pub reason: String,
-}
-
-impl MapsError {
-    fn new(map: &'static str, op: &'static str, reason: impl ToString) -> Self {
-        Self {
-            map,
-            op,
-            reason: reason.to_string(),
-        }
-    }
 }
 
 /// What the sync engine needs from the load balancer's maps.

@@ -11,6 +11,7 @@
 pub mod attach;
 mod backend_table;
 pub mod batch;
+mod error;
 pub mod loader;
 pub mod maps;
 pub mod prefilter;
@@ -22,16 +23,17 @@ mod upgrade;
 mod tests;
 
 pub use attach::{Attachment, Hooks};
+pub use error::{EbpfError, MapsError};
 pub use loader::{
-    EMBEDDED_OBJECT, EbpfError, MapSizes, XdpMode, attach_xdp_pass, load_embedded, load_lb,
-    programs_embedded, xdp_pass_stats,
+    EMBEDDED_OBJECT, MapSizes, XdpMode, attach_xdp_pass, load_embedded, load_lb, programs_embedded,
+    xdp_pass_stats,
 };
 
 use super::{DataPlane, DataPlaneError, ServicePortStatus, TrafficCounters};
 use crate::{endpoints::Delta, maglev, sync::lock};
 use agent_common::lb;
 use async_trait::async_trait;
-use maps::{KernelMaps, LbMaps, MapsError};
+use maps::{KernelMaps, LbMaps};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric as _},
@@ -454,12 +456,6 @@ impl<M: LbMaps + 'static> Collector for LbCollector<M> {
         )?;
         ConstCounter::new(sync.full_errors()).encode(family.encode_family(&[("map", "any")])?)?;
         Ok(())
-    }
-}
-
-impl From<MapsError> for EbpfError {
-    fn from(e: MapsError) -> Self {
-        EbpfError::Maps(e)
     }
 }
 

@@ -11,7 +11,10 @@
 //! nothing (see `agent_common::filter`): an upgrade that adds the map is safe before
 //! the first write.
 
-use super::maps::{FrontendKey, LbMaps, MapsError};
+use super::{
+    error::MapsError,
+    maps::{FrontendKey, LbMaps},
+};
 use agent_common::filter::{VIP_FILTER_WORDS, vip_filter_bit_v4, vip_filter_bit_v6};
 use std::collections::{BTreeMap, BTreeSet};
 

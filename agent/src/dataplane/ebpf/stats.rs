@@ -21,7 +21,7 @@ use aya::{
     maps::{Array, IterableMap as _, Map, MapData, MapError, MapInfo, MapType, PerCpuArray},
 };
 
-use super::{batch, loader::EbpfError};
+use super::{batch, error::EbpfError};
 
 /// The number of regions in a counters array: the highest possible CPU id + 1 (as
 /// the kernel's per-CPU maps, sized by possible, not online, CPUs). The programs

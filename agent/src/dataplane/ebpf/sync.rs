@@ -31,7 +31,8 @@ mod uses;
 
 use super::{
     backend_table::{BackendAddr, BackendTable},
-    maps::{Capacity, FrontendKey, LbMaps, MapsError},
+    error::MapsError,
+    maps::{Capacity, FrontendKey, LbMaps},
     prefilter::VipFilter,
 };
 use crate::{

@@ -29,7 +29,7 @@ use aya::{
     maps::{Array, HashMap, Map, MapData, MapError, MapInfo, PerCpuArray},
 };
 
-use super::{loader::EbpfError, stats};
+use super::{error::EbpfError, stats};
 
 /// The reverse-NAT index of agents before reply entries (`RUNE_REVNAT`).
 const OLD_REVNAT: &str = "RUNE_REVNAT";
