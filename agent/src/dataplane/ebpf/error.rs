@@ -6,7 +6,7 @@ use aya::{
     maps::MapError,
     programs::{ProgramError, XdpMode},
 };
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// What can go wrong while loading, attaching or reading the agent's eBPF programs.
 #[derive(Debug, thiserror::Error)]
@@ -140,6 +140,14 @@ pub enum EbpfError {
 }
 
 impl EbpfError {
+    /// A [`Self::Pin`] error at `path`.
+    pub(super) fn pin(path: &Path, reason: impl ToString) -> Self {
+        Self::Pin {
+            path: path.to_owned(),
+            reason: reason.to_string(),
+        }
+    }
+
     /// The kernel verifier's log when this error is a rejected program load.
     #[must_use]
     pub fn verifier_log(&self) -> Option<String> {

@@ -6,7 +6,7 @@
 //! decides (ids, tables, which entries change) is tested without privileges, and a
 //! map write that fails is tested without a broken kernel.
 
-use super::{batch, error::MapsError, loader::PinnedBefore, stats};
+use super::{batch, error::MapsError, pins::PinnedBefore, stats};
 use agent_common::filter::VIP_FILTER_WORDS;
 use agent_common::lb::{
     self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtReplyV4, CtReplyV6, CtValue,

@@ -14,10 +14,10 @@ pub mod batch;
 mod error;
 pub mod loader;
 pub mod maps;
+pub mod pins;
 pub mod prefilter;
 pub mod stats;
 pub mod sync;
-mod upgrade;
 
 #[cfg(test)]
 mod tests;
@@ -113,7 +113,7 @@ impl EbpfDataPlane<KernelMaps> {
         // not there before goes again (one that was belongs to an earlier agent,
         // whose programs keep running on it).
         let created = !config.pin_dir.exists();
-        let pinned = loader::PinnedBefore::probe(&config.pin_dir);
+        let pinned = pins::PinnedBefore::probe(&config.pin_dir);
         let loaded = load_lb(&config.pin_dir, &config.sizes).and_then(|mut ebpf| {
             let attachments = attach::attach_all(&mut ebpf, &config.pin_dir, &config.hooks)?;
             Ok((ebpf, attachments))
@@ -121,7 +121,7 @@ impl EbpfDataPlane<KernelMaps> {
         let (mut ebpf, attachments) = match loaded {
             Ok(loaded) => loaded,
             Err(e) => {
-                if created && let Err(removal) = attach::remove_pins(&config.pin_dir) {
+                if created && let Err(removal) = pins::remove_pins(&config.pin_dir) {
                     tracing::warn!(error = %removal, "removing the pins of the failed start failed");
                 }
                 return Err(e.into());
