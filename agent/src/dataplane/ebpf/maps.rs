@@ -7,6 +7,7 @@
 //! map write that fails is tested without a broken kernel.
 
 use super::{batch, error::MapsError, pins::PinnedBefore, stats};
+use agent_common::codec::FrontendKey;
 use agent_common::filter::VIP_FILTER_WORDS;
 use agent_common::lb::{
     self, AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtReplyV4, CtReplyV6, CtValue,
@@ -21,15 +22,6 @@ use std::{
     os::fd::AsFd as _,
     os::fd::AsRawFd as _,
 };
-
-/// A frontend's key in either family's services map.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum FrontendKey {
-    /// A key of `RUNE_SVC_V4`.
-    V4(ServiceKeyV4),
-    /// A key of `RUNE_SVC_V6`.
-    V6(ServiceKeyV6),
-}
 
 /// How many entries the maps hold, as created (a pinned map keeps the size it was
 /// created with, whatever the configuration now says).

@@ -11,6 +11,7 @@
 pub mod attach;
 mod backend_table;
 pub mod batch;
+pub mod codec;
 mod error;
 pub mod loader;
 pub mod maps;
@@ -31,7 +32,10 @@ pub use loader::{
 
 use super::{DataPlane, DataPlaneError, ServicePortStatus, TrafficCounters};
 use crate::{endpoints::Delta, maglev, sync::lock};
-use agent_common::lb;
+use agent_common::{
+    codec::{frontend_addr, frontend_key},
+    lb,
+};
 use async_trait::async_trait;
 use maps::{KernelMaps, LbMaps};
 use prometheus_client::{
@@ -44,7 +48,7 @@ use std::{
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
-use sync::{LbSync, frontend_addr};
+use sync::LbSync;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 /// Where pins live unless configured otherwise.
@@ -253,8 +257,8 @@ impl<M: LbMaps + 'static> DataPlane for EbpfDataPlane<M> {
             .iter()
             .map(|port| {
                 let listen = port.listen?;
-                let proto = sync::proto_number(port.protocol);
-                sync.frontend_id(&sync::frontend_key(listen.ip(), port.port, proto))
+                let proto = codec::proto_number(port.protocol);
+                sync.frontend_id(&frontend_key(listen.ip(), port.port, proto))
             })
             .collect();
         let backend_ids: Vec<Option<u32>> = ports

@@ -31,24 +31,25 @@ mod uses;
 
 use super::{
     backend_table::{BackendAddr, BackendTable},
+    codec::proto_number,
     error::MapsError,
-    maps::{Capacity, FrontendKey, LbMaps},
+    maps::{Capacity, LbMaps},
     prefilter::VipFilter,
 };
 use crate::{
     dataplane::{ServicePortStatus, vip},
     endpoints::{Delta, ServiceView},
     maglev::{BackendKey, Maglev, MaglevError},
-    model::{Protocol, ServiceKey, SessionAffinity},
+    model::{ServiceKey, SessionAffinity},
 };
-use agent_common::lb::{
-    self, BACKEND_ACTIVE, BACKEND_DRAINING, Backend, FAMILY_V4, FAMILY_V6, ServiceKeyV4,
-    ServiceKeyV6, ServiceValue, addr_from_octets,
+use agent_common::{
+    codec::{FrontendKey, backend_addr, backend_value, frontend_key},
+    lb::{BACKEND_ACTIVE, BACKEND_DRAINING, Backend, ServiceValue},
 };
 use smallvec::SmallVec;
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, SocketAddr},
+    net::SocketAddr,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -1023,88 +1024,6 @@ fn listed_backends(view: &ServiceView) -> impl Iterator<Item = BackendAddr> + '_
             .iter()
             .map(move |e| SocketAddr::new(e.address, vip::endpoint_port(e, p)).into())
     })
-}
-
-/// The IP protocol number of `protocol`, as the maps store it.
-#[must_use]
-pub fn proto_number(protocol: Protocol) -> u8 {
-    match protocol {
-        Protocol::Tcp => lb::PROTO_TCP,
-        Protocol::Udp => lb::PROTO_UDP,
-    }
-}
-
-/// The map key of VIP `vip`, service port `port`, protocol `proto`.
-#[must_use]
-pub fn frontend_key(vip: IpAddr, port: u16, proto: u8) -> FrontendKey {
-    match vip {
-        IpAddr::V4(a) => FrontendKey::V4(ServiceKeyV4 {
-            addr: u32::from_ne_bytes(a.octets()),
-            port: port.to_be(),
-            proto,
-            pad: 0,
-        }),
-        IpAddr::V6(a) => FrontendKey::V6(ServiceKeyV6 {
-            addr: addr_from_octets(&a.octets()),
-            port: port.to_be(),
-            proto,
-            pad: 0,
-        }),
-    }
-}
-
-/// The map value of backend `addr` in `state`.
-#[must_use]
-pub fn backend_value(addr: SocketAddr, state: u8) -> Backend {
-    // An IPv4 address in the first four octets, the rest zero: the same words as
-    // its four octets alone (and no allocation).
-    let mut octets = [0u8; 16];
-    let family = match addr.ip() {
-        IpAddr::V4(a) => {
-            octets[..4].copy_from_slice(&a.octets());
-            FAMILY_V4
-        }
-        IpAddr::V6(a) => {
-            octets = a.octets();
-            FAMILY_V6
-        }
-    };
-    Backend {
-        addr: addr_from_octets(&octets),
-        port: addr.port().to_be(),
-        family,
-        state,
-    }
-}
-
-/// The socket address a backend value describes, if it is a used slot.
-#[must_use]
-pub fn backend_addr(b: &Backend) -> Option<SocketAddr> {
-    let octets = lb::addr_octets(&b.addr);
-    let ip = match b.family {
-        FAMILY_V4 => IpAddr::from([octets[0], octets[1], octets[2], octets[3]]),
-        FAMILY_V6 => IpAddr::from(octets),
-        _ => return None,
-    };
-    Some(SocketAddr::new(ip, u16::from_be(b.port)))
-}
-
-/// The VIP, port and protocol a frontend key describes.
-#[must_use]
-pub fn frontend_addr(key: &FrontendKey) -> (SocketAddr, u8) {
-    match key {
-        FrontendKey::V4(k) => {
-            let o = k.addr.to_ne_bytes();
-            (
-                SocketAddr::new(IpAddr::from(o), u16::from_be(k.port)),
-                k.proto,
-            )
-        }
-        FrontendKey::V6(k) => (
-            SocketAddr::new(IpAddr::from(lb::addr_octets(&k.addr)), u16::from_be(k.port)),
-            k.proto,
-        ),
-    }
 }
 
 #[cfg(test)]
