@@ -11,8 +11,7 @@
 //! and frontend entry, and only then the removal of backends nothing uses any more
 //! (with their conntrack and affinity entries). The kernel maps queue backend and
 //! frontend writes and hand them over in batches (see [`super::maps::KernelMaps`]),
-//! keeping this order: a full sync writes its 100,000 backends in a few dozen
-//! `bpf()` calls. A large delta goes a chunk of services at a time (each chunk's
+//! keeping this order: a full sync writes its backends in a few `bpf()` calls. A large delta goes a chunk of services at a time (each chunk's
 //! backends before its tables and frontends), while another thread builds the
 //! Maglev tables of the next chunk (a table depends only on the backend addresses;
 //! ids are mapped in when it is stored). A table the maps hold for the same
@@ -64,7 +63,7 @@ use std::{
 use uses::{Use, Uses};
 
 /// The engine's hash sets, of backend addresses and service keys: a fast seeded
-/// hash (std's SipHash took ~5% of a full sync's CPU).
+/// hash, as std's SipHash is a visible share of a full sync's CPU.
 type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 /// Why a sync could not be completed.
@@ -93,8 +92,8 @@ pub struct LbSync<M> {
     frontends: BTreeMap<FrontendKey, Frontend>,
     /// Every backend address with a slot or a use.
     backends: BackendTable<BackendState>,
-    /// By key, the one every backend's list of users and every frontend shares (a
-    /// copy of the key as well cost ~130 B per service).
+    /// By key, the one every backend's list of users and every frontend shares, so
+    /// that a service's key is stored once.
     services: BTreeMap<Arc<ServiceKey>, ServiceState>,
     /// Drain deadlines, earliest first; an entry whose use changed since is stale
     /// and skipped when it comes due.
@@ -192,10 +191,10 @@ impl<M: LbMaps> LbSync<M> {
             .iter()
             .map(|view| self.desired(view))
             .collect();
-        // Room for the backends at once (growing by doubling rehashed the index
-        // and copied the records ~17 times in a sync of 100,000 backends); a
-        // service's largest frontend counts (its others often list the same
-        // backends: never more room than needed).
+        // Room for the backends at once, as growing by doubling would rehash the
+        // index and copy the records again and again; a service's largest frontend
+        // counts (its others often list the same backends: never more room than
+        // needed).
         let backends: usize = desired
             .iter()
             .map(|d| d.iter().map(|f| f.eligible.len()).max().unwrap_or(0))

@@ -56,7 +56,7 @@ pub struct KernelMaps {
     batch_ok: bool,
     /// The maps this agent created and has not written yet: reading them back (the
     /// engine adopts what the maps hold on its first sync) finds nothing, so it is
-    /// skipped (the backends array alone is 131,072 elements to copy out).
+    /// skipped (the backends array is large to copy out).
     unwritten: Unwritten,
 }
 
@@ -69,7 +69,7 @@ struct Unwritten {
 }
 
 /// Writes to the kernel maps, queued so that a sync makes one `bpf()` call per map
-/// instead of one per element (a full sync of 100,000 backends: ~100,000 calls).
+/// instead of one per element.
 ///
 /// Order is kept where it matters: a table slot is only written (through memory)
 /// after the queued backends are in the maps, so a table never names a backend the
@@ -87,8 +87,8 @@ struct Pending {
     v6_values: Vec<ServiceValue>,
 }
 
-/// Queued writes per map before they are written anyway (bounds the queue's memory:
-/// at most 36 B per entry, an IPv6 frontend's key and value, ~0.6 MB per map).
+/// Queued writes per map before they are written anyway, which bounds the queue's
+/// memory.
 const MAX_PENDING: usize = 16_384;
 
 impl Pending {
@@ -318,7 +318,7 @@ impl LbMaps for KernelMaps {
         if self.unwritten.backends {
             return Ok(Vec::new());
         }
-        // A few calls for the whole array (131,072 entries took as many calls).
+        // A few calls for the whole array, not one per entry.
         match batch::lookup_all::<u32, Backend>(
             self.backends.map().fd().as_fd(),
             self.backends.len(),

@@ -10,8 +10,8 @@ use std::os::fd::{AsFd as _, AsRawFd as _};
 /// agent's memory: a table is read and written with plain loads and stores instead
 /// of one syscall per slot. Only the pages of the tables in use are mapped, and only
 /// until [`LbMaps::release`](super::LbMaps::release): the kernel maps a BPF array's every page at `mmap`
-/// time, so keeping the whole array mapped would add its size (40 MB at 10,240
-/// frontends × 1,021 slots) to the agent's resident memory for nothing.
+/// time, so keeping the whole array mapped would add its size to the agent's
+/// resident memory for nothing.
 pub(super) struct MaglevArray {
     map: MapData,
     /// Slots in the whole array.

@@ -11,16 +11,16 @@ use crate::{
 use std::time::Instant;
 
 /// Applies that build at least this many tables build them on another thread
-/// ([`LbSync::upsert_with_table_builder`]); smaller ones stay on one (a thread
-/// costs tens of microseconds, a table of 1,021 slots about ten).
+/// ([`LbSync::upsert_with_table_builder`]); smaller ones stay on one, where
+/// starting a thread would cost more than building their tables.
 pub(super) const PARALLEL_TABLES: usize = 256;
 
 /// Services per chunk of [`LbSync::upsert_with_table_builder`]: their backends
 /// go to the kernel in one batch write.
 const TABLE_CHUNK: usize = 512;
 
-/// Chunks of tables built ahead of the one being written (at 1,021 slots, a
-/// chunk's tables take ~0.5 MB).
+/// Chunks of tables built ahead of the one being written: tables waiting to be
+/// written hold memory.
 const TABLE_CHUNKS_AHEAD: usize = 1;
 
 impl<M: LbMaps> LbSync<M> {

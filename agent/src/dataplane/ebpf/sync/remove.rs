@@ -111,8 +111,8 @@ impl<M: LbMaps> LbSync<M> {
         }
         self.unused.clear();
         let mut touched: Vec<BackendAddr> = self.touched.drain().collect();
-        // A full sync fills these with every backend: give that memory back (a few
-        // MB at 100,000 backends) instead of keeping it for the next full sync.
+        // A full sync fills these with every backend: give that memory back
+        // instead of keeping it for the next full sync.
         self.unused.shrink_to(SCRATCH_CAPACITY);
         self.touched.shrink_to(SCRATCH_CAPACITY);
         touched.sort_unstable();

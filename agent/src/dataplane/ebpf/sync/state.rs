@@ -23,8 +23,8 @@ pub(super) struct Frontend {
 }
 
 /// Everything the engine knows of one backend address, in one record of a
-/// [`BackendTable`](crate::dataplane::ebpf::backend_table::BackendTable) (32 B: the table takes ~6 MB at 100,000 backends; a map keyed
-/// by socket address adds a 32 B key to every record, spare buckets included).
+/// [`BackendTable`](crate::dataplane::ebpf::backend_table::BackendTable), kept
+/// small because there is one per backend.
 #[derive(Clone, Debug, Default)]
 pub(super) struct BackendState {
     /// Its slot in the backends map; 0: none (id 0 is never handed out).
@@ -57,11 +57,11 @@ pub(super) type Frontends = SmallVec<[FrontendKey; 1]>;
 /// What the sync engine remembers of a service.
 #[derive(Clone, Debug, Default)]
 pub(super) struct ServiceState {
-    /// Its frontends, sorted (inline for one; a set per service cost ~280 B).
+    /// Its frontends, sorted (inline for one, which most services have).
     pub(super) frontends: Frontends,
     pub(super) uses: Uses,
     /// The service as last applied: `status` is derived from it when asked (it
-    /// shares the cache's objects; a copy per service would cost ~1.4 KB each).
+    /// shares the cache's objects rather than copying them).
     pub(super) view: Option<ServiceView>,
 }
 
@@ -109,8 +109,7 @@ impl DesiredFrontend {
 mod tests {
     use super::*;
 
-    /// The per-backend record stays compact: at 100,000 backends every 8 bytes
-    /// are 0.8 MB.
+    /// The per-backend record stays compact: there is one per backend.
     #[test]
     fn backend_records_stay_compact() {
         assert_eq!(size_of::<Users>(), 16);
