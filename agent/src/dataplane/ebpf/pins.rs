@@ -1,5 +1,5 @@
 //! The pin directory under bpffs: making it ready for a load (bpffs mounted, maps
-//! of earlier layouts set aside, see [`upgrade`]), telling what was pinned before a
+//! of earlier layouts set aside, see `upgrade`), telling what was pinned before a
 //! load, and removing every pin.
 
 mod upgrade;
