@@ -125,6 +125,26 @@ fn write_batch<K: Pod, V: Pod>(
     }
 }
 
+/// Writes one family's queued frontends into its services map (one batch call, or
+/// one call each where the kernel has no batch writes) and empties the queue.
+fn flush_frontends<K: Pod>(
+    batch_ok: &mut bool,
+    map: &mut HashMap<MapData, K, ServiceValue>,
+    name: &'static str,
+    keys: &mut Vec<K>,
+    values: &mut Vec<ServiceValue>,
+) -> Result<(), MapsError> {
+    if !write_batch(batch_ok, map.map(), name, keys, values)? {
+        for (k, v) in keys.iter().zip(values.iter()) {
+            map.insert(k, v, 0)
+                .map_err(|e| MapsError::new(name, "insert", e))?;
+        }
+    }
+    keys.clear();
+    values.clear();
+    Ok(())
+}
+
 fn take(maps: &mut BTreeMap<String, Map>, name: &'static str) -> Result<Map, MapsError> {
     maps.remove(name)
         .ok_or_else(|| MapsError::new(name, "open", "missing from the eBPF object"))
@@ -228,37 +248,20 @@ impl KernelMaps {
     fn flush_all(&mut self) -> Result<(), MapsError> {
         self.flush_backends()?;
         let p = &mut self.pending;
-        if !write_batch(
+        flush_frontends(
             &mut self.batch_ok,
-            self.svc_v4.map(),
+            &mut self.svc_v4,
             lb::SERVICES_V4,
-            &p.v4_keys,
-            &p.v4_values,
-        )? {
-            for (k, v) in p.v4_keys.iter().zip(&p.v4_values) {
-                self.svc_v4
-                    .insert(k, v, 0)
-                    .map_err(|e| MapsError::new(lb::SERVICES_V4, "insert", e))?;
-            }
-        }
-        p.v4_keys.clear();
-        p.v4_values.clear();
-        if !write_batch(
+            &mut p.v4_keys,
+            &mut p.v4_values,
+        )?;
+        flush_frontends(
             &mut self.batch_ok,
-            self.svc_v6.map(),
+            &mut self.svc_v6,
             lb::SERVICES_V6,
-            &p.v6_keys,
-            &p.v6_values,
-        )? {
-            for (k, v) in p.v6_keys.iter().zip(&p.v6_values) {
-                self.svc_v6
-                    .insert(k, v, 0)
-                    .map_err(|e| MapsError::new(lb::SERVICES_V6, "insert", e))?;
-            }
-        }
-        p.v6_keys.clear();
-        p.v6_values.clear();
-        Ok(())
+            &mut p.v6_keys,
+            &mut p.v6_values,
+        )
     }
 
     /// Writes everything queued once a queue is long (bounded memory).
