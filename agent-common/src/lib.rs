@@ -1,6 +1,10 @@
 //! Map keys, values and constants shared by the eBPF programs (`agent-ebpf`) and the
 //! agent. `#![no_std]`, `#[repr(C)]` and padding-free, so both sides agree on layout.
+//! With the `user` feature, the user-space side also gets `aya::Pod` for the map
+//! types and [`codec`], the conversions between socket addresses and map entries.
 #![no_std]
+#[cfg(feature = "user")]
+pub mod codec;
 pub mod filter;
 pub mod hash;
 pub mod lb;

@@ -33,7 +33,7 @@ impl PinDir {
 
 impl Drop for PinDir {
     fn drop(&mut self) {
-        if let Err(e) = rune_agent::dataplane::ebpf::attach::remove_pins(&self.path) {
+        if let Err(e) = rune_agent::dataplane::ebpf::pins::remove_pins(&self.path) {
             eprintln!("removing {}: {e}", self.path.display());
         }
     }

@@ -6,7 +6,7 @@
 
 use crate::{
     dataplane::{
-        ebpf::attach,
+        ebpf::pins,
         nftables::{self, nft::NftError},
         proxy::vip_addrs,
     },
@@ -55,7 +55,7 @@ pub async fn remove(modes: &[DataplaneMode], pin_dir: &Path) -> anyhow::Result<R
     for mode in modes {
         match mode {
             DataplaneMode::Ebpf => {
-                removed.pins = attach::remove_pins(pin_dir).with_context(|| {
+                removed.pins = pins::remove_pins(pin_dir).with_context(|| {
                     format!("removing the eBPF pins under {}", pin_dir.display())
                 })?;
             }

@@ -8,7 +8,10 @@
 //! so for a moment both run, which is harmless because they share the maps. Pins of
 //! targets no longer configured are removed, which detaches them.
 
-use super::loader::EbpfError;
+use super::{
+    error::EbpfError,
+    pins::{fs_type, links_dir},
+};
 use agent_common::lb;
 use aya::{
     Ebpf,
@@ -89,11 +92,6 @@ pub const PROGRAMS: [&str; 11] = [
 /// The socket-LB programs: the first eight of [`PROGRAMS`].
 const CGROUP_PROGRAMS: &[&str] = PROGRAMS.split_at(8).0;
 
-/// The directory holding the link pins.
-fn links_dir(pin_dir: &Path) -> PathBuf {
-    pin_dir.join("links")
-}
-
 /// A pin file name for `program` on `target` (slashes of cgroup paths escaped).
 fn pin_path(pin_dir: &Path, program: &str, target: &str) -> PathBuf {
     let target: String = target
@@ -112,13 +110,6 @@ fn hook_error(
         name,
         target: target.to_owned(),
         source: Box::new(source),
-    }
-}
-
-fn pin_error(path: &Path, reason: impl ToString) -> EbpfError {
-    EbpfError::Pin {
-        path: path.to_owned(),
-        reason: reason.to_string(),
     }
 }
 
@@ -172,9 +163,9 @@ where
 {
     let link: FdLink = link.try_into().map_err(|e| hook_error(name, target, e))?;
     if path.exists() {
-        fs::remove_file(path).map_err(|e| pin_error(path, e))?;
+        fs::remove_file(path).map_err(|e| EbpfError::pin(path, e))?;
     }
-    link.pin(path).map_err(|e| pin_error(path, e))?;
+    link.pin(path).map_err(|e| EbpfError::pin(path, e))?;
     Ok(())
 }
 
@@ -203,7 +194,7 @@ pub fn attach_all(
         }
     }
     let dir = links_dir(pin_dir);
-    fs::create_dir_all(&dir).map_err(|e| pin_error(&dir, e))?;
+    fs::create_dir_all(&dir).map_err(|e| EbpfError::pin(&dir, e))?;
     let mut attached = Vec::new();
 
     if let Some(cgroup) = &hooks.cgroup {
@@ -297,38 +288,11 @@ pub fn attach_all(
             let path = entry.path();
             if !keep.contains(&path) {
                 tracing::info!(pin = %path.display(), "detaching a program no longer configured");
-                fs::remove_file(&path).map_err(|e| pin_error(&path, e))?;
+                fs::remove_file(&path).map_err(|e| EbpfError::pin(&path, e))?;
             }
         }
     }
     Ok(attached)
-}
-
-/// Removes every pin under `pin_dir` (links first, which detaches the programs, then
-/// maps) and the directory itself. Returns how many pins were removed; a missing
-/// directory is not an error.
-pub fn remove_pins(pin_dir: &Path) -> Result<usize, EbpfError> {
-    if !pin_dir.exists() {
-        return Ok(0);
-    }
-    let mut removed = 0;
-    let links = links_dir(pin_dir);
-    if let Ok(entries) = fs::read_dir(&links) {
-        for entry in entries.flatten() {
-            fs::remove_file(entry.path()).map_err(|e| pin_error(&entry.path(), e))?;
-            removed += 1;
-        }
-        fs::remove_dir(&links).map_err(|e| pin_error(&links, e))?;
-    }
-    for entry in fs::read_dir(pin_dir)
-        .map_err(|e| pin_error(pin_dir, e))?
-        .flatten()
-    {
-        fs::remove_file(entry.path()).map_err(|e| pin_error(&entry.path(), e))?;
-        removed += 1;
-    }
-    fs::remove_dir(pin_dir).map_err(|e| pin_error(pin_dir, e))?;
-    Ok(removed)
 }
 
 /// cgroup2's `f_type`.
@@ -341,7 +305,7 @@ pub fn default_cgroup() -> Option<PathBuf> {
     ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
         .into_iter()
         .map(PathBuf::from)
-        .find(|p| super::loader::fs_type(p) == Some(CGROUP2_SUPER_MAGIC))
+        .find(|p| fs_type(p) == Some(CGROUP2_SUPER_MAGIC))
 }
 
 /// The interfaces of this network namespace's default routes (IPv4 and IPv6),

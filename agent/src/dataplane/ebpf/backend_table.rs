@@ -1,9 +1,8 @@
-//! The sync engine's records per backend address, compact: the addresses in 20
-//! bytes each (`SocketAddr` takes 32), the records in a dense vector beside them,
-//! and an index holding only positions (hashed by the address they point at). At
-//! 100,000 backends of the sync engine (32 B records) this is ~6 MB; a hash map
-//! keyed by `SocketAddr` holds a 32 B key and a record in every bucket, spare ones
-//! included.
+//! The sync engine's records per backend address, kept compact: the addresses in
+//! 20 bytes each (less than a `SocketAddr`), the records in a dense vector beside
+//! them, and an index holding only positions (hashed by the address they point
+//! at), where a hash map keyed by `SocketAddr` would hold a key and a record in
+//! every bucket, spare ones included.
 
 use hashbrown::HashTable;
 use std::{

@@ -1,8 +1,8 @@
 //! Batched map operations (`BPF_MAP_UPDATE_BATCH`, `BPF_MAP_LOOKUP_BATCH`, kernel
 //! ≥ 5.6) through a map's fd: aya 0.14 has no batch API.
 //!
-//! Why: a full sync writes ~100,000 backends; one
-//! `bpf()` call each cost most of the sync's time. One batch call hands the kernel
+//! Why: one `bpf()` call per element would be most of a full sync's time. One batch
+//! call hands the kernel
 //! every element at once (it still updates them one by one, in order, so a later
 //! element for the same key wins, as separate calls would).
 

@@ -1,11 +1,10 @@
-//! The agent's eBPF object, embedded in the binary, and how it is loaded.
+//! The agent's eBPF object, embedded in the binary, and its loading: the load
+//! balancer's maps sized and pinned ([`load_lb`]), or the object as it is
+//! ([`load_embedded`]) with the `rune_xdp_pass` counter ([`attach_xdp_pass`]).
 //!
 //! `build.rs` compiles the `agent-ebpf` crate for the bpf target and this module
 //! embeds the object ([`EMBEDDED_OBJECT`]), so one binary carries everything it loads.
-//! [`load_embedded`] parses the object and creates its maps; the helpers below load,
-//! attach and read the individual programs. Today that is one program,
-//! `rune_xdp_pass`, which counts packets and bytes per CPU and passes every packet:
-//! the seed that later load-balancing and policy programs grow from.
+//! [`attach`](super::attach) loads and attaches the load balancer's programs.
 //!
 //! Errors keep their cause: a program the verifier rejects yields
 //! [`EbpfError::ProgramLoad`], whose source carries the full verifier log (also
@@ -15,14 +14,18 @@ use agent_common::lb;
 use agent_common::{PacketStats, XDP_PASS_PROGRAM, XDP_STATS_MAP};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{MapError, PerCpuArray},
+    maps::PerCpuArray,
     programs::{ProgramError, Xdp, xdp::XdpLinkId},
 };
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use super::{stats::StatsLayout, upgrade};
+use super::{pins, stats::StatsLayout};
 
 pub use aya::programs::XdpMode;
+
+/// Re-exported where preflight finds them.
+pub use super::error::EbpfError;
+pub(crate) use super::pins::fs_type;
 
 /// The compiled eBPF object (ELF), 8-byte aligned as aya requires.
 ///
@@ -30,151 +33,6 @@ pub use aya::programs::XdpMode;
 /// returns [`EbpfError::NotEmbedded`].
 pub static EMBEDDED_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/agent-ebpf"));
-
-/// What can go wrong while loading, attaching or reading the agent's eBPF programs.
-#[derive(Debug, thiserror::Error)]
-pub enum EbpfError {
-    /// The binary carries no eBPF object: it was built with `AYA_BUILD_SKIP=1`.
-    #[error(
-        "this rune-agent was built without eBPF programs (AYA_BUILD_SKIP=1); \
-         rebuild it with the eBPF toolchain (`cargo xtask setup`)"
-    )]
-    NotEmbedded,
-
-    /// The object could not be parsed, relocated, or its maps created.
-    #[error("loading the embedded eBPF object ({size} bytes) failed")]
-    Object {
-        /// Size of the embedded object in bytes.
-        size: usize,
-        /// aya's error (boxed: it is large, and errors travel by value).
-        #[source]
-        source: Box<aya::EbpfError>,
-    },
-
-    /// The object has no program of this name (the programs and the loader disagree).
-    #[error("eBPF program {name} not found in the embedded object")]
-    ProgramNotFound {
-        /// The program's name.
-        name: &'static str,
-    },
-
-    /// The program exists but is of another type than expected.
-    #[error("eBPF program {name} is not of the expected type")]
-    ProgramType {
-        /// The program's name.
-        name: &'static str,
-        /// aya's error (boxed, as are all large sources here).
-        #[source]
-        source: Box<ProgramError>,
-    },
-
-    /// The kernel refused the program; the source holds the verifier log.
-    #[error("loading eBPF program {name} into the kernel failed")]
-    ProgramLoad {
-        /// The program's name.
-        name: &'static str,
-        /// aya's error; `ProgramError::LoadError` carries the verifier log.
-        #[source]
-        source: Box<ProgramError>,
-    },
-
-    /// Attaching the program to a network interface failed.
-    #[error("attaching eBPF program {name} to interface {interface} ({mode:?}) failed")]
-    Attach {
-        /// The program's name.
-        name: &'static str,
-        /// The interface name.
-        interface: String,
-        /// The requested XDP mode.
-        mode: XdpMode,
-        /// aya's error (boxed, as are all large sources here).
-        #[source]
-        source: Box<ProgramError>,
-    },
-
-    /// Attaching a program to a hook (cgroup, tc, XDP) failed.
-    #[error("attaching eBPF program {name} to {target} failed")]
-    Hook {
-        /// The program's name.
-        name: &'static str,
-        /// The cgroup path or interface name.
-        target: String,
-        /// aya's error.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
-
-    /// Pinning or unpinning under bpffs failed.
-    #[error("eBPF pin {path}: {reason}")]
-    Pin {
-        /// The pin's path.
-        path: PathBuf,
-        /// The OS's reason.
-        reason: String,
-    },
-
-    /// A load-balancer map could not be opened, read or written.
-    #[error(transparent)]
-    Maps(super::maps::MapsError),
-
-    /// A map pinned by an earlier agent has another key or value size than this
-    /// agent's programs use (an upgrade changed its layout); loading would fail.
-    #[error(
-        "eBPF map {name} pinned in {dir} has (key, value) sizes {found:?}, this agent \
-         needs {want:?}: stop the agent and run `rune-agent cleanup --bpf-pin-dir {dir}` \
-         (established flows through the node are reset once)"
-    )]
-    PinnedLayout {
-        /// The map's name.
-        name: &'static str,
-        /// The pin directory.
-        dir: String,
-        /// Key and value sizes of the pinned map.
-        found: (u32, u32),
-        /// Key and value sizes this agent needs.
-        want: (u32, u32),
-    },
-
-    /// Conntrack of the previous layout could not be copied into the new maps.
-    #[error("carrying eBPF map {name} over from the previous layout failed: {reason}")]
-    CarryOver {
-        /// The map's name.
-        name: &'static str,
-        /// aya's reason.
-        reason: String,
-    },
-
-    /// The object has no map of this name.
-    #[error("eBPF map {name} not found in the embedded object")]
-    MapNotFound {
-        /// The map's name.
-        name: &'static str,
-    },
-
-    /// Opening or reading a map failed.
-    #[error("reading eBPF map {name} failed")]
-    Map {
-        /// The map's name.
-        name: &'static str,
-        /// aya's error.
-        #[source]
-        source: MapError,
-    },
-}
-
-impl EbpfError {
-    /// The kernel verifier's log when this error is a rejected program load.
-    #[must_use]
-    pub fn verifier_log(&self) -> Option<String> {
-        match self {
-            Self::ProgramLoad { source, .. } => match source.as_ref() {
-                ProgramError::LoadError { verifier_log, .. } => Some(verifier_log.to_string()),
-                _ => None,
-            },
-            _ => None,
-        }
-    }
-}
 
 /// Whether this binary carries eBPF programs (false when built with `AYA_BUILD_SKIP=1`).
 #[must_use]
@@ -191,7 +49,7 @@ pub fn load_embedded(pin_dir: &Path) -> Result<Ebpf, EbpfError> {
     if !programs_embedded() {
         return Err(EbpfError::NotEmbedded);
     }
-    ensure_pin_dir(pin_dir)?;
+    pins::ensure_pin_dir(pin_dir)?;
     EbpfLoader::new()
         .default_map_pin_directory(pin_dir)
         .load(EMBEDDED_OBJECT)
@@ -218,56 +76,6 @@ pub struct MapSizes {
     pub affinity: u32,
 }
 
-/// bpffs's `f_type`.
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
-
-/// Makes sure `pin_dir` can hold pins: mounts bpffs on `/sys/fs/bpf` when nothing is
-/// mounted there, then creates the directory.
-pub fn ensure_pin_dir(pin_dir: &Path) -> Result<(), EbpfError> {
-    let pin_error = |reason: String| EbpfError::Pin {
-        path: pin_dir.to_owned(),
-        reason,
-    };
-    let bpffs = Path::new("/sys/fs/bpf");
-    if pin_dir.starts_with(bpffs) && fs_type(bpffs) != Some(BPF_FS_MAGIC) {
-        let mounted = std::ffi::CString::new("bpf").ok().and_then(|source| {
-            let target = std::ffi::CString::new("/sys/fs/bpf").ok()?;
-            // SAFETY: valid NUL-terminated strings; mount does not keep the pointers.
-            let rc = unsafe {
-                libc::mount(
-                    source.as_ptr(),
-                    target.as_ptr(),
-                    source.as_ptr(),
-                    0,
-                    std::ptr::null(),
-                )
-            };
-            (rc == 0).then_some(())
-        });
-        if mounted.is_none() {
-            return Err(pin_error(format!(
-                "mounting bpffs on /sys/fs/bpf failed: {}",
-                std::io::Error::last_os_error()
-            )));
-        }
-        tracing::info!("mounted bpffs on /sys/fs/bpf");
-    }
-    std::fs::create_dir_all(pin_dir).map_err(|e| pin_error(e.to_string()))?;
-    if fs_type(pin_dir) != Some(BPF_FS_MAGIC) {
-        return Err(pin_error("not on a bpf filesystem (bpffs)".into()));
-    }
-    Ok(())
-}
-
-pub(crate) fn fs_type(path: &Path) -> Option<i64> {
-    use std::os::unix::ffi::OsStrExt as _;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    // SAFETY: statfs fills the zeroed struct; the path is NUL-terminated.
-    let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
-    let rc = unsafe { libc::statfs(c.as_ptr(), &raw mut buf) };
-    (rc == 0).then_some(buf.f_type)
-}
-
 /// Parses the embedded object and creates (or re-opens, when pinned by an earlier
 /// agent) the load balancer's maps under `pin_dir`, sized by `sizes`.
 ///
@@ -277,11 +85,7 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
     if !programs_embedded() {
         return Err(EbpfError::NotEmbedded);
     }
-    ensure_pin_dir(pin_dir)?;
-    upgrade::check_pinned_layouts(pin_dir)?;
-    note_per_cpu_lru_conntrack(pin_dir);
-    unpin_vip_filter(pin_dir)?;
-    let legacy = upgrade::Legacy::unpin(pin_dir)?;
+    let legacy = pins::prepare_load(pin_dir)?;
     let layout = match StatsLayout::new(pin_dir, sizes.frontends, sizes.backends) {
         Ok(layout) => layout,
         Err(e) => {
@@ -316,70 +120,6 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
     };
     legacy.carry_over(&mut ebpf);
     Ok(ebpf)
-}
-
-/// Which of the maps a sync adopts from were pinned under `pin_dir` before a load:
-/// the others are created empty by it, and reading them back would find nothing.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PinnedBefore {
-    /// The IPv4 or IPv6 services map.
-    pub frontends: bool,
-    /// The backends array.
-    pub backends: bool,
-}
-
-impl PinnedBefore {
-    /// Looks under `pin_dir` (call it before [`load_lb`], which pins what it creates).
-    #[must_use]
-    pub fn probe(pin_dir: &Path) -> Self {
-        let pinned = |name: &str| pin_dir.join(name).exists();
-        Self {
-            frontends: pinned(lb::SERVICES_V4) || pinned(lb::SERVICES_V6),
-            backends: pinned(lb::BACKENDS),
-        }
-    }
-}
-
-/// Removes the VIP prefilter's pin, so this load creates the map afresh: all zeros,
-/// which filters nothing (`agent_common::filter`), until the first sync writes
-/// every word. A pinned filter may not match the pinned frontends (an older agent
-/// added services without it, or this one died between a frontend write and the
-/// filter's), and the new programs run before the first sync, which waits for the
-/// store: a stale set bit there would stop translating an established flow. The
-/// programs still attached keep the old map until they are replaced.
-fn unpin_vip_filter(pin_dir: &Path) -> Result<(), EbpfError> {
-    let path = pin_dir.join(lb::VIP_FILTER);
-    match std::fs::remove_file(&path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(EbpfError::Pin {
-            path,
-            reason: e.to_string(),
-        }),
-        _ => Ok(()),
-    }
-}
-
-/// `BPF_F_NO_COMMON_LRU` (uapi/linux/bpf.h).
-const BPF_F_NO_COMMON_LRU: u32 = 1 << 1;
-
-/// Logs a pinned conntrack with per-CPU LRU lists (agents before 2026-12-01
-/// evening created them so). It is reused as it is, so that no flow is lost; only a
-/// new map, after `rune-agent cleanup`, gets the common LRU.
-fn note_per_cpu_lru_conntrack(pin_dir: &Path) {
-    for name in [lb::CONNTRACK_V4, lb::CONNTRACK_V6] {
-        let path = pin_dir.join(name);
-        if !path.exists() {
-            continue;
-        }
-        if let Ok(info) = aya::maps::MapInfo::from_pin(&path)
-            && info.map_flags() & BPF_F_NO_COMMON_LRU != 0
-        {
-            tracing::info!(
-                map = name,
-                "the pinned conntrack keeps its per-CPU LRU lists (an earlier agent's layout; \
-                 its flows are kept); `rune-agent cleanup` and a restart give it one common LRU"
-            );
-        }
-    }
 }
 
 /// Loads `rune_xdp_pass` (once) and attaches it to `interface` in `mode`.
@@ -456,24 +196,5 @@ mod tests {
                 Err(EbpfError::NotEmbedded)
             ));
         }
-    }
-
-    #[test]
-    fn error_is_small_enough_to_return_by_value() {
-        // clippy::result_large_err's threshold; large aya sources are boxed.
-        assert!(
-            size_of::<EbpfError>() < 128,
-            "EbpfError {} ProgramError {} MapError {}",
-            size_of::<EbpfError>(),
-            size_of::<ProgramError>(),
-            size_of::<MapError>()
-        );
-    }
-
-    #[test]
-    fn not_embedded_message_says_how_to_fix() {
-        let message = EbpfError::NotEmbedded.to_string();
-        assert!(message.contains("AYA_BUILD_SKIP=1"), "{message}");
-        assert!(message.contains("cargo xtask setup"), "{message}");
     }
 }

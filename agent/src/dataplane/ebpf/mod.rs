@@ -3,46 +3,47 @@
 //! Programs from `agent-ebpf` do the per-packet work: cgroup socket hooks rewrite a
 //! local client's `connect`/`sendmsg` to a VIP into the chosen backend, tc and XDP
 //! translate traffic crossing the node (DNAT with conntrack, reverse NAT on the way
-//! back). This module loads and attaches them ([`attach`], [`loader`]) and keeps
-//! their maps equal to the endpoint cache ([`sync`] over [`maps`]). Maps and links
-//! are pinned under the pin directory, so an agent restart or upgrade changes
-//! nothing for established flows; `rune-agent cleanup` removes them.
+//! back). This module loads and attaches them ([`loader`], [`attach`]), keeps their
+//! maps equal to the endpoint cache ([`sync`] over [`maps`], entries encoded by
+//! `agent_common::codec`) and exports their counters (`collector`). Maps and links
+//! are pinned under the pin directory ([`pins`]), so an agent restart or upgrade
+//! changes nothing for established flows; `rune-agent cleanup` removes them.
 
 pub mod attach;
 mod backend_table;
 pub mod batch;
+pub mod codec;
+mod collector;
+mod error;
 pub mod loader;
 pub mod maps;
+pub mod pins;
 pub mod prefilter;
 pub mod stats;
 pub mod sync;
-mod upgrade;
 
 #[cfg(test)]
 mod tests;
 
 pub use attach::{Attachment, Hooks};
+pub use collector::LbCollector;
+pub use error::{EbpfError, MapsError};
 pub use loader::{
-    EMBEDDED_OBJECT, EbpfError, MapSizes, XdpMode, attach_xdp_pass, load_embedded, load_lb,
-    programs_embedded, xdp_pass_stats,
+    EMBEDDED_OBJECT, MapSizes, XdpMode, attach_xdp_pass, load_embedded, load_lb, programs_embedded,
+    xdp_pass_stats,
 };
 
 use super::{DataPlane, DataPlaneError, ServicePortStatus, TrafficCounters};
 use crate::{endpoints::Delta, maglev, sync::lock};
-use agent_common::lb;
+use agent_common::{codec::frontend_key, lb};
 use async_trait::async_trait;
-use maps::{KernelMaps, LbMaps, MapsError};
-use prometheus_client::{
-    collector::Collector,
-    encoding::{DescriptorEncoder, EncodeMetric as _},
-    metrics::{counter::ConstCounter, gauge::ConstGauge},
-};
+use maps::{KernelMaps, LbMaps};
 use std::{
     path::PathBuf,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
-use sync::{LbSync, frontend_addr};
+use sync::LbSync;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 /// Where pins live unless configured otherwise.
@@ -111,7 +112,7 @@ impl EbpfDataPlane<KernelMaps> {
         // not there before goes again (one that was belongs to an earlier agent,
         // whose programs keep running on it).
         let created = !config.pin_dir.exists();
-        let pinned = loader::PinnedBefore::probe(&config.pin_dir);
+        let pinned = pins::PinnedBefore::probe(&config.pin_dir);
         let loaded = load_lb(&config.pin_dir, &config.sizes).and_then(|mut ebpf| {
             let attachments = attach::attach_all(&mut ebpf, &config.pin_dir, &config.hooks)?;
             Ok((ebpf, attachments))
@@ -119,7 +120,7 @@ impl EbpfDataPlane<KernelMaps> {
         let (mut ebpf, attachments) = match loaded {
             Ok(loaded) => loaded,
             Err(e) => {
-                if created && let Err(removal) = attach::remove_pins(&config.pin_dir) {
+                if created && let Err(removal) = pins::remove_pins(&config.pin_dir) {
                     tracing::warn!(error = %removal, "removing the pins of the failed start failed");
                 }
                 return Err(e.into());
@@ -251,8 +252,8 @@ impl<M: LbMaps + 'static> DataPlane for EbpfDataPlane<M> {
             .iter()
             .map(|port| {
                 let listen = port.listen?;
-                let proto = sync::proto_number(port.protocol);
-                sync.frontend_id(&sync::frontend_key(listen.ip(), port.port, proto))
+                let proto = codec::proto_number(port.protocol);
+                sync.frontend_id(&frontend_key(listen.ip(), port.port, proto))
             })
             .collect();
         let backend_ids: Vec<Option<u32>> = ports
@@ -309,16 +310,6 @@ fn counters_of(
         .collect()
 }
 
-/// The counters a scrape read; none when the read failed (logged): their series
-/// are left out of this scrape rather than shown as zeros, which would look like a
-/// reset of every counter.
-fn scraped(read: Result<Vec<lb::TrafficStats>, MapsError>) -> Vec<lb::TrafficStats> {
-    read.unwrap_or_else(|e| {
-        tracing::warn!(error = %e, "reading the eBPF counters failed: left out of this scrape");
-        Vec::new()
-    })
-}
-
 impl From<lb::TrafficStats> for TrafficCounters {
     fn from(s: lb::TrafficStats) -> Self {
         Self {
@@ -326,140 +317,6 @@ impl From<lb::TrafficStats> for TrafficCounters {
             packets: s.packets,
             bytes: s.bytes,
         }
-    }
-}
-
-/// Exports the programs' counters and the maps' fill (`rune_dataplane_*`), read
-/// from the maps at each scrape.
-pub struct LbCollector<M: LbMaps + 'static> {
-    sync: Arc<Mutex<LbSync<M>>>,
-}
-
-impl<M: LbMaps + 'static> std::fmt::Debug for LbCollector<M> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("LbCollector")
-    }
-}
-
-impl<M: LbMaps + 'static> Collector for LbCollector<M> {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let sync = lock(&self.sync);
-        let maps = sync.maps();
-        let frontends = sync.frontends();
-        type Labels = Vec<(&'static str, String)>;
-        let ids: Vec<u32> = frontends.iter().map(|(_, id, _)| *id).collect();
-        let frontend_stats = scraped(maps.frontend_stats_of(&ids));
-        let mut per_frontend: Vec<(Labels, lb::TrafficStats)> = Vec::new();
-        for ((key, _, service), stats) in frontends.iter().zip(frontend_stats) {
-            let (vip, proto) = frontend_addr(key);
-            let labels = vec![
-                ("service", service.to_string()),
-                ("vip", vip.ip().to_string()),
-                ("port", vip.port().to_string()),
-                (
-                    "protocol",
-                    if proto == lb::PROTO_TCP { "TCP" } else { "UDP" }.to_owned(),
-                ),
-            ];
-            per_frontend.push((labels, stats));
-        }
-        let backends = sync.backends();
-        let ids: Vec<u32> = backends.iter().map(|(_, id)| *id).collect();
-        let backend_stats = scraped(maps.backend_stats_of(&ids));
-        let per_backend: Vec<(Labels, lb::TrafficStats)> = backends
-            .into_iter()
-            .zip(backend_stats)
-            .map(|((addr, _), stats)| (vec![("backend", addr.to_string())], stats))
-            .collect();
-        for (name, help, pick) in [
-            (
-                "dataplane_flows",
-                "New flows balanced by the eBPF programs (connections, UDP flows, socket-LB connects and datagrams)",
-                (|s: &lb::TrafficStats| s.flows) as fn(&lb::TrafficStats) -> u64,
-            ),
-            (
-                "dataplane_packets",
-                "Packets translated by the tc/XDP programs",
-                |s: &lb::TrafficStats| s.packets,
-            ),
-            (
-                "dataplane_bytes",
-                "Bytes of the packets translated by the tc/XDP programs",
-                |s: &lb::TrafficStats| s.bytes,
-            ),
-        ] {
-            let mut family = encoder.encode_descriptor(
-                name,
-                &format!("{help}, by service frontend"),
-                None,
-                prometheus_client::metrics::MetricType::Counter,
-            )?;
-            for (labels, stats) in &per_frontend {
-                ConstCounter::new(pick(stats)).encode(family.encode_family(labels)?)?;
-            }
-            let backend_name = name.replace("dataplane_", "dataplane_backend_");
-            let mut family = encoder.encode_descriptor(
-                &backend_name,
-                &format!("{help}, by backend"),
-                None,
-                prometheus_client::metrics::MetricType::Counter,
-            )?;
-            for (labels, stats) in &per_backend {
-                ConstCounter::new(pick(stats)).encode(family.encode_family(labels)?)?;
-            }
-        }
-        let mut family = encoder.encode_descriptor(
-            "dataplane_drops",
-            "Packets or connections the eBPF programs refused or dropped, by reason",
-            None,
-            prometheus_client::metrics::MetricType::Counter,
-        )?;
-        for (reason, count) in maps.drops().unwrap_or_default() {
-            ConstCounter::new(count)
-                .encode(family.encode_family(&[("reason", reason.label())])?)?;
-        }
-        let (frontends_used, backends_used, capacity) = sync.usage();
-        let flows = maps.flows().unwrap_or(0);
-        let mut family = encoder.encode_descriptor(
-            "dataplane_map_entries",
-            "Entries in use in the eBPF maps",
-            None,
-            prometheus_client::metrics::MetricType::Gauge,
-        )?;
-        for (map, n) in [
-            ("frontends", frontends_used),
-            ("backends", backends_used),
-            ("conntrack", flows),
-        ] {
-            ConstGauge::new(n as i64).encode(family.encode_family(&[("map", map)])?)?;
-        }
-        let mut family = encoder.encode_descriptor(
-            "dataplane_map_capacity",
-            "Capacity of the eBPF maps",
-            None,
-            prometheus_client::metrics::MetricType::Gauge,
-        )?;
-        for (map, n) in [
-            ("frontends", capacity.frontends),
-            ("backends", capacity.backends.saturating_sub(1)),
-            ("conntrack", capacity.flows.saturating_mul(2)),
-        ] {
-            ConstGauge::new(i64::from(n)).encode(family.encode_family(&[("map", map)])?)?;
-        }
-        let mut family = encoder.encode_descriptor(
-            "dataplane_map_full",
-            "Syncs that failed because an eBPF map was full",
-            None,
-            prometheus_client::metrics::MetricType::Counter,
-        )?;
-        ConstCounter::new(sync.full_errors()).encode(family.encode_family(&[("map", "any")])?)?;
-        Ok(())
-    }
-}
-
-impl From<MapsError> for EbpfError {
-    fn from(e: MapsError) -> Self {
-        EbpfError::Maps(e)
     }
 }
 

@@ -11,7 +11,8 @@
 //! nothing (see `agent_common::filter`): an upgrade that adds the map is safe before
 //! the first write.
 
-use super::maps::{FrontendKey, LbMaps, MapsError};
+use super::{error::MapsError, maps::LbMaps};
+use agent_common::codec::FrontendKey;
 use agent_common::filter::{VIP_FILTER_WORDS, vip_filter_bit_v4, vip_filter_bit_v6};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -89,27 +90,19 @@ impl VipFilter {
 mod tests {
     use super::*;
     use crate::dataplane::ebpf::maps::{Capacity, FakeMaps};
-    use agent_common::lb::{PROTO_TCP, PROTO_UDP, ServiceKeyV4, ServiceKeyV6};
+    use agent_common::{
+        codec::frontend_key,
+        lb::{PROTO_TCP, PROTO_UDP},
+    };
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
     fn v4(last: u8, port: u16, proto: u8) -> FrontendKey {
-        FrontendKey::V4(ServiceKeyV4 {
-            addr: u32::from_ne_bytes([10, 96, 0, last]),
-            port: port.to_be(),
-            proto,
-            pad: 0,
-        })
+        frontend_key(IpAddr::V4(Ipv4Addr::new(10, 96, 0, last)), port, proto)
     }
 
     fn v6(last: u8) -> FrontendKey {
-        let mut addr = [0u32; 4];
-        addr[0] = u32::from_ne_bytes([0xfd, 0, 0, 0]);
-        addr[3] = u32::from_ne_bytes([0, 0, 0, last]);
-        FrontendKey::V6(ServiceKeyV6 {
-            addr,
-            port: 443u16.to_be(),
-            proto: PROTO_TCP,
-            pad: 0,
-        })
+        let vip = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, u16::from(last));
+        frontend_key(IpAddr::V6(vip), 443, PROTO_TCP)
     }
 
     fn fake() -> FakeMaps {

@@ -2,7 +2,7 @@
 //! arrays with one region per possible CPU (CPU-major), not per-CPU arrays.
 //!
 //! A per-CPU array costs the kernel one per-CPU allocation per entry when it is
-//! created: ~165 ms of the start for 10,240 frontends and 131,072 backends. A plain
+//! created, which slows every start with large maps. A plain
 //! array of `entries × possible CPUs` is one allocation with the same memory, and
 //! each CPU still writes only its own contiguous region (no shared cache lines
 //! between CPUs but at the regions' edges). The programs learn a region's length
@@ -21,7 +21,7 @@ use aya::{
     maps::{Array, IterableMap as _, Map, MapData, MapError, MapInfo, MapType, PerCpuArray},
 };
 
-use super::{batch, loader::EbpfError};
+use super::{batch, error::EbpfError};
 
 /// The number of regions in a counters array: the highest possible CPU id + 1 (as
 /// the kernel's per-CPU maps, sized by possible, not online, CPUs). The programs
@@ -125,9 +125,8 @@ pub fn read<T: Borrow<MapData>>(
 
 /// The counters of entries `ids` of `array`, summed over CPUs, in the order of
 /// `ids`: the whole array in a few `BPF_MAP_LOOKUP_BATCH` calls, one chunk in memory
-/// at a time. A scrape reads
-/// every frontend and backend, and one lookup per id and CPU would cost it a syscall
-/// each (millions for 100,000 backends on a 64-CPU node, with the sync's lock held).
+/// at a time. A scrape reads every frontend and backend, and one lookup per id and
+/// CPU would cost it a syscall each, with the sync's lock held.
 /// Falls back to [`read`] per id on a kernel without batch lookups of arrays.
 pub fn read_many<T: Borrow<MapData>>(
     array: &Array<T, TrafficStats>,

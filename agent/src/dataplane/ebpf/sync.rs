@@ -11,8 +11,7 @@
 //! and frontend entry, and only then the removal of backends nothing uses any more
 //! (with their conntrack and affinity entries). The kernel maps queue backend and
 //! frontend writes and hand them over in batches (see [`super::maps::KernelMaps`]),
-//! keeping this order: a full sync writes its 100,000 backends in a few dozen
-//! `bpf()` calls. A large delta goes a chunk of services at a time (each chunk's
+//! keeping this order: a full sync writes its backends in a few `bpf()` calls. A large delta goes a chunk of services at a time (each chunk's
 //! backends before its tables and frontends), while another thread builds the
 //! Maglev tables of the next chunk (a table depends only on the backend addresses;
 //! ids are mapped in when it is stored). A table the maps hold for the same
@@ -26,35 +25,45 @@
 //! the state after a failed write): frontends keep their ids and tables and backends
 //! keep their ids, so established flows, whose conntrack entries name backend ids,
 //! survive a restart. Maps this agent's load created hold nothing and are not read.
+//!
+//! Here: the engine's state, an apply and adoption. Its parts: `upsert` (a
+//! service's backends, tables and frontends), `remove` (services that go, backends
+//! freed), `builder` (tables built on a second thread), `state` and `uses` (what
+//! it keeps per frontend, backend and service).
 
+mod builder;
+mod remove;
+mod state;
+mod upsert;
 mod uses;
 
 use super::{
     backend_table::{BackendAddr, BackendTable},
-    maps::{Capacity, FrontendKey, LbMaps, MapsError},
+    error::MapsError,
+    maps::{Capacity, LbMaps},
     prefilter::VipFilter,
 };
 use crate::{
     dataplane::{ServicePortStatus, vip},
     endpoints::{Delta, ServiceView},
-    maglev::{BackendKey, Maglev, MaglevError},
-    model::{Protocol, ServiceKey, SessionAffinity},
+    model::ServiceKey,
 };
-use agent_common::lb::{
-    self, BACKEND_ACTIVE, BACKEND_DRAINING, Backend, FAMILY_V4, FAMILY_V6, ServiceKeyV4,
-    ServiceKeyV6, ServiceValue, addr_from_octets,
+use agent_common::{
+    codec::{FrontendKey, backend_addr},
+    lb::Backend,
 };
-use smallvec::SmallVec;
+use builder::PARALLEL_TABLES;
+use state::{BackendState, DesiredFrontend, Frontend, ServiceState};
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, SocketAddr},
+    net::SocketAddr,
     sync::Arc,
-    time::{Duration, Instant},
+    time::Instant,
 };
-use uses::{Use, Users, Uses};
+use uses::{Use, Uses};
 
 /// The engine's hash sets, of backend addresses and service keys: a fast seeded
-/// hash (std's SipHash took ~5% of a full sync's CPU).
+/// hash, as std's SipHash is a visible share of a full sync's CPU.
 type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 /// Why a sync could not be completed.
@@ -75,115 +84,6 @@ pub enum SyncError {
     },
 }
 
-/// One frontend as the maps hold it.
-#[derive(Clone, Debug)]
-struct Frontend {
-    value: ServiceValue,
-    /// The service it belongs to (`None` for one adopted from the maps and not yet
-    /// claimed by a service); the key shared with the service's backends' users.
-    service: Option<Arc<ServiceKey>>,
-}
-
-/// Everything the engine knows of one backend address, in one record of a
-/// [`BackendTable`] (32 B: the table takes ~6 MB at 100,000 backends; a map keyed
-/// by socket address adds a 32 B key to every record, spare buckets included).
-#[derive(Clone, Debug, Default)]
-struct BackendState {
-    /// Its slot in the backends map; 0: none (id 0 is never handed out).
-    id: u32,
-    /// The slot's state as the maps hold it (0 for no slot).
-    state: u8,
-    /// How many services have it in their tables ([`Use::Active`]): its state is
-    /// active exactly when this is not 0. Kept equal to the services' `uses`, so that
-    /// one service's change does not rescan every service.
-    active: u32,
-    /// The services that use it in any way (active or draining).
-    users: Users,
-}
-
-impl BackendState {
-    /// Its slot id, if it has a slot.
-    fn slot(&self) -> Option<u32> {
-        (self.id != 0).then_some(self.id)
-    }
-
-    /// Nothing left to remember: no slot, no use.
-    fn is_empty(&self) -> bool {
-        self.id == 0 && self.active == 0 && self.users.is_empty()
-    }
-}
-
-/// A few frontends (one inline).
-type Frontends = SmallVec<[FrontendKey; 1]>;
-
-/// What the per-apply scratch sets keep between applies: enough for any change
-/// of a few services without growing.
-const SCRATCH_CAPACITY: usize = 1024;
-
-/// What the sync engine remembers of a service.
-#[derive(Clone, Debug, Default)]
-struct ServiceState {
-    /// Its frontends, sorted (inline for one; a set per service cost ~280 B).
-    frontends: Frontends,
-    uses: Uses,
-    /// The service as last applied: `status` is derived from it when asked (it
-    /// shares the cache's objects; a copy per service would cost ~1.4 KB each).
-    view: Option<ServiceView>,
-}
-
-/// A service's backends (sorted) with their slot ids, as its upsert left them
-/// (ids do not change until the end of the apply): its tables take their ids from
-/// here instead of a lookup in the backend table per eligible backend.
-struct BackendIds {
-    addrs: Vec<BackendAddr>,
-    ids: Vec<u32>,
-}
-
-impl BackendIds {
-    /// The id of `addr`, if it is one of the service's backends.
-    fn get(&self, addr: &SocketAddr) -> Option<u32> {
-        self.addrs
-            .binary_search(&BackendAddr::from(*addr))
-            .ok()
-            .map(|i| self.ids[i])
-    }
-}
-
-/// A frontend the cache asks for.
-struct DesiredFrontend {
-    key: FrontendKey,
-    eligible: Vec<SocketAddr>,
-    affinity_timeout: u32,
-    /// The maps hold its table for `eligible` already: nothing to build or compare.
-    keep_table: bool,
-}
-
-impl DesiredFrontend {
-    /// Whether its Maglev table is to be built.
-    fn needs_table(&self) -> bool {
-        !self.keep_table && !self.eligible.is_empty()
-    }
-
-    /// Its Maglev table: slots hold indexes into `eligible`.
-    fn build_table(&self, table_size: u32) -> Result<Maglev, MaglevError> {
-        let keys: Vec<BackendKey> = self.eligible.iter().copied().map(BackendKey).collect();
-        Maglev::new(&keys, table_size)
-    }
-}
-
-/// Applies that build at least this many tables build them on another thread
-/// ([`LbSync::upsert_with_table_builder`]); smaller ones stay on one (a thread
-/// costs tens of microseconds, a table of 1,021 slots about ten).
-const PARALLEL_TABLES: usize = 256;
-
-/// Services per chunk of [`LbSync::upsert_with_table_builder`]: their backends
-/// go to the kernel in one batch write.
-const TABLE_CHUNK: usize = 512;
-
-/// Chunks of tables built ahead of the one being written (at 1,021 slots, a
-/// chunk's tables take ~0.5 MB).
-const TABLE_CHUNKS_AHEAD: usize = 1;
-
 /// The sync engine: desired state from the cache, written into [`LbMaps`] by diff.
 pub struct LbSync<M> {
     maps: M,
@@ -192,8 +92,8 @@ pub struct LbSync<M> {
     frontends: BTreeMap<FrontendKey, Frontend>,
     /// Every backend address with a slot or a use.
     backends: BackendTable<BackendState>,
-    /// By key, the one every backend's list of users and every frontend shares (a
-    /// copy of the key as well cost ~130 B per service).
+    /// By key, the one every backend's list of users and every frontend shares, so
+    /// that a service's key is stored once.
     services: BTreeMap<Arc<ServiceKey>, ServiceState>,
     /// Drain deadlines, earliest first; an entry whose use changed since is stale
     /// and skipped when it comes due.
@@ -291,10 +191,10 @@ impl<M: LbMaps> LbSync<M> {
             .iter()
             .map(|view| self.desired(view))
             .collect();
-        // Room for the backends at once (growing by doubling rehashed the index
-        // and copied the records ~17 times in a sync of 100,000 backends); a
-        // service's largest frontend counts (its others often list the same
-        // backends: never more room than needed).
+        // Room for the backends at once, as growing by doubling would rehash the
+        // index and copy the records again and again; a service's largest frontend
+        // counts (its others often list the same backends: never more room than
+        // needed).
         let backends: usize = desired
             .iter()
             .map(|d| d.iter().map(|f| f.eligible.len()).max().unwrap_or(0))
@@ -342,58 +242,6 @@ impl<M: LbMaps> LbSync<M> {
         self.release_unused(now)?;
         self.stale = false;
         Ok(())
-    }
-
-    /// Upserts `views` (with their `desired` frontends) a chunk of services at a
-    /// time, each chunk's backends before its tables and frontends, while another
-    /// thread builds the Maglev tables of the chunks ahead: a table depends only on
-    /// the backend addresses (its slots hold indexes into them, mapped to ids when
-    /// stored), so the second core builds them while this one writes backends. At
-    /// most [`TABLE_CHUNKS_AHEAD`] chunks of tables wait (bounded memory).
-    fn upsert_with_table_builder(
-        &mut self,
-        views: &[ServiceView],
-        desired: &[Vec<DesiredFrontend>],
-        now: Instant,
-    ) -> Result<(), SyncError> {
-        let table_size = self.capacity.table_size;
-        std::thread::scope(|scope| {
-            let (send, receive) = std::sync::mpsc::sync_channel(TABLE_CHUNKS_AHEAD);
-            let builder = scope.spawn(move || {
-                for chunk in desired.chunks(TABLE_CHUNK) {
-                    let tables: Vec<Option<Result<Maglev, MaglevError>>> = chunk
-                        .iter()
-                        .flatten()
-                        .map(|f| f.needs_table().then(|| f.build_table(table_size)))
-                        .collect();
-                    // The receiver is gone when the apply failed: stop.
-                    if send.send(tables).is_err() {
-                        return;
-                    }
-                }
-            });
-            let mut upsert = || {
-                for (views, desired) in views.chunks(TABLE_CHUNK).zip(desired.chunks(TABLE_CHUNK)) {
-                    let mut ids = Vec::with_capacity(desired.len());
-                    for (view, desired) in views.iter().zip(desired) {
-                        ids.push(self.prepare_backends(view, desired, now)?);
-                    }
-                    // Without the builder (it panicked), tables are built here.
-                    let mut tables = receive.recv().unwrap_or_default().into_iter();
-                    for ((view, desired), ids) in views.iter().zip(desired).zip(&ids) {
-                        self.program_frontends(view, desired, ids, &mut tables)?;
-                    }
-                }
-                Ok(())
-            };
-            let result = upsert();
-            // The builder stops at its next send, and is joined here by hand: a
-            // panic of its own was made up for above, and `scope` would repeat it
-            // for a thread nobody joined.
-            drop(receive);
-            let _ = builder.join();
-            result
-        })
     }
 
     /// Ends the drain of backends whose deadline passed (their flows are removed).
@@ -530,403 +378,6 @@ impl<M: LbMaps> LbSync<M> {
         Ok(())
     }
 
-    fn remove_service(&mut self, key: &ServiceKey, now: Instant) -> Result<(), SyncError> {
-        let Some(state) = self.services.get(key) else {
-            return Ok(());
-        };
-        for fk in state.frontends.clone() {
-            self.delete_owned_frontend(key, &fk)?;
-        }
-        self.set_uses(key, Uses::default());
-        self.services.remove(key);
-        self.release_unused(now)
-    }
-
-    /// Deletes frontend `key` if `service` still owns it: a frontend another service
-    /// claimed since (a VIP that moved in the same delta) is not this one's to delete.
-    fn delete_owned_frontend(
-        &mut self,
-        service: &ServiceKey,
-        key: &FrontendKey,
-    ) -> Result<(), SyncError> {
-        match self.frontends.get(key).and_then(|f| f.service.as_ref()) {
-            Some(owner) if **owner != *service => Ok(()),
-            _ => self.delete_frontend(key),
-        }
-    }
-
-    fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), SyncError> {
-        if let Some(frontend) = self.frontends.get(key) {
-            let id = frontend.value.id;
-            self.maps.delete_frontend(key)?;
-            self.frontends.remove(key);
-            self.filter.remove(key);
-            self.free_frontends.insert(id);
-        }
-        Ok(())
-    }
-
-    /// First half of a service's upsert: its backend uses and backends, before any
-    /// table names them. Returns its backends' ids, for
-    /// [`Self::program_frontends`].
-    fn prepare_backends(
-        &mut self,
-        view: &ServiceView,
-        desired: &[DesiredFrontend],
-        now: Instant,
-    ) -> Result<BackendIds, SyncError> {
-        let key = view.key();
-        let spec = &view.service.spec;
-        let drain = Duration::from_secs(u64::from(spec.drain_seconds));
-
-        // Backend uses: eligible ones are active; ones that were in use (by this
-        // service before, or in the maps after a restart) and no longer are drain.
-        let previous = self
-            .services
-            .get(&key)
-            .map(|s| s.uses.clone())
-            .unwrap_or_default();
-        let mut uses = Uses::default();
-        uses.reserve_active(desired.iter().map(|f| f.eligible.len()).sum());
-        for f in desired {
-            for addr in &f.eligible {
-                uses.insert(BackendAddr::from(*addr), Use::Active);
-            }
-        }
-        for (addr, old) in previous.iter() {
-            if !uses.contains_key(addr) {
-                let until = match old {
-                    Use::Active => now + drain,
-                    Use::Draining { until } => *until,
-                };
-                if until > now {
-                    uses.insert(*addr, Use::Draining { until });
-                }
-            }
-        }
-        // (An address listed twice is in `uses` after its first time.)
-        for addr in listed_backends(view) {
-            let adopted = self
-                .backends
-                .get(&addr)
-                .is_some_and(|b| b.id != 0 && b.state != 0);
-            if adopted && !uses.contains_key(&addr) && !previous.contains_key(&addr) {
-                // In the maps from before a restart: let its flows drain.
-                uses.insert(addr, Use::Draining { until: now + drain });
-            }
-        }
-
-        // Backends, before any table names them. In address order (`uses` is
-        // sorted): ids must not depend on hash order (same maps for the same input,
-        // on every run).
-        let addrs: Vec<BackendAddr> = uses.keys().copied().collect();
-        if !self.services.contains_key(&key) {
-            self.services
-                .insert(Arc::new(key.clone()), ServiceState::default());
-        }
-        self.set_uses(&key, uses);
-        if let Some(state) = self.services.get_mut(&key) {
-            state.view = Some(view.clone());
-        }
-        let mut ids = Vec::with_capacity(addrs.len());
-        for addr in &addrs {
-            ids.push(self.ensure_backend(*addr)?);
-        }
-        // Only this service's backends can have changed state (the rest are brought
-        // up to date by `release_unused` at the end of every apply).
-        self.refresh_backend_states_of(addrs.iter().chain(previous.keys()))?;
-        // Their states are now what their uses ask for: no second look at the end
-        // of the apply (a later change to their uses touches them again).
-        for addr in addrs.iter().chain(previous.keys()) {
-            self.touched.remove(addr);
-        }
-        Ok(BackendIds { addrs, ids })
-    }
-
-    /// Second half of a service's upsert: its tables and frontends (after
-    /// [`Self::prepare_backends`] put their backends in the maps), and the removal
-    /// of frontends it no longer has. `ids` is what the first half returned;
-    /// `tables` holds, one per desired frontend, the table built elsewhere, if it
-    /// was (else it is built here).
-    fn program_frontends(
-        &mut self,
-        view: &ServiceView,
-        desired: &[DesiredFrontend],
-        ids: &BackendIds,
-        tables: &mut impl Iterator<Item = Option<Result<Maglev, MaglevError>>>,
-    ) -> Result<(), SyncError> {
-        let key = view.key();
-        let mut keep = BTreeSet::new();
-        for f in desired {
-            self.write_frontend(&key, f, ids, tables.next().flatten())?;
-            keep.insert(f.key);
-        }
-        let old_frontends = self
-            .services
-            .get(&key)
-            .map(|s| s.frontends.clone())
-            .unwrap_or_default();
-        for fk in old_frontends.iter().filter(|k| !keep.contains(*k)) {
-            self.delete_owned_frontend(&key, fk)?;
-        }
-        if let Some(state) = self.services.get_mut(&key) {
-            state.frontends = keep.into_iter().collect();
-            state.view = Some(view.clone());
-        }
-        Ok(())
-    }
-
-    /// The frontends `view` asks for, each with its eligible backends (sorted), and
-    /// whether the maps hold its table for exactly those backends already: the
-    /// service owned the frontend and had the same eligible backends when last
-    /// applied (their ids cannot have changed: a backend keeps its slot while a
-    /// service has it in a table), and no write failed since. After a failed apply
-    /// the next one must be a full delta (the reconciler asks for one), whose
-    /// adoption leaves no frontend owned: a partial delta would clear `stale` with
-    /// a table the failed apply left behind still trusted.
-    fn desired(&self, view: &ServiceView) -> Vec<DesiredFrontend> {
-        let mut out = self.frontends_of(view);
-        let key = view.key();
-        let before = self
-            .services
-            .get(&key)
-            .and_then(|s| s.view.as_ref())
-            .map(|old| self.frontends_of(old));
-        let (Some(before), false) = (before, self.stale) else {
-            return out;
-        };
-        let table_size = self.capacity.table_size;
-        for f in &mut out {
-            let owned = self.frontends.get(&f.key).filter(|existing| {
-                existing.service.as_deref() == Some(&key)
-                    && existing.value.maglev_size
-                        == if f.eligible.is_empty() { 0 } else { table_size }
-            });
-            f.keep_table = owned.is_some()
-                && before
-                    .iter()
-                    .any(|old| old.key == f.key && old.eligible == f.eligible);
-        }
-        out
-    }
-
-    /// The frontends `view` asks for, each with its eligible backends (sorted).
-    fn frontends_of(&self, view: &ServiceView) -> Vec<DesiredFrontend> {
-        let spec = &view.service.spec;
-        if spec.discovery.headless {
-            return Vec::new();
-        }
-        let affinity_timeout = match spec.session_affinity {
-            SessionAffinity::None => 0,
-            SessionAffinity::ClientIp { timeout_seconds } => timeout_seconds.max(1),
-        };
-        let mut out = Vec::new();
-        for port in &spec.ports {
-            let proto = proto_number(port.protocol);
-            for vip in &spec.discovery.vips {
-                let eligible = vip::eligible(view, port, *vip, &self.node);
-                out.push(DesiredFrontend {
-                    key: frontend_key(*vip, port.port, proto),
-                    eligible,
-                    affinity_timeout,
-                    keep_table: false,
-                });
-            }
-        }
-        out
-    }
-
-    /// Gives backend `addr` a slot unless it has one; returns the slot's id.
-    fn ensure_backend(&mut self, addr: BackendAddr) -> Result<u32, SyncError> {
-        if let Some(id) = self.slot_of(&addr) {
-            return Ok(id);
-        }
-        let id = self.free_backends.pop_first().ok_or(SyncError::Full {
-            what: "backends",
-            capacity: self.capacity.backends,
-            setting: "--lb-max-backends",
-        })?;
-        let backend = backend_value(addr.socket_addr(), BACKEND_ACTIVE);
-        if let Err(e) = self.maps.put_backend(id, &backend) {
-            self.free_backends.insert(id);
-            return Err(e.into());
-        }
-        let b = self.backends.get_or_default(addr);
-        b.id = id;
-        b.state = BACKEND_ACTIVE;
-        Ok(id)
-    }
-
-    /// Writes the state of the backends at `addrs` (active when some service has
-    /// it in a table, else draining) where it differs from the maps.
-    fn refresh_backend_states_of<'a>(
-        &mut self,
-        addrs: impl IntoIterator<Item = &'a BackendAddr>,
-    ) -> Result<(), SyncError> {
-        for addr in addrs {
-            if let Some(b) = self.backends.get_mut(addr).filter(|b| b.id != 0) {
-                refresh_backend_state(&mut self.maps, addr, b)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Writes frontend `f` of `service` and its table (`built`, when built
-    /// elsewhere; else built here unless the maps hold it already), its backends'
-    /// ids taken from `known` (the service's, as its upsert left them).
-    fn write_frontend(
-        &mut self,
-        service: &ServiceKey,
-        f: &DesiredFrontend,
-        known: &BackendIds,
-        built: Option<Result<Maglev, MaglevError>>,
-    ) -> Result<(), SyncError> {
-        let existing = self.frontends.get(&f.key).cloned();
-        if let Some(Frontend {
-            service: Some(owner),
-            ..
-        }) = &existing
-            && **owner != *service
-        {
-            // Validation keeps VIPs unique; a clash means the other service was not
-            // removed yet in this delta. The newer claim wins.
-            tracing::warn!(frontend = ?f.key, %owner, %service, "frontend moves to another service");
-        }
-        let id = match &existing {
-            Some(e) => e.value.id,
-            None => self.free_frontends.pop_first().ok_or(SyncError::Full {
-                what: "frontends",
-                capacity: self.capacity.frontends,
-                setting: "--lb-max-frontends",
-            })?,
-        };
-        let table_size = self.capacity.table_size;
-        // Still this service's table (another service of this delta may have
-        // claimed the frontend since `desired` looked).
-        let keep_table = f.keep_table
-            && existing
-                .as_ref()
-                .is_some_and(|e| e.service.as_deref() == Some(service));
-        let ids: Vec<u32> = if keep_table {
-            Vec::new()
-        } else {
-            f.eligible
-                .iter()
-                .filter_map(|a| known.get(a).or_else(|| self.backend_id(a)))
-                .collect()
-        };
-        let maglev_size = if let (true, Some(e)) = (keep_table, &existing) {
-            e.value.maglev_size
-        } else if ids.is_empty() {
-            0
-        } else {
-            match built.unwrap_or_else(|| f.build_table(table_size)) {
-                Ok(maglev) => {
-                    // Only the slots that differ are stored.
-                    if let Err(e) = self.maps.write_table(id, &maglev.map_slots(&ids)) {
-                        if existing.is_none() {
-                            self.free_frontends.insert(id);
-                        }
-                        return Err(e.into());
-                    }
-                    table_size
-                }
-                Err(e) => {
-                    tracing::error!(frontend = ?f.key, error = %e, "cannot build the maglev table: refusing new flows");
-                    0
-                }
-            }
-        };
-        let value = ServiceValue {
-            id,
-            maglev_base: id * table_size,
-            maglev_size,
-            affinity_timeout: f.affinity_timeout,
-        };
-        if existing.as_ref().map(|e| e.value) != Some(value)
-            && let Err(e) = self.maps.put_frontend(&f.key, &value)
-        {
-            if existing.is_none() {
-                self.free_frontends.insert(id);
-            }
-            return Err(e.into());
-        }
-        if existing.is_none() {
-            self.filter.add(&f.key);
-        }
-        self.frontends.insert(
-            f.key,
-            Frontend {
-                value,
-                service: Some(
-                    self.services
-                        .get_key_value(service)
-                        .map(|(k, _)| k.clone())
-                        .unwrap_or_else(|| Arc::new(service.clone())),
-                ),
-            },
-        );
-        Ok(())
-    }
-
-    /// Frees backends no service uses any more (drain over, or never claimed after
-    /// a full sync), removing the flows that still lead to them.
-    fn release_unused(&mut self, now: Instant) -> Result<(), SyncError> {
-        // Drains that are over end the use (only the due ones are looked at).
-        while let Some((until, key, addr)) = self.drains.first().cloned() {
-            if until > now {
-                break;
-            }
-            self.drains.pop_first();
-            let current = self.services.get(&key).and_then(|s| s.uses.get(&addr));
-            if current == Some(&Use::Draining { until }) {
-                let mut uses = self
-                    .services
-                    .get(&key)
-                    .map(|s| s.uses.clone())
-                    .unwrap_or_default();
-                uses.remove(&addr);
-                self.set_uses(&key, uses);
-            }
-        }
-        let unused: Vec<BackendAddr> = self
-            .unused
-            .iter()
-            .filter(|a| {
-                self.backends
-                    .get(a)
-                    .is_some_and(|b| b.users.is_empty() && b.id != 0)
-            })
-            .copied()
-            .collect();
-        if !unused.is_empty() {
-            // Flows first, then the slots: if a write fails in between, no flow is
-            // left naming a free id that a new backend may get (the next sync retries).
-            let ids: std::collections::HashSet<u32> =
-                unused.iter().filter_map(|a| self.slot_of(a)).collect();
-            let purged = self.maps.purge_flows(&ids)?;
-            for addr in &unused {
-                if let Some(b) = self.backends.get_mut(addr).filter(|b| b.id != 0) {
-                    let id = b.id;
-                    self.maps.put_backend(id, &Backend::default())?;
-                    b.id = 0;
-                    b.state = 0;
-                    self.free_backends.insert(id);
-                }
-                prune(&mut self.backends, addr);
-            }
-            tracing::debug!(backends = ids.len(), flows = purged, "backends released");
-        }
-        self.unused.clear();
-        let mut touched: Vec<BackendAddr> = self.touched.drain().collect();
-        // A full sync fills these with every backend: give that memory back (a few
-        // MB at 100,000 backends) instead of keeping it for the next full sync.
-        self.unused.shrink_to(SCRATCH_CAPACITY);
-        self.touched.shrink_to(SCRATCH_CAPACITY);
-        touched.sort_unstable();
-        self.refresh_backend_states_of(touched.iter())
-    }
-
     /// Replaces service `key`'s backend uses, keeping every count and index equal
     /// to the services' uses.
     fn set_uses(&mut self, key: &ServiceKey, mut uses: Uses) {
@@ -991,121 +442,6 @@ fn count_active(backends: &mut BackendTable<BackendState>, uses: &Uses, add: boo
     }
 }
 
-/// Writes backend `addr`'s state when it differs from what its active count asks
-/// for.
-fn refresh_backend_state<M: LbMaps>(
-    maps: &mut M,
-    addr: &BackendAddr,
-    slot: &mut BackendState,
-) -> Result<(), SyncError> {
-    let want = if slot.active != 0 {
-        BACKEND_ACTIVE
-    } else {
-        BACKEND_DRAINING
-    };
-    if slot.state != want {
-        maps.put_backend(slot.id, &backend_value(addr.socket_addr(), want))?;
-        slot.state = want;
-    }
-    Ok(())
-}
-
-/// Every endpoint address × port of `view` (any state; an address may come twice).
-fn listed_backends(view: &ServiceView) -> impl Iterator<Item = BackendAddr> + '_ {
-    let endpoints = view
-        .endpoints
-        .as_ref()
-        .map(|e| &e.spec.endpoints[..])
-        .unwrap_or_default();
-    view.service.spec.ports.iter().flat_map(move |p| {
-        endpoints
-            .iter()
-            .map(move |e| SocketAddr::new(e.address, vip::endpoint_port(e, p)).into())
-    })
-}
-
-/// The IP protocol number of `protocol`, as the maps store it.
-#[must_use]
-pub fn proto_number(protocol: Protocol) -> u8 {
-    match protocol {
-        Protocol::Tcp => lb::PROTO_TCP,
-        Protocol::Udp => lb::PROTO_UDP,
-    }
-}
-
-/// The map key of VIP `vip`, service port `port`, protocol `proto`.
-#[must_use]
-pub fn frontend_key(vip: IpAddr, port: u16, proto: u8) -> FrontendKey {
-    match vip {
-        IpAddr::V4(a) => FrontendKey::V4(ServiceKeyV4 {
-            addr: u32::from_ne_bytes(a.octets()),
-            port: port.to_be(),
-            proto,
-            pad: 0,
-        }),
-        IpAddr::V6(a) => FrontendKey::V6(ServiceKeyV6 {
-            addr: addr_from_octets(&a.octets()),
-            port: port.to_be(),
-            proto,
-            pad: 0,
-        }),
-    }
-}
-
-/// The map value of backend `addr` in `state`.
-#[must_use]
-pub fn backend_value(addr: SocketAddr, state: u8) -> Backend {
-    // An IPv4 address in the first four octets, the rest zero: the same words as
-    // its four octets alone (and no allocation).
-    let mut octets = [0u8; 16];
-    let family = match addr.ip() {
-        IpAddr::V4(a) => {
-            octets[..4].copy_from_slice(&a.octets());
-            FAMILY_V4
-        }
-        IpAddr::V6(a) => {
-            octets = a.octets();
-            FAMILY_V6
-        }
-    };
-    Backend {
-        addr: addr_from_octets(&octets),
-        port: addr.port().to_be(),
-        family,
-        state,
-    }
-}
-
-/// The socket address a backend value describes, if it is a used slot.
-#[must_use]
-pub fn backend_addr(b: &Backend) -> Option<SocketAddr> {
-    let octets = lb::addr_octets(&b.addr);
-    let ip = match b.family {
-        FAMILY_V4 => IpAddr::from([octets[0], octets[1], octets[2], octets[3]]),
-        FAMILY_V6 => IpAddr::from(octets),
-        _ => return None,
-    };
-    Some(SocketAddr::new(ip, u16::from_be(b.port)))
-}
-
-/// The VIP, port and protocol a frontend key describes.
-#[must_use]
-pub fn frontend_addr(key: &FrontendKey) -> (SocketAddr, u8) {
-    match key {
-        FrontendKey::V4(k) => {
-            let o = k.addr.to_ne_bytes();
-            (
-                SocketAddr::new(IpAddr::from(o), u16::from_be(k.port)),
-                k.proto,
-            )
-        }
-        FrontendKey::V6(k) => (
-            SocketAddr::new(IpAddr::from(lb::addr_octets(&k.addr)), u16::from_be(k.port)),
-            k.proto,
-        ),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1113,7 +449,7 @@ mod tests {
         dataplane::ebpf::maps::FakeMaps,
         model::{Object, parse_documents},
     };
-    use std::sync::Arc;
+    use agent_common::lb::{BACKEND_ACTIVE, BACKEND_DRAINING};
 
     fn view(name: &str, vip: &str, endpoints: &[&str]) -> ServiceView {
         let eps: Vec<String> = endpoints
@@ -1149,18 +485,6 @@ mod tests {
         let addr: SocketAddr = addr.parse().expect("socket address");
         let id = sync.backend_id(&addr).expect("a backend id");
         sync.maps().backends[id as usize].state
-    }
-
-    /// The per-backend record stays compact: at 100,000 backends every 8 bytes
-    /// are 0.8 MB.
-    #[test]
-    fn backend_records_stay_compact() {
-        assert_eq!(size_of::<Users>(), 16);
-        assert!(
-            size_of::<BackendState>() <= 32,
-            "{}",
-            size_of::<BackendState>()
-        );
     }
 
     /// A backend shared by two services stays active while either has it in a table,

@@ -3,14 +3,15 @@
 //! only what differs, drain, restart adoption, and repair after failed writes.
 
 use super::{
-    maps::{Capacity, FakeMaps, FaultyMaps, FrontendKey, LbMaps},
-    sync::{LbSync, SyncError, backend_addr, backend_value, frontend_addr, frontend_key},
+    maps::{Capacity, FakeMaps, FaultyMaps, LbMaps},
+    sync::{LbSync, SyncError},
 };
 use crate::{
     endpoints::{Delta, EndpointCache, ServiceView},
     model::{ServiceKey, parse_documents},
     orderedlog::Snapshot,
 };
+use agent_common::codec::{backend_addr, backend_value, frontend_addr, frontend_key};
 use agent_common::lb::{self, BACKEND_ACTIVE, BACKEND_DRAINING, Backend};
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -722,55 +723,6 @@ fn failed_release_never_strands_flows() {
         );
         check_invariants(&s.maps().inner);
     }
-}
-
-#[test]
-fn keys_and_values_are_in_network_order_and_round_trip() {
-    let k = frontend_key(ip("198.18.0.1"), 80, lb::PROTO_TCP);
-    let FrontendKey::V4(v4) = k else {
-        panic!("{k:?}")
-    };
-    assert_eq!(v4.addr.to_ne_bytes(), [198, 18, 0, 1]);
-    assert_eq!(v4.port.to_ne_bytes(), [0, 80]);
-    assert_eq!((v4.proto, v4.pad), (lb::PROTO_TCP, 0));
-    assert_eq!(frontend_addr(&k), (sa("198.18.0.1:80"), lb::PROTO_TCP));
-
-    let k = frontend_key(ip("fd00::1:2"), 0x1234, lb::PROTO_UDP);
-    let FrontendKey::V6(v6) = k else {
-        panic!("{k:?}")
-    };
-    assert_eq!(
-        lb::addr_octets(&v6.addr),
-        ip("fd00::1:2")
-            .to_string()
-            .parse::<std::net::Ipv6Addr>()
-            .unwrap()
-            .octets()
-    );
-    assert_eq!(v6.port.to_ne_bytes(), [0x12, 0x34]);
-    assert_eq!(frontend_addr(&k), (sa("[fd00::1:2]:4660"), lb::PROTO_UDP));
-
-    for a in [
-        "198.18.1.2:8080",
-        "[fd00:1::2]:53",
-        "10.0.0.1:65535",
-        "[::1]:1",
-    ] {
-        let b = backend_value(sa(a), BACKEND_DRAINING);
-        assert_eq!(backend_addr(&b), Some(sa(a)));
-        assert_eq!(b.state, BACKEND_DRAINING);
-        assert_eq!(b.port.to_ne_bytes(), sa(a).port().to_be_bytes());
-        let want = if a.starts_with('[') {
-            lb::FAMILY_V6
-        } else {
-            lb::FAMILY_V4
-        };
-        assert_eq!(b.family, want);
-    }
-    let b = backend_value(sa("198.18.1.2:8080"), BACKEND_ACTIVE);
-    assert_eq!(&lb::addr_octets(&b.addr)[..4], [198, 18, 1, 2]);
-    assert_eq!(&b.addr[1..], [0, 0, 0]);
-    assert_eq!(backend_addr(&Backend::default()), None);
 }
 
 /// `count` services, each with its own VIP and three endpoints, the last one of

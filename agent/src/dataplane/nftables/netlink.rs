@@ -9,7 +9,7 @@
 //! the C libnftnl, whose sets take keys only (no map data, no element deletes).
 
 use super::ruleset::{ElementKey, ElementOp, ElementValue, TABLE_NAME};
-use crate::dataplane::ebpf::sync::proto_number;
+use crate::dataplane::ebpf::codec::proto_number;
 use std::{
     io,
     net::{IpAddr, SocketAddr},

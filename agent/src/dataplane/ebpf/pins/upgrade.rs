@@ -10,11 +10,12 @@
 //!   reply's VIP through a per-backend list of frontends): every forward entry gets
 //!   its reply entry, made from the backend it names, so that replies of flows
 //!   established before the upgrade stay translated;
-//! * per-CPU counters arrays (see [`super::stats`]): their counts summed into the
-//!   new arrays;
+//! * per-CPU counters arrays (see [`stats`]): their counts summed into the new
+//!   arrays;
 //! * a drop counters array with fewer reasons than this agent counts.
 //!
-//! The reverse-NAT index of those earlier agents is unpinned: nothing reads it.
+//! The reverse-NAT index of those earlier agents is unpinned: nothing reads it. A
+//! conntrack with per-CPU LRU lists is kept as it is, and only logged.
 //! Any other pinned map whose key or value size differs from this agent's stops
 //! the load with [`EbpfError::PinnedLayout`], which says how to start afresh.
 
@@ -29,7 +30,7 @@ use aya::{
     maps::{Array, HashMap, Map, MapData, MapError, MapInfo, PerCpuArray},
 };
 
-use super::{loader::EbpfError, stats};
+use crate::dataplane::ebpf::{error::EbpfError, stats};
 
 /// The reverse-NAT index of agents before reply entries (`RUNE_REVNAT`).
 const OLD_REVNAT: &str = "RUNE_REVNAT";
@@ -122,7 +123,7 @@ fn layouts() -> [(&'static str, (u32, u32)); 4] {
 /// Fails with [`EbpfError::PinnedLayout`] when a pinned map whose layout changed
 /// between releases has other key or value sizes than this agent's and is not one
 /// it carries over, instead of a verifier error at load.
-pub fn check_pinned_layouts(pin_dir: &Path) -> Result<(), EbpfError> {
+pub(super) fn check_pinned_layouts(pin_dir: &Path) -> Result<(), EbpfError> {
     for (name, want) in layouts() {
         let path = pin_dir.join(name);
         let Some(found) = pinned_sizes(&path) else {
@@ -145,7 +146,7 @@ pub fn check_pinned_layouts(pin_dir: &Path) -> Result<(), EbpfError> {
 /// their entries are copied into those afterwards. Established flows keep their
 /// backends (the old programs keep using the old maps until the new ones are
 /// attached; flows that start in that short window are not carried over).
-pub struct Legacy {
+pub(in crate::dataplane::ebpf) struct Legacy {
     /// (map name, pin path, its layout, the open map).
     maps: Vec<(&'static str, PathBuf, Old, MapData)>,
     /// Conntrack was pinned without reply entries: they are made after the load.
@@ -156,7 +157,7 @@ impl Legacy {
     /// Opens and unpins the maps of an earlier layout under `pin_dir` (those
     /// already unpinned are pinned back should a later one fail), and unpins the
     /// reverse-NAT index nothing reads any more.
-    pub fn unpin(pin_dir: &Path) -> Result<Self, EbpfError> {
+    pub(super) fn unpin(pin_dir: &Path) -> Result<Self, EbpfError> {
         let pinned = |name: &str| pin_dir.join(name).exists();
         let mut legacy = Self {
             maps: Vec::new(),
@@ -212,7 +213,7 @@ impl Legacy {
     /// the flows (the old programs keep using them meanwhile); a pin the failed
     /// load left at the same path is replaced. Failures are logged: the load's
     /// error is the one to report.
-    pub fn restore(self) {
+    pub(in crate::dataplane::ebpf) fn restore(self) {
         for (_, path, _, map) in self.maps {
             if path.exists() {
                 let _ = std::fs::remove_file(&path);
@@ -227,7 +228,7 @@ impl Legacy {
     /// conntrack that had none. A copy that fails is logged, not fatal: the flows
     /// it misses are re-picked (same backend while its Maglev slot is unchanged),
     /// counts restart.
-    pub fn carry_over(self, ebpf: &mut Ebpf) {
+    pub(in crate::dataplane::ebpf) fn carry_over(self, ebpf: &mut Ebpf) {
         let now = lb::ct_now(monotonic_ns());
         for (name, _, old, map) in self.maps {
             let copied = match (old, name) {
@@ -467,6 +468,30 @@ fn make_family_replies<K: Pod, R: Pod>(
         }
     }
     Ok(made)
+}
+
+/// `BPF_F_NO_COMMON_LRU` (uapi/linux/bpf.h).
+const BPF_F_NO_COMMON_LRU: u32 = 1 << 1;
+
+/// Logs a pinned conntrack with per-CPU LRU lists (earlier agents created them so).
+/// It is reused as it is, so that no flow is lost; only a new map, after
+/// `rune-agent cleanup`, gets the common LRU.
+pub(super) fn note_per_cpu_lru_conntrack(pin_dir: &Path) {
+    for name in [lb::CONNTRACK_V4, lb::CONNTRACK_V6] {
+        let path = pin_dir.join(name);
+        if !path.exists() {
+            continue;
+        }
+        if let Ok(info) = MapInfo::from_pin(&path)
+            && info.map_flags() & BPF_F_NO_COMMON_LRU != 0
+        {
+            tracing::info!(
+                map = name,
+                "the pinned conntrack keeps its per-CPU LRU lists (an earlier agent's layout; \
+                 its flows are kept); `rune-agent cleanup` and a restart give it one common LRU"
+            );
+        }
+    }
 }
 
 /// CLOCK_MONOTONIC in ns: the clock of `bpf_ktime_get_ns()`.
