@@ -457,7 +457,7 @@ struct Shared {
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
-        crate::sync::lock(&self.state)
+        crate::lock::lock(&self.state)
     }
 
     fn set_metric(&self, name: &str, ready: bool) {

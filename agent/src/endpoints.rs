@@ -9,10 +9,10 @@
 
 use crate::{
     agent::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
+    lock::lock,
     metrics::{KindLabels, Metrics},
     model::{Endpoints, Kind, Object, ObjectKey, Service, ServiceKey},
     orderedlog::{Event, LogError, OrderedLog, Revision, Snapshot},
-    sync::lock,
 };
 use futures::{FutureExt, StreamExt};
 use std::{

@@ -101,7 +101,7 @@ impl Outbox {
     }
 
     fn lock(&self) -> MutexGuard<'_, VecDeque<OutboxEntry>> {
-        crate::sync::lock(&self.queue)
+        crate::lock::lock(&self.queue)
     }
 
     fn set_depth(&self, len: usize) {

@@ -15,7 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::sync::lock;
+use crate::lock::lock;
 
 /// Longest time a positive answer is kept, whatever its TTL (one day).
 pub const MAX_POSITIVE_TTL: u32 = 86_400;

@@ -245,7 +245,7 @@ mod tests {
             >,
         ) -> Result<ResponseInfo, NetError> {
             let (info, bytes) = encode_udp_response(response)?;
-            *crate::sync::lock(&self.0) = Some(bytes);
+            *crate::lock::lock(&self.0) = Some(bytes);
             Ok(info)
         }
     }
@@ -336,7 +336,7 @@ mod tests {
         let capture = Capture::default();
         h.handle_request::<_, TokioTime>(&request, capture.clone())
             .await;
-        crate::sync::lock(&capture.0)
+        crate::lock::lock(&capture.0)
             .take()
             .expect("hickory sent nothing")
     }

@@ -8,8 +8,8 @@
 
 use super::cache::{CacheKey, Cached, DnsCache};
 use crate::{
+    lock::lock,
     metrics::{DnsUpstreamErrorLabels, Metrics},
-    sync::lock,
 };
 use futures::{
     FutureExt,

@@ -31,8 +31,8 @@ pub use zone::{
 use crate::{
     agent::{Mode, Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
     endpoints::EndpointCache,
+    lock::lock,
     metrics::{DnsQueryLabels, DnsZoneLabels, Metrics},
-    sync::lock,
 };
 use arc_swap::ArcSwap;
 use hickory_proto::{

@@ -2,7 +2,7 @@
 //! maps' fill, read from the maps at each scrape.
 
 use super::{error::MapsError, maps::LbMaps, sync::LbSync};
-use crate::sync::lock;
+use crate::lock::lock;
 use agent_common::{codec::frontend_addr, lb};
 use prometheus_client::{
     collector::Collector,

@@ -34,7 +34,7 @@ pub use loader::{
 };
 
 use super::{DataPlane, DataPlaneError, ServicePortStatus, TrafficCounters};
-use crate::{endpoints::Delta, maglev, sync::lock};
+use crate::{endpoints::Delta, lock::lock, maglev};
 use agent_common::{codec::frontend_key, lb};
 use async_trait::async_trait;
 use maps::{KernelMaps, LbMaps};

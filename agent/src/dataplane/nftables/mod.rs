@@ -20,8 +20,8 @@ mod tests;
 use super::{DataPlane, DataPlaneError, ServicePortStatus, TrafficCounters, vip};
 use crate::{
     endpoints::{Delta, ServiceView},
+    lock::lock,
     model::ServiceKey,
-    sync::lock,
 };
 use async_trait::async_trait;
 use nft::{Nft, NftError};

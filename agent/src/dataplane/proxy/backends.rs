@@ -1,7 +1,7 @@
 //! Backend choice for one service port: the eligible endpoints, their Maglev table,
 //! and client-IP session affinity.
 
-use crate::sync::lock;
+use crate::lock::lock;
 use crate::{
     dataplane::{BackendState, BackendStatus},
     endpoints::ServiceView,

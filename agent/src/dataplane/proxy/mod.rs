@@ -23,10 +23,10 @@ use self::{
 use crate::{
     dataplane::{DataPlane, DataPlaneError, PortState, ServicePortStatus},
     endpoints::{Delta, ServiceView},
+    lock::lock,
     maglev::{self, Maglev},
     metrics::{Metrics, ServicePortLabels},
     model::{Protocol, ServiceKey, ServicePort},
-    sync::lock,
 };
 use async_trait::async_trait;
 use std::{

@@ -15,7 +15,7 @@
 //! [`AddressOps`], so that unit tests can use a fake; [`NetlinkAddressOps`] is the
 //! real one (rtnetlink).
 
-use crate::sync::lock;
+use crate::lock::lock;
 use async_trait::async_trait;
 use futures::TryStreamExt;
 use rtnetlink::packet_route::address::{

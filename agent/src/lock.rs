@@ -1,4 +1,4 @@
-//! Small synchronisation helpers shared across modules.
+//! Mutex locking that survives a panicking holder: the one way the agent takes a lock.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
