@@ -23,6 +23,7 @@ use tokio::sync::watch;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
+    error_chain::error_chain,
     identity::Identity,
     metrics::{Metrics, SubsystemLabels},
     outbox::Outbox,
@@ -384,18 +385,6 @@ fn describe_stop_failures(failures: &[StopFailure]) -> String {
         .map(|failure| format!("{:?}: {}", failure.subsystem, error_chain(&failure.error)))
         .collect::<Vec<_>>()
         .join("; ")
-}
-
-/// An error and its causes on one line, `outer: inner: innermost`.
-fn error_chain(error: &(dyn StdError + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// What an [`Agent`] needs: its identity, mode, tunables and the shared metrics.

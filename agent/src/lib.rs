@@ -10,6 +10,7 @@ pub mod config;
 pub mod dataplane;
 pub mod dns;
 pub mod endpoints;
+pub mod error_chain;
 pub mod heap;
 pub mod identity;
 pub mod localapi;

@@ -2,19 +2,24 @@
 //!
 //! `rune-agent preflight` puts a copy of the agent's programs through the verifier
 //! and attaches them in a private namespace (`load:*`, `attach:*`). A production
-//! start that goes on to load the real object would pay the verifier twice (~110 ms
-//! for our 11 programs), so it records those checks as [`placeholders`] (passed and
-//! needed by eBPF, so an injected failure still decides as before) and fills them in
-//! from the real load: [`record_loaded`] after it succeeded, [`failed_checks`] naming
-//! the step that failed (auto then falls back, a forced mode stops naming the
-//! check), [`record_not_probed`] when another data plane runs.
+//! start that goes on to load the real object would pay the verifier twice, so it
+//! records those checks as [`placeholders`] (passed and needed by eBPF, so an
+//! injected failure still decides as before) and fills them in from the real load:
+//! [`record_loaded`] after it succeeded, [`failed_checks`] naming the step that
+//! failed (auto then falls back, a forced mode stops naming the check),
+//! [`record_not_probed`] when another data plane runs. A refused program reads the
+//! same in both loads: [`load_error`].
 
-use super::{Check, DataplaneMode, probes};
-use crate::dataplane::ebpf::{
-    Attachment, EbpfError,
-    attach::{Hooks, PROGRAMS},
+use super::{Check, DataplaneMode};
+use crate::{
+    dataplane::ebpf::{
+        Attachment, EbpfError,
+        attach::{Hooks, PROGRAMS},
+    },
+    error_chain::error_chain,
 };
 use agent_common::lb;
+use aya::programs::ProgramError;
 
 /// The detail of a check not probed yet; only checks with it are filled in.
 pub const DEFERRED: &str = "deferred to the data plane's load (a production start verifies \
@@ -106,6 +111,27 @@ fn verified(program: &str) -> Check {
     )
 }
 
+/// The detail of a `load:*` check whose program did not load: the syscall's error
+/// and the verifier's last words (the probe's load and the data plane's read alike).
+pub(crate) fn load_error(e: &ProgramError) -> String {
+    match e {
+        ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } => {
+            let log = verifier_log.to_string();
+            let tail: Vec<&str> = log
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect();
+            let tail = tail[tail.len().saturating_sub(2)..].join(" / ");
+            format!("the verifier refused it ({io_error}): {tail}")
+        }
+        other => error_chain(other),
+    }
+}
+
 /// Marks the deferred checks not probed: the data plane `mode` runs, not eBPF.
 pub fn record_not_probed(checks: &mut [Check], mode: DataplaneMode) {
     for c in checks.iter_mut().filter(|c| c.detail == DEFERRED) {
@@ -132,14 +158,12 @@ fn not_probed(name: &str, why: &str) -> Check {
 pub fn failed_checks(error: &EbpfError, hooks: &Hooks) -> Vec<Check> {
     let one = |name: String, detail: String| vec![Check::new(name, false, detail, EBPF)];
     match error {
-        EbpfError::ProgramLoad { name, source } => {
-            one(format!("load:{name}"), probes::load_error(source))
-        }
+        EbpfError::ProgramLoad { name, source } => one(format!("load:{name}"), load_error(source)),
         EbpfError::ProgramNotFound { name } | EbpfError::ProgramType { name, .. } => {
-            one(format!("load:{name}"), probes::error_chain(error))
+            one(format!("load:{name}"), error_chain(error))
         }
         EbpfError::Hook { name, .. } => {
-            let mut checks = one(attach_check(name).to_owned(), probes::error_chain(error));
+            let mut checks = one(attach_check(name).to_owned(), error_chain(error));
             checks.extend(hooks.programs().into_iter().map(verified));
             checks
         }
@@ -149,7 +173,7 @@ pub fn failed_checks(error: &EbpfError, hooks: &Hooks) -> Vec<Check> {
                 Check::new(
                     format!("load:{p}"),
                     false,
-                    format!("creating the object's maps: {}", probes::error_chain(error)),
+                    format!("creating the object's maps: {}", error_chain(error)),
                     EBPF,
                 )
             })

@@ -7,8 +7,15 @@
 //! hook to an empty child cgroup that is removed again. Every command is bounded in
 //! time.
 
-use super::{Check, DataplaneMode, Options, object};
-use crate::dataplane::ebpf::{EMBEDDED_OBJECT, attach, loader, programs_embedded};
+use super::{
+    Check, DataplaneMode, Options,
+    deferred::{self, load_error},
+    object,
+};
+use crate::{
+    dataplane::ebpf::{EMBEDDED_OBJECT, attach, loader, programs_embedded},
+    error_chain::error_chain,
+};
 use agent_common::lb;
 use aya::{
     EbpfLoader,
@@ -165,9 +172,7 @@ pub fn probe_all(options: &Options) -> Vec<Check> {
         }
     }
     if options.defer_programs {
-        checks.extend(super::deferred::placeholders(
-            cgroup.ok().flatten().is_some(),
-        ));
+        checks.extend(deferred::placeholders(cgroup.ok().flatten().is_some()));
     } else {
         checks.extend(agent_programs(cgroup));
     }
@@ -435,38 +440,6 @@ fn helper_check(type_name: &str, kind: ProgramType, id: BpfHelper) -> Check {
             EBPF,
         ),
         Err(e) => Check::new(check, false, error_chain(&e), EBPF),
-    }
-}
-
-/// An error with its sources, on one line.
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
-
-/// A program load error: the syscall's error and the verifier's last words.
-pub(crate) fn load_error(e: &ProgramError) -> String {
-    match e {
-        ProgramError::LoadError {
-            io_error,
-            verifier_log,
-        } => {
-            let log = verifier_log.to_string();
-            let tail: Vec<&str> = log
-                .lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty())
-                .collect();
-            let tail = tail[tail.len().saturating_sub(2)..].join(" / ");
-            format!("the verifier refused it ({io_error}): {tail}")
-        }
-        other => error_chain(other),
     }
 }
 
