@@ -2,32 +2,32 @@
 //! the [`Agent`] starts in registration order, waits on until they report ready, and
 //! stops in reverse order.
 //!
-//! The contract follows the Rune agent's Go scaffold: subsystems are registered before
-//! [`Agent::start`]; `start` returns promptly because long-running work goes into tasks
-//! the subsystem owns; readiness is reported separately through a [`Readiness`]; and
-//! [`Subsystem::stop`] must be safe after a failed start or no start at all. When one
-//! subsystem fails to start, everything already started is stopped again, so a failed
-//! start leaves no task behind.
+//! Subsystems are registered before [`Agent::start`] and follow the contract of
+//! [`crate::subsystem`]. When one subsystem fails to start, everything already
+//! started is stopped again, so a failed start leaves no task behind.
 
 use std::{
-    error::Error as StdError,
     fmt,
-    str::FromStr,
     sync::{Arc, Mutex, MutexGuard},
     time::Duration,
 };
 
-use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
+    config::Mode,
     error_chain::error_chain,
     identity::Identity,
     metrics::{Metrics, SubsystemLabels},
     outbox::Outbox,
 };
+
+/// The subsystem contract under the path it had before it moved to
+/// [`crate::subsystem`], for the modules that still name it so (the local API and
+/// the data plane's reconciler).
+pub use crate::subsystem::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError};
 
 /// How many entries the outbox holds before it drops new ones, unless configured.
 pub const DEFAULT_OUTBOX_CAPACITY: usize = 4096;
@@ -35,228 +35,6 @@ pub const DEFAULT_OUTBOX_CAPACITY: usize = 4096;
 /// How long [`Agent::start`] waits for every subsystem to report ready, unless
 /// configured.
 pub const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// The agent's deployment context; subsystems branch on it (dev mode: userspace
-/// proxies on 127.0.0.1, no nftables, no eBPF, no root needed).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    /// A real node: eBPF, nftables or VIP proxies, as preflight decides.
-    #[default]
-    Production,
-    /// A laptop: everything on loopback, nothing that needs privileges.
-    Dev,
-}
-
-impl Mode {
-    /// The lower-case name used in flags, config files, logs and `status`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Mode::Production => "production",
-            Mode::Dev => "dev",
-        }
-    }
-}
-
-impl fmt::Display for Mode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// A mode name that is neither `production` nor `dev`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown mode {value:?}: expected \"production\" or \"dev\"")]
-pub struct ParseModeError {
-    /// The rejected input.
-    pub value: String,
-}
-
-impl FromStr for Mode {
-    type Err = ParseModeError;
-
-    fn from_str(value: &str) -> Result<Self, Self::Err> {
-        match value {
-            "production" => Ok(Mode::Production),
-            "dev" => Ok(Mode::Dev),
-            _ => Err(ParseModeError {
-                value: value.to_owned(),
-            }),
-        }
-    }
-}
-
-/// The observing side of a ready flag: cheap to clone, shared by whoever needs to
-/// know (the agent, `/readyz`, tests).
-///
-/// Readiness can be lost again (a subsystem sets it back to not ready), so it is a
-/// level, not a one-shot event.
-#[derive(Clone, Debug)]
-pub struct Readiness {
-    rx: watch::Receiver<bool>,
-}
-
-/// The signalling side of a ready flag, kept by the component that becomes ready
-/// (clones set the same flag, for a component whose tasks signal it).
-#[derive(Clone, Debug)]
-pub struct ReadySetter {
-    tx: watch::Sender<bool>,
-}
-
-impl Readiness {
-    /// A new flag, not ready yet: the setter goes to the component, the readiness to
-    /// its observers (e.g. returned from [`Subsystem::ready`]).
-    pub fn new() -> (ReadySetter, Readiness) {
-        let (tx, rx) = watch::channel(false);
-        (ReadySetter { tx }, Readiness { rx })
-    }
-
-    /// A readiness that is ready from the start, for subsystems with nothing to wait
-    /// for.
-    pub fn ready() -> Readiness {
-        let (_tx, rx) = watch::channel(true);
-        Readiness { rx }
-    }
-
-    /// Whether the flag is set right now.
-    pub fn is_ready(&self) -> bool {
-        *self.rx.borrow()
-    }
-
-    /// Resolves once the flag is set (at once if it already is). Never resolves if
-    /// the setter was dropped without ever setting it: combine with a timeout or a
-    /// cancellation token.
-    pub async fn wait(&self) {
-        let mut rx = self.rx.clone();
-        if rx.wait_for(|ready| *ready).await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    }
-}
-
-impl ReadySetter {
-    /// Marks the component ready; observers waiting in [`Readiness::wait`] wake up.
-    pub fn set_ready(&self) {
-        self.set(true);
-    }
-
-    /// Marks the component not ready (again), e.g. when it lost what it needs to serve.
-    pub fn set_not_ready(&self) {
-        self.set(false);
-    }
-
-    /// Sets the flag; observers are woken only when the value changes.
-    pub fn set(&self, ready: bool) {
-        self.tx.send_if_modified(|current| {
-            let changed = *current != ready;
-            *current = ready;
-            changed
-        });
-    }
-
-    /// Another observer of this flag.
-    pub fn readiness(&self) -> Readiness {
-        Readiness {
-            rx: self.tx.subscribe(),
-        }
-    }
-}
-
-/// What a subsystem gets when it is started.
-#[derive(Clone, Debug)]
-pub struct StartContext {
-    /// Cancelled by the agent right before it calls [`Subsystem::stop`]: every task
-    /// and loop the subsystem spawns should end on it.
-    pub cancel: CancellationToken,
-    /// The agent's mode.
-    pub mode: Mode,
-}
-
-impl StartContext {
-    /// A context with the given token and mode (the agent builds one per subsystem;
-    /// subsystem tests build their own).
-    pub fn new(cancel: CancellationToken, mode: Mode) -> Self {
-        Self { cancel, mode }
-    }
-}
-
-/// A type-erased error a subsystem keeps as the source of a [`SubsystemError`].
-pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
-
-/// Why a subsystem could not start or stop cleanly.
-#[derive(Debug, thiserror::Error)]
-pub enum SubsystemError {
-    /// An I/O operation failed, e.g. binding a listener or opening a file.
-    #[error("{context}")]
-    Io {
-        /// What was being done, with the offending value (`bind 127.0.0.123:53`).
-        context: String,
-        /// The underlying error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The subsystem's own typed error, kept as the source so it can be downcast.
-    #[error("{context}")]
-    Failed {
-        /// What was being done, with the offending value.
-        context: String,
-        /// The underlying error.
-        #[source]
-        source: BoxError,
-    },
-    /// The subsystem cannot run here (missing kernel feature, not allowed in this
-    /// mode, …).
-    #[error("unavailable: {reason}")]
-    Unavailable {
-        /// Why, in words a user can act on.
-        reason: String,
-    },
-}
-
-impl SubsystemError {
-    /// Wraps a subsystem's own error with what it was doing.
-    pub fn failed(context: impl Into<String>, source: impl Into<BoxError>) -> Self {
-        SubsystemError::Failed {
-            context: context.into(),
-            source: source.into(),
-        }
-    }
-
-    /// Wraps an I/O error with what was being done.
-    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        SubsystemError::Io {
-            context: context.into(),
-            source,
-        }
-    }
-}
-
-/// A node-local component the agent owns: data plane, DNS, forwarder, ingress, …
-///
-/// Object safe, so the agent keeps `Arc<dyn Subsystem>`.
-#[async_trait]
-pub trait Subsystem: Send + Sync {
-    /// A stable identifier for logs, metrics and `status`; unique within an agent.
-    fn name(&self) -> &str;
-
-    /// Takes ownership of the subsystem's work and returns promptly: long-running
-    /// work goes into tasks the subsystem owns, ending on `ctx.cancel`. `Ok` means the
-    /// subsystem accepted the work; readiness is reported through [`Subsystem::ready`].
-    ///
-    /// The agent may drop this future before it completes (start took longer than the
-    /// ready timeout, or the agent is being stopped); it then calls
-    /// [`Subsystem::stop`].
-    async fn start(&self, ctx: &StartContext) -> Result<(), SubsystemError>;
-
-    /// The subsystem's ready flag, set once it serves traffic. Called once, after a
-    /// successful start.
-    fn ready(&self) -> Readiness;
-
-    /// Releases every resource and waits for every task to end. Must be safe after a
-    /// failed start or no start at all. The start context's token is already
-    /// cancelled when this is called.
-    async fn stop(&self) -> Result<(), SubsystemError>;
-}
 
 /// Where a subsystem is in its lifecycle, as shown by `status`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -440,7 +218,8 @@ struct State {
 /// What the agent shares with its readiness watchers.
 struct Shared {
     state: Mutex<State>,
-    ready_tx: watch::Sender<bool>,
+    /// The whole agent's ready flag.
+    ready: ReadySetter,
     metrics: Arc<Metrics>,
 }
 
@@ -474,11 +253,7 @@ impl Shared {
                 .entries
                 .iter()
                 .all(|entry| entry.state == SubsystemState::Ready);
-        self.ready_tx.send_if_modified(|current| {
-            let changed = *current != ready;
-            *current = ready;
-            changed
-        });
+        self.ready.set(ready);
     }
 
     /// A subsystem's ready flag changed (or was first read).
@@ -531,7 +306,7 @@ impl Agent {
             config.outbox_capacity,
             &config.metrics,
         ));
-        let (ready_tx, _) = watch::channel(false);
+        let (ready, _) = Readiness::new();
         let (settled, _) = watch::channel(false);
         Ok(Self {
             identity: config.identity,
@@ -543,7 +318,7 @@ impl Agent {
                     phase: Phase::Idle,
                     entries: Vec::new(),
                 }),
-                ready_tx,
+                ready,
                 metrics: config.metrics,
             }),
             lifecycle: tokio::sync::Mutex::new(()),
@@ -710,16 +485,14 @@ impl Agent {
     }
 
     /// Follows one subsystem's ready flag until the subsystem is stopped.
-    fn watch_readiness(&self, index: usize, readiness: Readiness, token: CancellationToken) {
+    fn watch_readiness(&self, index: usize, mut readiness: Readiness, token: CancellationToken) {
         let shared = Arc::clone(&self.shared);
-        let mut rx = readiness.rx;
         self.tasks.spawn(async move {
             loop {
-                let ready = *rx.borrow_and_update();
-                shared.on_readiness(index, ready);
+                shared.on_readiness(index, readiness.current());
                 tokio::select! {
                     () = token.cancelled() => break,
-                    changed = rx.changed() => if changed.is_err() { break },
+                    alive = readiness.changed() => if !alive { break },
                 }
             }
         });
@@ -763,9 +536,7 @@ impl Agent {
     /// The whole agent's ready flag (what `/readyz` serves): set while every
     /// subsystem reports ready, cleared again when one loses readiness or on stop.
     pub fn readiness(&self) -> Readiness {
-        Readiness {
-            rx: self.shared.ready_tx.subscribe(),
-        }
+        self.shared.ready.readiness()
     }
 
     /// Every registered subsystem with its state, in registration order.
@@ -860,6 +631,7 @@ impl Agent {
 mod tests {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+    use async_trait::async_trait;
     use tokio::{sync::Notify, task::JoinHandle};
 
     use super::*;
@@ -1065,42 +837,6 @@ mod tests {
             entries(&log),
             ["start:a", "start:b", "stop:b", "stop:b", "stop:a"]
         );
-    }
-
-    #[test]
-    fn mode_display_serde_and_parse() {
-        assert_eq!(Mode::Production.to_string(), "production");
-        assert_eq!(Mode::Dev.to_string(), "dev");
-        assert_eq!(serde_json::to_string(&Mode::Dev).unwrap(), "\"dev\"");
-        assert_eq!(
-            serde_json::from_str::<Mode>("\"production\"").unwrap(),
-            Mode::Production
-        );
-        assert_eq!("dev".parse::<Mode>().unwrap(), Mode::Dev);
-        let error = "Dev".parse::<Mode>().unwrap_err();
-        assert!(error.to_string().contains("\"Dev\""), "{error}");
-        assert_eq!(Mode::default(), Mode::Production);
-    }
-
-    #[tokio::test]
-    async fn readiness_is_a_level_observers_can_wait_on() {
-        let (setter, readiness) = Readiness::new();
-        assert!(!readiness.is_ready());
-        let waiting = tokio::time::timeout(Duration::from_millis(20), readiness.wait()).await;
-        assert!(waiting.is_err(), "wait resolved before ready");
-        let waiter = tokio::spawn({
-            let readiness = readiness.clone();
-            async move { readiness.wait().await }
-        });
-        setter.set_ready();
-        tokio::time::timeout(PATIENCE, waiter)
-            .await
-            .expect("waiter not woken")
-            .unwrap();
-        assert!(setter.readiness().is_ready());
-        setter.set_not_ready();
-        assert!(!readiness.is_ready());
-        assert!(Readiness::ready().is_ready());
     }
 
     #[test]
@@ -1398,11 +1134,14 @@ mod tests {
         assert!(agent.readiness().is_ready());
 
         flaky.setter.set_not_ready();
-        let mut rx = agent.readiness().rx;
-        tokio::time::timeout(PATIENCE, rx.wait_for(|ready| !*ready))
-            .await
-            .expect("agent readiness did not drop")
-            .unwrap();
+        let mut readiness = agent.readiness();
+        tokio::time::timeout(PATIENCE, async {
+            while readiness.current() {
+                readiness.changed().await;
+            }
+        })
+        .await
+        .expect("agent readiness did not drop");
         assert_eq!(states(&agent)[0].1, SubsystemState::NotReady);
         assert!(
             matches!(agent.ready_err(), Some(AgentError::NotReady { subsystems, .. }) if subsystems == ["flaky"])

@@ -4,10 +4,12 @@
 //! Everything is checked here, before anything is bound or started, so a bad setting
 //! stops the agent with a usage error instead of half-starting it.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::{
+    fmt,
     net::SocketAddr,
     path::{Path, PathBuf},
+    str::FromStr,
     time::Duration,
 };
 use thiserror::Error;
@@ -93,13 +95,66 @@ impl DataplaneChoice {
     }
 }
 
+/// How the agent runs: on a real node, or on a laptop (`--dev`). Subsystems branch on
+/// it (dev mode: userspace proxies on 127.0.0.1, no nftables, no eBPF, no root
+/// needed); which data plane a production node runs is [`DataplaneChoice`]'s and
+/// preflight's business, not this.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// A real node: eBPF, nftables or VIP proxies, as preflight decides.
+    #[default]
+    Production,
+    /// A laptop: everything on loopback, nothing that needs privileges.
+    Dev,
+}
+
+impl Mode {
+    /// The lower-case name used in flags, config files, logs and `status`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Production => "production",
+            Mode::Dev => "dev",
+        }
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A mode name that is neither `production` nor `dev`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown mode {value:?}: expected \"production\" or \"dev\"")]
+pub struct ParseModeError {
+    /// The rejected input.
+    pub value: String,
+}
+
+impl FromStr for Mode {
+    type Err = ParseModeError;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        match value {
+            "production" => Ok(Mode::Production),
+            "dev" => Ok(Mode::Dev),
+            _ => Err(ParseModeError {
+                value: value.to_owned(),
+            }),
+        }
+    }
+}
+
 /// Everything `rune-agent run` needs, resolved and checked.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
     /// Where identity, store and socket live.
     pub state_dir: PathBuf,
-    /// Dev mode: userspace proxies on 127.0.0.1, no root, no kernel changes.
-    pub dev: bool,
+    /// Production, or dev (`--dev`, `dev: true`): userspace proxies on 127.0.0.1, no
+    /// root, no kernel changes.
+    pub mode: Mode,
     /// Dev mode: added to every service port (e.g. to avoid privileged ports).
     pub dev_port_offset: u16,
     /// Address of the `/metrics`, `/healthz`, `/readyz` listener.
@@ -156,7 +211,7 @@ pub struct Config {
 pub struct FileConfig {
     /// See [`Config::state_dir`].
     pub state_dir: Option<PathBuf>,
-    /// See [`Config::dev`].
+    /// See [`Config::mode`]: `true` for dev mode.
     pub dev: Option<bool>,
     /// See [`Config::dev_port_offset`].
     pub dev_port_offset: Option<u16>,
@@ -334,8 +389,12 @@ impl FileConfig {
                 message: "must be at least 1".into(),
             });
         }
-        let dev = self.dev.unwrap_or(false);
-        let dns_addrs = resolve_dns_addrs(self.dns_addrs, dev)?;
+        let mode = if self.dev.unwrap_or(false) {
+            Mode::Dev
+        } else {
+            Mode::Production
+        };
+        let dns_addrs = resolve_dns_addrs(self.dns_addrs, mode)?;
         let dns_domain = resolve_dns_domain(self.dns_domain.as_deref())?;
         let dns_ttl_seconds = self.dns_ttl_seconds.unwrap_or(DEFAULT_DNS_TTL_SECONDS);
         if dns_ttl_seconds > MAX_DNS_TTL_SECONDS {
@@ -411,7 +470,7 @@ impl FileConfig {
             lb_max_flows,
             keep_rules_on_stop: self.keep_rules_on_stop.unwrap_or(false),
             state_dir: self.state_dir.unwrap_or_else(default_state_dir),
-            dev,
+            mode,
             dev_port_offset: self.dev_port_offset.unwrap_or(0),
             metrics_addr,
             ready_timeout: Duration::from_secs(ready_timeout),
@@ -461,14 +520,13 @@ fn resolve_dns_upstreams(upstreams: Vec<String>) -> Result<Vec<SocketAddr>, Conf
 /// The DNS listen addresses, or the mode's default when none are given.
 fn resolve_dns_addrs(
     addrs: Option<Vec<String>>,
-    dev: bool,
+    mode: Mode,
 ) -> Result<Vec<SocketAddr>, ConfigError> {
     let addrs = addrs.filter(|a| !a.is_empty()).unwrap_or_else(|| {
         vec![
-            if dev {
-                DEFAULT_DEV_DNS_ADDR
-            } else {
-                DEFAULT_DNS_ADDR
+            match mode {
+                Mode::Dev => DEFAULT_DEV_DNS_ADDR,
+                Mode::Production => DEFAULT_DNS_ADDR,
             }
             .to_owned(),
         ]
@@ -542,7 +600,7 @@ mod tests {
         assert_eq!(c.ready_timeout, Duration::from_secs(30));
         assert_eq!(c.outbox_capacity, 4096);
         assert_eq!(c.maglev_table_size, 16381);
-        assert!(!c.dev);
+        assert_eq!(c.mode, Mode::Production);
         assert_eq!(c.dns_addrs, ["127.0.0.123:53".parse().unwrap()]);
         assert_eq!(c.dns_domain, "rune.");
         assert_eq!(c.dns_ttl_seconds, 5);
@@ -692,7 +750,7 @@ mod tests {
             ..FileConfig::default()
         };
         let c = file.overridden_by(flags).resolve().unwrap();
-        assert!(c.dev);
+        assert_eq!(c.mode, Mode::Dev);
         assert_eq!(c.dev_port_offset, 10000);
         assert_eq!(c.metrics_addr.to_string(), "127.0.0.1:2");
     }
@@ -727,5 +785,20 @@ mod tests {
         std::fs::write(&path, "devPortOfset: 1\n").unwrap();
         let err = FileConfig::load(&path).unwrap_err().to_string();
         assert!(err.contains("devPortOfset"), "{err}");
+    }
+
+    #[test]
+    fn mode_display_serde_and_parse() {
+        assert_eq!(Mode::Production.to_string(), "production");
+        assert_eq!(Mode::Dev.to_string(), "dev");
+        assert_eq!(serde_json::to_string(&Mode::Dev).unwrap(), "\"dev\"");
+        assert_eq!(
+            serde_json::from_str::<Mode>("\"production\"").unwrap(),
+            Mode::Production
+        );
+        assert_eq!("dev".parse::<Mode>().unwrap(), Mode::Dev);
+        let error = "Dev".parse::<Mode>().unwrap_err();
+        assert!(error.to_string().contains("\"Dev\""), "{error}");
+        assert_eq!(Mode::default(), Mode::Production);
     }
 }

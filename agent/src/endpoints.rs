@@ -8,11 +8,11 @@
 //! queues unbounded work: it catches up with the newest state in one step.
 
 use crate::{
-    agent::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
     lock::lock,
     metrics::{KindLabels, Metrics},
     model::{Endpoints, Kind, Object, ObjectKey, Service, ServiceKey},
     orderedlog::{Event, LogError, OrderedLog, Revision, Snapshot},
+    subsystem::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
 };
 use futures::{FutureExt, StreamExt};
 use std::{

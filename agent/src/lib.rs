@@ -2,7 +2,8 @@
 //! by [`run`] and driven by the thin `rune-agent` binary.
 //!
 //! State flows one way: ordered log → [`endpoints`] cache → data plane reconcilers →
-//! kernel or proxies. The [`agent`] module owns the lifecycle of the subsystems.
+//! kernel or proxies. The [`agent`] module owns the lifecycle of the subsystems, each
+//! of which keeps the contract of [`subsystem`].
 
 pub mod agent;
 pub mod cli;
@@ -23,3 +24,4 @@ pub mod outbox;
 pub mod preflight;
 pub mod run;
 pub mod status;
+pub mod subsystem;

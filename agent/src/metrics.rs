@@ -29,7 +29,7 @@ use prometheus_client::{
 use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
-use crate::agent::Readiness;
+use crate::subsystem::{Readiness, StartContext, Subsystem, SubsystemError};
 
 /// Labels of per-subsystem metrics.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -486,18 +486,15 @@ impl MetricsServer {
 }
 
 #[async_trait::async_trait]
-impl crate::agent::Subsystem for MetricsServer {
+impl Subsystem for MetricsServer {
     fn name(&self) -> &str {
         "metrics"
     }
 
-    async fn start(
-        &self,
-        ctx: &crate::agent::StartContext,
-    ) -> Result<(), crate::agent::SubsystemError> {
-        let listener = TcpListener::bind(self.addr).await.map_err(|e| {
-            crate::agent::SubsystemError::io(format!("bind metrics listener {}", self.addr), e)
-        })?;
+    async fn start(&self, ctx: &StartContext) -> Result<(), SubsystemError> {
+        let listener = TcpListener::bind(self.addr)
+            .await
+            .map_err(|e| SubsystemError::io(format!("bind metrics listener {}", self.addr), e))?;
         tracing::info!(addr = %self.addr, "serving /metrics, /healthz, /readyz");
         self.tasks.spawn(serve(
             listener,
@@ -512,7 +509,7 @@ impl crate::agent::Subsystem for MetricsServer {
         Readiness::ready()
     }
 
-    async fn stop(&self) -> Result<(), crate::agent::SubsystemError> {
+    async fn stop(&self) -> Result<(), SubsystemError> {
         self.tasks.close();
         self.tasks.wait().await;
         Ok(())

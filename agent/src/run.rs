@@ -5,8 +5,8 @@
 //! ordered log into the cache), `dataplane`, and `dns` (which reads the cache).
 
 use crate::{
-    agent::{Agent, AgentConfig, Mode},
-    config::Config,
+    agent::{Agent, AgentConfig},
+    config::{Config, Mode},
     dataplane::{
         DataPlane, DataPlaneError, PortState,
         ebpf::{EbpfConfig, EbpfDataPlane, Hooks, MapSizes, attach},
@@ -32,11 +32,7 @@ use std::{
 
 /// Runs the agent until SIGINT or SIGTERM, then stops every subsystem.
 pub async fn run(config: Config) -> Result<()> {
-    let mode = if config.dev {
-        Mode::Dev
-    } else {
-        Mode::Production
-    };
+    let mode = config.mode;
     raise_fd_limit();
     // Creates the state dir when missing.
     let identity = Identity::load_or_create(&config.state_dir)?;

@@ -13,12 +13,13 @@ use hickory_proto::{
     rr::{Name, RData, RecordType},
 };
 use rune_agent::{
-    agent::{Mode, StartContext, Subsystem},
+    config::Mode,
     dns::{DnsConfig, DnsServer, DnsState, ForwardConfig, ZoneConfig},
     endpoints::EndpointCache,
     metrics::Metrics,
     model::parse_documents,
     orderedlog::Snapshot,
+    subsystem::{StartContext, Subsystem},
 };
 use rune_agent_tests::{
     agent::{Agent, eventually, free_port},

@@ -206,7 +206,7 @@ pub fn answer(
 mod tests {
     use super::*;
     use crate::{
-        agent::Mode,
+        config::Mode,
         dns::{Handler, ZoneConfig, udp::encode_udp_response},
         endpoints::ServiceView,
         metrics::Metrics,

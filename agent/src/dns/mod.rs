@@ -29,10 +29,11 @@ pub use zone::{
 };
 
 use crate::{
-    agent::{Mode, Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
+    config::Mode,
     endpoints::EndpointCache,
     lock::lock,
     metrics::{DnsQueryLabels, DnsZoneLabels, Metrics},
+    subsystem::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
 };
 use arc_swap::ArcSwap;
 use hickory_proto::{

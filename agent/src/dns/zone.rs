@@ -10,7 +10,7 @@
 //! whole zones at once.
 
 use crate::{
-    agent::Mode,
+    config::Mode,
     endpoints::{Delta, ServiceView},
     model::{Protocol, ServiceKey},
 };

@@ -219,7 +219,7 @@ async fn the_feed_resyncs_after_a_compaction() {
     let cache = Arc::new(EndpointCache::loaded());
     let metrics = Arc::new(Metrics::new());
     let feed = CacheFeed::new(log.clone(), cache.clone(), metrics.clone());
-    let ctx = StartContext::new(CancellationToken::new(), crate::agent::Mode::Dev);
+    let ctx = StartContext::new(CancellationToken::new(), crate::config::Mode::Dev);
     feed.start(&ctx).await.unwrap();
     tokio::time::timeout(Duration::from_secs(5), feed.ready().wait())
         .await
@@ -273,7 +273,7 @@ async fn the_feed_starts_from_a_snapshot_read_earlier() {
     assert!(cache.view(&ServiceKey::new("default", "a")).is_some());
     let metrics = Arc::new(Metrics::new());
     let feed = CacheFeed::new(log.clone(), cache.clone(), metrics).with_first_snapshot(early);
-    let ctx = StartContext::new(CancellationToken::new(), crate::agent::Mode::Dev);
+    let ctx = StartContext::new(CancellationToken::new(), crate::config::Mode::Dev);
     feed.start(&ctx).await.unwrap();
     tokio::time::timeout(Duration::from_secs(5), async {
         while cache.revision() != 5 {
