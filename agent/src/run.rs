@@ -19,7 +19,7 @@ use crate::{
     endpoints::{CacheFeed, EndpointCache, read_first_snapshot},
     identity::Identity,
     localapi::{self, LocalApiServer, StatusFn},
-    metrics::{Metrics, MetricsServer},
+    metrics::{Metrics, server::MetricsServer},
     orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
     preflight::{self, DataplaneMode},
     status::{AgentStatus, NodeStatus, SubsystemLine},
