@@ -29,9 +29,6 @@ use crate::{
 /// the data plane's reconciler).
 pub use crate::subsystem::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError};
 
-/// How many entries the outbox holds before it drops new ones, unless configured.
-pub const DEFAULT_OUTBOX_CAPACITY: usize = 4096;
-
 /// How long [`Agent::start`] waits for every subsystem to report ready, unless
 /// configured.
 pub const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -92,7 +89,7 @@ pub struct StopFailure {
 /// Errors of the agent's lifecycle.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
-    /// The configured outbox capacity cannot hold anything.
+    /// The outbox handed in cannot hold anything.
     #[error("invalid outbox capacity {capacity}: must be at least 1")]
     InvalidOutboxCapacity {
         /// The rejected capacity.
@@ -165,15 +162,16 @@ fn describe_stop_failures(failures: &[StopFailure]) -> String {
         .join("; ")
 }
 
-/// What an [`Agent`] needs: its identity, mode, tunables and the shared metrics.
+/// What an [`Agent`] needs: its identity, mode, outbox, tunables and the shared
+/// metrics.
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
     /// The persisted node identity.
     pub identity: Identity,
     /// Production or dev.
     pub mode: Mode,
-    /// Entries the outbox holds before it drops new ones (at least 1).
-    pub outbox_capacity: usize,
+    /// The outbox subsystems queue into, built by the caller (it holds at least 1).
+    pub outbox: Arc<Outbox>,
     /// How long start may take in all: every subsystem's start, then all readiness.
     pub ready_timeout: Duration,
     /// The metrics every subsystem updates.
@@ -181,12 +179,12 @@ pub struct AgentConfig {
 }
 
 impl AgentConfig {
-    /// A config with the default outbox capacity and ready timeout.
-    pub fn new(identity: Identity, mode: Mode, metrics: Arc<Metrics>) -> Self {
+    /// A config with the default ready timeout.
+    pub fn new(identity: Identity, mode: Mode, outbox: Arc<Outbox>, metrics: Arc<Metrics>) -> Self {
         Self {
             identity,
             mode,
-            outbox_capacity: DEFAULT_OUTBOX_CAPACITY,
+            outbox,
             ready_timeout: DEFAULT_READY_TIMEOUT,
             metrics,
         }
@@ -297,22 +295,17 @@ pub struct Agent {
 impl Agent {
     /// An agent with no subsystems yet.
     pub fn new(config: AgentConfig) -> Result<Self, AgentError> {
-        if config.outbox_capacity == 0 {
-            return Err(AgentError::InvalidOutboxCapacity {
-                capacity: config.outbox_capacity,
-            });
+        let capacity = config.outbox.capacity();
+        if capacity == 0 {
+            return Err(AgentError::InvalidOutboxCapacity { capacity });
         }
-        let outbox = Arc::new(Outbox::from_metrics(
-            config.outbox_capacity,
-            &config.metrics,
-        ));
         let (ready, _) = Readiness::new();
         let (settled, _) = watch::channel(false);
         Ok(Self {
             identity: config.identity,
             mode: config.mode,
             ready_timeout: config.ready_timeout,
-            outbox,
+            outbox: config.outbox,
             shared: Arc::new(Shared {
                 state: Mutex::new(State {
                     phase: Phase::Idle,
@@ -777,7 +770,11 @@ mod tests {
 
     fn agent_with(ready_timeout: Duration) -> (Arc<Agent>, Arc<Metrics>) {
         let metrics = Arc::new(Metrics::new());
-        let mut config = AgentConfig::new(identity(), Mode::Dev, metrics.clone());
+        let outbox = Arc::new(Outbox::from_metrics(
+            crate::config::DEFAULT_OUTBOX_CAPACITY,
+            &metrics,
+        ));
+        let mut config = AgentConfig::new(identity(), Mode::Dev, outbox, metrics.clone());
         config.ready_timeout = ready_timeout;
         (Arc::new(Agent::new(config).unwrap()), metrics)
     }
@@ -842,16 +839,15 @@ mod tests {
     #[test]
     fn new_rejects_zero_outbox_capacity_and_exposes_config() {
         let metrics = Arc::new(Metrics::new());
-        let mut config = AgentConfig::new(identity(), Mode::Dev, metrics);
-        assert_eq!(config.outbox_capacity, DEFAULT_OUTBOX_CAPACITY);
+        let outbox = |capacity| Arc::new(Outbox::from_metrics(capacity, &metrics));
+        let mut config = AgentConfig::new(identity(), Mode::Dev, outbox(0), metrics.clone());
         assert_eq!(config.ready_timeout, DEFAULT_READY_TIMEOUT);
-        config.outbox_capacity = 0;
         let error = Agent::new(config.clone()).err().unwrap();
         assert!(matches!(
             error,
             AgentError::InvalidOutboxCapacity { capacity: 0 }
         ));
-        config.outbox_capacity = 2;
+        config.outbox = outbox(2);
         let agent = Agent::new(config).unwrap();
         assert_eq!(agent.identity(), &identity());
         assert_eq!(agent.mode(), Mode::Dev);

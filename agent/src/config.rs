@@ -51,6 +51,9 @@ pub const DEFAULT_DNS_CACHE_SIZE: usize = 10_000;
 /// Largest accepted `--dns-cache-size`.
 pub const MAX_DNS_CACHE_SIZE: usize = 10_000_000;
 
+/// Default `--outbox-capacity`: entries the outbox holds before it drops new ones.
+pub const DEFAULT_OUTBOX_CAPACITY: usize = 4096;
+
 /// Default `--bpf-pin-dir`.
 pub const DEFAULT_BPF_PIN_DIR: &str = "/sys/fs/bpf/rune";
 
@@ -356,7 +359,7 @@ impl FileConfig {
                 message: "must be at least 1".into(),
             });
         }
-        let outbox_capacity = self.outbox_capacity.unwrap_or(4096);
+        let outbox_capacity = self.outbox_capacity.unwrap_or(DEFAULT_OUTBOX_CAPACITY);
         if outbox_capacity == 0 {
             return Err(ConfigError::Invalid {
                 setting: "--outbox-capacity",

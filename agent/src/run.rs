@@ -21,6 +21,7 @@ use crate::{
     localapi::{self, LocalApiServer, StatusFn},
     metrics::{Metrics, server::MetricsServer},
     orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
+    outbox::Outbox,
     preflight::{self, DataplaneMode},
     status::{AgentStatus, NodeStatus, SubsystemLine},
 };
@@ -65,10 +66,11 @@ pub async fn run(config: Config) -> Result<()> {
             (plane, Some(selected))
         }
     };
+    let outbox = Arc::new(Outbox::from_metrics(config.outbox_capacity, &metrics));
     let agent = Arc::new(Agent::new(AgentConfig {
         identity: identity.clone(),
         mode,
-        outbox_capacity: config.outbox_capacity,
+        outbox,
         ready_timeout: config.ready_timeout,
         metrics: metrics.clone(),
     })?);
