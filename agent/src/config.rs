@@ -68,29 +68,28 @@ pub const DEFAULT_LB_MAX_BACKENDS: u32 = 65_536;
 /// Default `--lb-max-flows`: conntrack entries per family (LRU).
 pub const DEFAULT_LB_MAX_FLOWS: u32 = 262_144;
 
-/// Which data plane carries services in production mode (dev mode always uses the
-/// userspace proxies on 127.0.0.1).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+/// A data plane the agent can run in production: what preflight chooses (from a
+/// [`DataplaneRequest`] and the checks), what carries services, what `status` and
+/// `rune_dataplane_mode` show.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum DataplaneChoice {
-    /// The best the kernel can run, as preflight decides: eBPF when every eBPF
-    /// check passes, else nftables when `nft` works, else userspace proxies.
-    #[default]
-    Auto,
-    /// The eBPF data plane; the start fails when a check it needs fails.
+pub enum DataplaneMode {
+    /// eBPF programs (cgroup socket hooks, tc, XDP) and pinned maps.
     Ebpf,
-    /// nftables DNAT in the agent's own table; the start fails without a working `nft`.
+    /// nftables DNAT in the agent's own table.
     Nftables,
-    /// Userspace proxies listening on the VIPs themselves (the last resort).
+    /// Userspace proxies listening on the VIPs.
     Userspace,
 }
 
-impl DataplaneChoice {
-    /// The name as written on the command line and in the config file.
+impl DataplaneMode {
+    /// Every mode, best first (the order `auto` tries them in).
+    pub const ALL: [DataplaneMode; 3] = [Self::Ebpf, Self::Nftables, Self::Userspace];
+
+    /// The mode's name, as `--dataplane` spells it.
     #[must_use]
     pub fn as_str(self) -> &'static str {
         match self {
-            Self::Auto => "auto",
             Self::Ebpf => "ebpf",
             Self::Nftables => "nftables",
             Self::Userspace => "userspace",
@@ -98,9 +97,118 @@ impl DataplaneChoice {
     }
 }
 
+impl fmt::Display for DataplaneMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The data plane asked for (`--dataplane`, `RUNE_DATAPLANE`, `dataplane:`): let
+/// preflight pick, or force one [`DataplaneMode`]. Only a production start turns it
+/// into the mode that runs ([`crate::preflight::decide`]); dev mode always uses the
+/// userspace proxies on 127.0.0.1.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DataplaneRequest {
+    /// The best the kernel can run, as preflight decides: eBPF when every eBPF
+    /// check passes, else nftables when `nft` works, else userspace proxies.
+    #[default]
+    Auto,
+    /// This mode and no other: the start fails when a check it needs fails.
+    Forced(DataplaneMode),
+}
+
+/// The former name of [`DataplaneRequest`], still used by `cli.rs`.
+pub type DataplaneChoice = DataplaneRequest;
+
+impl DataplaneRequest {
+    /// Every request, in the order `--help` lists them: `auto`, then each mode forced.
+    pub const ALL: [DataplaneRequest; 4] = [
+        Self::Auto,
+        Self::Forced(DataplaneMode::Ebpf),
+        Self::Forced(DataplaneMode::Nftables),
+        Self::Forced(DataplaneMode::Userspace),
+    ];
+
+    /// The name as written on the command line and in the config file.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Forced(mode) => mode.as_str(),
+        }
+    }
+
+    /// The request named `name`, as [`DataplaneRequest::as_str`] spells it.
+    fn named(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|r| r.as_str() == name)
+    }
+
+    /// What the request does, for `--help`.
+    fn help(self) -> &'static str {
+        match self {
+            Self::Auto => {
+                "The best the kernel can run, as preflight decides: eBPF when every eBPF \
+                 check passes, else nftables when `nft` works, else userspace proxies"
+            }
+            Self::Forced(DataplaneMode::Ebpf) => {
+                "The eBPF data plane; the start fails when a check it needs fails"
+            }
+            Self::Forced(DataplaneMode::Nftables) => {
+                "nftables DNAT in the agent's own table; the start fails without a working `nft`"
+            }
+            Self::Forced(DataplaneMode::Userspace) => {
+                "Userspace proxies listening on the VIPs themselves (the last resort)"
+            }
+        }
+    }
+}
+
+impl clap::ValueEnum for DataplaneRequest {
+    fn value_variants<'a>() -> &'a [Self] {
+        &Self::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(clap::builder::PossibleValue::new(self.as_str()).help(self.help()))
+    }
+}
+
+/// The names of [`DataplaneRequest::ALL`], for the error about any other.
+const DATAPLANE_REQUEST_NAMES: &[&str] = &["auto", "ebpf", "nftables", "userspace"];
+
+/// A YAML scalar naming a request, read the way serde reads a unit-variant enum (the
+/// same errors for a wrong name or a wrong shape).
+impl<'de> Deserialize<'de> for DataplaneRequest {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = DataplaneRequest;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("enum DataplaneRequest")
+            }
+
+            fn visit_enum<A: serde::de::EnumAccess<'de>>(
+                self,
+                data: A,
+            ) -> Result<Self::Value, A::Error> {
+                use serde::de::{Error as _, VariantAccess as _};
+                let (name, variant) = data.variant::<String>()?;
+                let request = DataplaneRequest::named(&name)
+                    .ok_or_else(|| A::Error::unknown_variant(&name, DATAPLANE_REQUEST_NAMES))?;
+                variant.unit_variant()?;
+                Ok(request)
+            }
+        }
+
+        deserializer.deserialize_enum("DataplaneRequest", DATAPLANE_REQUEST_NAMES, Visitor)
+    }
+}
+
 /// How the agent runs: on a real node, or on a laptop (`--dev`). Subsystems branch on
 /// it (dev mode: userspace proxies on 127.0.0.1, no nftables, no eBPF, no root
-/// needed); which data plane a production node runs is [`DataplaneChoice`]'s and
+/// needed); which data plane a production node runs is [`DataplaneRequest`]'s and
 /// preflight's business, not this.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -188,7 +296,7 @@ pub struct Config {
     /// How many forwarded answers are cached (0: none).
     pub dns_cache_size: usize,
     /// The production data plane asked for.
-    pub dataplane: DataplaneChoice,
+    pub dataplane: DataplaneRequest,
     /// bpffs directory for the eBPF maps' and links' pins.
     pub bpf_pin_dir: PathBuf,
     /// cgroup v2 directory for the socket-LB hooks: `None` the cgroup v2 root,
@@ -245,7 +353,7 @@ pub struct FileConfig {
     /// See [`Config::dns_cache_size`].
     pub dns_cache_size: Option<usize>,
     /// See [`Config::dataplane`].
-    pub dataplane: Option<DataplaneChoice>,
+    pub dataplane: Option<DataplaneRequest>,
     /// See [`Config::bpf_pin_dir`].
     pub bpf_pin_dir: Option<PathBuf>,
     /// See [`Config::cgroup`]; `none` turns socket LB off.
@@ -803,5 +911,33 @@ mod tests {
         let error = "Dev".parse::<Mode>().unwrap_err();
         assert!(error.to_string().contains("\"Dev\""), "{error}");
         assert_eq!(Mode::default(), Mode::Production);
+    }
+
+    #[test]
+    fn a_dataplane_request_is_auto_or_one_mode_forced() {
+        assert_eq!(DataplaneRequest::ALL[0], DataplaneRequest::Auto);
+        let forced: Vec<DataplaneMode> = DataplaneRequest::ALL[1..]
+            .iter()
+            .map(|r| match r {
+                DataplaneRequest::Forced(mode) => *mode,
+                DataplaneRequest::Auto => panic!("auto twice"),
+            })
+            .collect();
+        assert_eq!(forced, DataplaneMode::ALL);
+        let names: Vec<&str> = DataplaneRequest::ALL.map(DataplaneRequest::as_str).into();
+        assert_eq!(names, DATAPLANE_REQUEST_NAMES);
+        for request in DataplaneRequest::ALL {
+            let yaml = format!("dataplane: {}\n", request.as_str());
+            let file: FileConfig = serde_yaml_ng::from_str(&yaml).unwrap();
+            assert_eq!(file.dataplane, Some(request));
+        }
+        let err = serde_yaml_ng::from_str::<FileConfig>("dataplane: foo\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "dataplane: unknown variant `foo`, expected one of `auto`, `ebpf`, `nftables`, \
+             `userspace` at line 1 column 12"
+        );
     }
 }

@@ -6,7 +6,7 @@
 
 use crate::{
     agent::{Agent, AgentConfig},
-    config::{Config, Mode},
+    config::{Config, DataplaneMode, Mode},
     dataplane::{
         DataPlane, DataPlaneError, PortState,
         ebpf::{EbpfConfig, EbpfDataPlane, Hooks, MapSizes, attach},
@@ -22,7 +22,7 @@ use crate::{
     metrics::{Metrics, server::MetricsServer},
     orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
     outbox::Outbox,
-    preflight::{self, DataplaneMode},
+    preflight,
     status::{AgentStatus, NodeStatus, SubsystemLine},
 };
 use anyhow::{Context, Result};

@@ -1,8 +1,8 @@
 //! Which data plane runs, decided from recorded check results (a pure function, so
 //! every kernel we cannot boot here is a unit test).
 
-use super::{Check, DataplaneMode, failed_for};
-use crate::config::DataplaneChoice;
+use super::{Check, failed_for};
+use crate::config::{DataplaneMode, DataplaneRequest};
 
 /// The data plane chosen, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -72,14 +72,8 @@ fn needed(checks: &[Check], mode: DataplaneMode) -> usize {
 /// Picks the data plane for `requested` from the checks: a forced mode runs only
 /// when every check it needs passed; `auto` takes the first of eBPF, nftables and
 /// userspace whose checks all passed, and says why the better ones were skipped.
-pub fn decide(requested: DataplaneChoice, checks: &[Check]) -> Result<Selection, DecideError> {
-    let forced = match requested {
-        DataplaneChoice::Auto => None,
-        DataplaneChoice::Ebpf => Some(DataplaneMode::Ebpf),
-        DataplaneChoice::Nftables => Some(DataplaneMode::Nftables),
-        DataplaneChoice::Userspace => Some(DataplaneMode::Userspace),
-    };
-    if let Some(mode) = forced {
+pub fn decide(requested: DataplaneRequest, checks: &[Check]) -> Result<Selection, DecideError> {
+    if let DataplaneRequest::Forced(mode) = requested {
         let failed = failures(checks, mode);
         if !failed.is_empty() {
             return Err(DecideError::Unavailable { mode, failed });
@@ -153,13 +147,13 @@ mod tests {
     #[test]
     fn everything_fine_picks_ebpf_in_auto_and_any_forced_mode_runs() {
         let checks = capable();
-        let s = decide(DataplaneChoice::Auto, &checks).unwrap();
+        let s = decide(DataplaneRequest::Auto, &checks).unwrap();
         assert_eq!(s.mode, Ebpf);
         assert_eq!(s.reason, "auto: all 6 ebpf checks passed");
         for (choice, mode) in [
-            (DataplaneChoice::Ebpf, Ebpf),
-            (DataplaneChoice::Nftables, Nftables),
-            (DataplaneChoice::Userspace, Userspace),
+            (DataplaneRequest::Forced(Ebpf), Ebpf),
+            (DataplaneRequest::Forced(Nftables), Nftables),
+            (DataplaneRequest::Forced(Userspace), Userspace),
         ] {
             let s = decide(choice, &checks).unwrap();
             assert_eq!(s.mode, mode);
@@ -175,7 +169,7 @@ mod tests {
     #[test]
     fn no_btf_falls_back_to_nftables_and_says_why() {
         let checks = failing(capable(), &["btf"]);
-        let s = decide(DataplaneChoice::Auto, &checks).unwrap();
+        let s = decide(DataplaneRequest::Auto, &checks).unwrap();
         assert_eq!(s.mode, Nftables);
         assert_eq!(
             s.reason,
@@ -186,7 +180,7 @@ mod tests {
     #[test]
     fn no_cap_bpf_falls_back_to_nftables() {
         let checks = failing(capable(), &["cap-bpf"]);
-        let s = decide(DataplaneChoice::Auto, &checks).unwrap();
+        let s = decide(DataplaneRequest::Auto, &checks).unwrap();
         assert_eq!(s.mode, Nftables);
         assert!(
             s.reason.contains("cap-bpf (cap-bpf missing)"),
@@ -210,7 +204,7 @@ mod tests {
             ],
         );
         checks[0].detail = "4.19.0".into();
-        let s = decide(DataplaneChoice::Auto, &checks).unwrap();
+        let s = decide(DataplaneRequest::Auto, &checks).unwrap();
         assert_eq!(s.mode, Userspace);
         assert!(
             s.reason.starts_with(
@@ -224,8 +218,8 @@ mod tests {
     #[test]
     fn no_nft_keeps_ebpf_in_auto_and_refuses_forced_nftables() {
         let checks = failing(capable(), &["nft"]);
-        assert_eq!(decide(DataplaneChoice::Auto, &checks).unwrap().mode, Ebpf);
-        let err = decide(DataplaneChoice::Nftables, &checks).unwrap_err();
+        assert_eq!(decide(DataplaneRequest::Auto, &checks).unwrap().mode, Ebpf);
+        let err = decide(DataplaneRequest::Forced(Nftables), &checks).unwrap_err();
         assert_eq!(
             err,
             DecideError::Unavailable {
@@ -244,7 +238,7 @@ mod tests {
     #[test]
     fn forced_ebpf_with_a_failed_check_names_every_failed_check() {
         let checks = failing(capable(), &["btf", "load:rune_tc_ingress", "nft"]);
-        let err = decide(DataplaneChoice::Ebpf, &checks).unwrap_err();
+        let err = decide(DataplaneRequest::Forced(Ebpf), &checks).unwrap_err();
         assert_eq!(
             err,
             DecideError::Unavailable {
@@ -260,7 +254,7 @@ mod tests {
         let checks: Vec<Check> = (0..14)
             .map(|i| Check::new(format!("c{i}"), false, format!("why{i}"), &[Ebpf]))
             .collect();
-        let err = decide(DataplaneChoice::Ebpf, &checks).unwrap_err();
+        let err = decide(DataplaneRequest::Forced(Ebpf), &checks).unwrap_err();
         let DecideError::Unavailable { failed, .. } = err else {
             panic!("{err:?}")
         };
@@ -273,14 +267,19 @@ mod tests {
     #[test]
     fn informational_checks_never_decide() {
         let checks = failing(capable(), &["kernel", "cap-perfmon"]);
-        assert_eq!(decide(DataplaneChoice::Auto, &checks).unwrap().mode, Ebpf);
-        assert_eq!(decide(DataplaneChoice::Ebpf, &checks).unwrap().mode, Ebpf);
+        assert_eq!(decide(DataplaneRequest::Auto, &checks).unwrap().mode, Ebpf);
+        assert_eq!(
+            decide(DataplaneRequest::Forced(Ebpf), &checks)
+                .unwrap()
+                .mode,
+            Ebpf
+        );
     }
 
     #[test]
     fn nothing_available_is_an_error_with_each_modes_reasons() {
         let checks = failing(capable(), &["cap-net-admin"]);
-        let err = decide(DataplaneChoice::Auto, &checks).unwrap_err();
+        let err = decide(DataplaneRequest::Auto, &checks).unwrap_err();
         let text = err.to_string();
         for mode in ["ebpf", "nftables", "userspace"] {
             assert!(
@@ -290,6 +289,6 @@ mod tests {
                 "{text}"
             );
         }
-        assert!(decide(DataplaneChoice::Userspace, &checks).is_err());
+        assert!(decide(DataplaneRequest::Forced(Userspace), &checks).is_err());
     }
 }

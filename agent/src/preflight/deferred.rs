@@ -194,8 +194,7 @@ pub fn record_failed(checks: &mut [Check], decided: Vec<Check>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{config::DataplaneChoice, preflight::decide};
-    use aya::programs::ProgramError;
+    use crate::{config::DataplaneRequest, preflight::decide};
 
     fn start_checks() -> Vec<Check> {
         let mut checks = vec![
@@ -217,7 +216,7 @@ mod tests {
             assert_eq!(find(&checks, &format!("load:{p}")).detail, DEFERRED);
         }
         assert_eq!(
-            decide(DataplaneChoice::Auto, &checks).unwrap().mode,
+            decide(DataplaneRequest::Auto, &checks).unwrap().mode,
             DataplaneMode::Ebpf
         );
         let without_cgroup = placeholders(false);
@@ -269,7 +268,7 @@ mod tests {
         record_failed(&mut checks, failed);
         let name = format!("load:{}", lb::PROG_TC_INGRESS);
         assert!(!find(&checks, &name).passed);
-        let s = decide(DataplaneChoice::Auto, &checks).unwrap();
+        let s = decide(DataplaneRequest::Auto, &checks).unwrap();
         assert_eq!(s.mode, DataplaneMode::Nftables);
         assert!(
             s.reason
@@ -277,7 +276,7 @@ mod tests {
             "{}",
             s.reason
         );
-        let err = decide(DataplaneChoice::Ebpf, &checks)
+        let err = decide(DataplaneRequest::Forced(DataplaneMode::Ebpf), &checks)
             .unwrap_err()
             .to_string();
         assert!(err.contains(&format!("{name} (")), "{err}");
@@ -306,7 +305,7 @@ mod tests {
 
         let mut checks = start_checks();
         record_failed(&mut checks, failed);
-        let s = decide(DataplaneChoice::Auto, &checks).unwrap();
+        let s = decide(DataplaneRequest::Auto, &checks).unwrap();
         assert_eq!(s.mode, DataplaneMode::Nftables, "{}", s.reason);
         record_not_probed(&mut checks, DataplaneMode::Nftables);
         for program in [lb::PROG_SENDMSG6, lb::PROG_TC_EGRESS] {

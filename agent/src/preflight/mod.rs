@@ -16,44 +16,15 @@ pub mod probes;
 
 pub use decide::{DecideError, Selection, decide};
 
+/// The modes preflight decides among, which each check names as needing it.
+pub use crate::config::DataplaneMode;
+
+use crate::config::DataplaneRequest;
 use serde::{Deserialize, Serialize};
 use std::{fmt::Write as _, path::PathBuf};
 
 /// Environment variable naming checks to fail, comma-separated: for tests only.
 pub const INJECT_ENV: &str = "RUNE_PREFLIGHT_FAIL";
-
-/// A data plane the agent can run in production.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DataplaneMode {
-    /// eBPF programs (cgroup socket hooks, tc, XDP) and pinned maps.
-    Ebpf,
-    /// nftables DNAT in the agent's own table.
-    Nftables,
-    /// Userspace proxies listening on the VIPs.
-    Userspace,
-}
-
-impl DataplaneMode {
-    /// Every mode, best first (the order `auto` tries them in).
-    pub const ALL: [DataplaneMode; 3] = [Self::Ebpf, Self::Nftables, Self::Userspace];
-
-    /// The mode's name, as `--dataplane` spells it.
-    #[must_use]
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Ebpf => "ebpf",
-            Self::Nftables => "nftables",
-            Self::Userspace => "userspace",
-        }
-    }
-}
-
-impl std::fmt::Display for DataplaneMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// One check's result.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -213,7 +184,7 @@ pub struct Outcome {
 impl Outcome {
     /// The report and the decision for `requested`.
     #[must_use]
-    pub fn new(report: &Report, requested: crate::config::DataplaneChoice) -> Self {
+    pub fn new(report: &Report, requested: DataplaneRequest) -> Self {
         let (mode, reason) = match decide(requested, &report.checks) {
             Ok(s) => (Some(s.mode), s.reason),
             Err(e) => (None, e.to_string()),
@@ -322,7 +293,7 @@ mod tests {
     fn outcome_lists_available_modes_and_renders_failures() {
         let mut r = report();
         r.inject_failures(&["btf".to_owned()]).unwrap();
-        let o = Outcome::new(&r, crate::config::DataplaneChoice::Auto);
+        let o = Outcome::new(&r, DataplaneRequest::Auto);
         assert_eq!(o.mode, Some(DataplaneMode::Nftables));
         assert_eq!(
             o.available,
