@@ -98,8 +98,7 @@ impl Entry {
 #[derive(Default)]
 struct State {
     revision: Revision,
-    /// Services and Endpoints objects in one map, so each key is held once (two
-    /// maps held two copies of every key: ~110 B more per service).
+    /// Services and Endpoints objects in one map, so each key is held once.
     objects: BTreeMap<ServiceKey, Entry>,
     subscribers: Vec<Weak<Pending>>,
     /// Whether a snapshot was applied: before that the cache's emptiness means
@@ -147,8 +146,8 @@ impl EndpointCache {
     }
 
     /// [`apply_snapshot`](Self::apply_snapshot), taking the snapshot's objects
-    /// instead of copying them (the agent's own path: at 10,000 services the
-    /// snapshot is tens of MB, and nothing else needs it afterwards).
+    /// instead of copying them (the agent's own path: a large cluster's snapshot is
+    /// big, and nothing else needs it afterwards).
     pub fn take_snapshot(&self, snapshot: Snapshot) {
         let mut objects: BTreeMap<ServiceKey, Entry> = BTreeMap::new();
         for obj in snapshot.objects {
@@ -404,9 +403,8 @@ pub struct TakenSnapshot {
 
 /// Reads `log`'s snapshot into `cache` in the background: the agent's first one,
 /// while preflight and the data plane's load run, so that the cache is loaded (and
-/// its subscribers' first delta ready) when the subsystems start. At 10,000
-/// services the read takes ~100 ms and taking it into the cache ~40 ms more, which
-/// a start no longer waits for after the data plane is ready. Hand the result to
+/// its subscribers' first delta ready) when the subsystems start: a start does not
+/// wait for the read on top of the data plane's load. Hand the result to
 /// [`CacheFeed::with_first_snapshot`].
 pub fn read_first_snapshot(log: Arc<dyn OrderedLog>, cache: Arc<EndpointCache>) -> FirstSnapshot {
     tokio::spawn(async move {

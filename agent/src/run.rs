@@ -46,8 +46,8 @@ pub async fn run(config: Config) -> Result<()> {
     let metrics = Arc::new(Metrics::new());
     let cache = Arc::new(EndpointCache::new());
     // The first snapshot is read into the cache (on the blocking pool) while
-    // preflight and the data plane's load run: at 10,000 services each takes a few
-    // hundred milliseconds, and the two cores of a small node do them side by side.
+    // preflight and the data plane's load run: on a large cluster both take a
+    // while, and even a small node's two cores do them side by side.
     let first_snapshot = read_first_snapshot(store.clone(), cache.clone());
     // Production runs preflight first; dev mode always uses the loopback proxies.
     let (plane, selected): (Arc<dyn DataPlane>, _) = match mode {

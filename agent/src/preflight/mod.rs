@@ -152,8 +152,8 @@ pub fn failed_for(checks: &[Check], mode: DataplaneMode) -> impl Iterator<Item =
         .filter(move |c| !c.passed && c.needed_by.contains(&mode))
 }
 
-/// Runs every probe (a few hundred milliseconds: the verifier checks the agent's
-/// programs), then applies the injected failures.
+/// Runs every probe (the verifier checking the agent's programs takes longest), then
+/// applies the injected failures.
 pub fn run(options: &Options) -> Result<Report, PreflightError> {
     let mut report = Report {
         kernel: probes::kernel_release(),

@@ -690,8 +690,8 @@ fn first_line(bytes: &[u8]) -> String {
 
 /// The `nft` binary and its version, and whether it reaches nftables over netlink
 /// (a read-only `nft list chains`: nft 1.0.6 reads every set element of every table
-/// before `list tables`, a second or more on a node with big sets, while `list
-/// chains` reads no element).
+/// before `list tables`, slow on a node with big sets, while `list chains` reads
+/// no element).
 fn nft() -> Vec<Check> {
     const NFT: &[DataplaneMode] = &[Nftables];
     let version = match run_bounded("nft", &["--version"]) {
