@@ -108,7 +108,7 @@ impl fmt::Display for DataplaneMode {
 
 /// The data plane asked for (`--dataplane`, `RUNE_DATAPLANE`, `dataplane:`): let
 /// preflight pick, or force one [`DataplaneMode`]. Only a production start turns it
-/// into the mode that runs ([`crate::preflight::decide`]); dev mode always uses the
+/// into the mode that runs ([`crate::preflight::decide()`]); dev mode always uses the
 /// userspace proxies on 127.0.0.1.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DataplaneRequest {

@@ -8,7 +8,7 @@
 //! [`record_loaded`] after it succeeded, [`failed_checks`] naming the step that
 //! failed (auto then falls back, a forced mode stops naming the check),
 //! [`record_not_probed`] when another data plane runs. A refused program reads the
-//! same in both loads: [`load_error`].
+//! same in both loads: `load_error`.
 
 use super::{Check, DataplaneMode};
 use crate::{

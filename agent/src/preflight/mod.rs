@@ -2,7 +2,7 @@
 //!
 //! [`probes`] asks the kernel directly (tiny maps and programs, the agent's own
 //! programs through the verifier, real attachments in a private network namespace,
-//! `nft` over netlink) instead of trusting version numbers; [`decide`] turns the
+//! `nft` over netlink) instead of trusting version numbers; [`decide()`] turns the
 //! recorded results into a [`Selection`] (or an error naming the failed checks).
 //! `rune-agent preflight` prints both, and every production start runs them.
 //!
