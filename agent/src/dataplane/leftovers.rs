@@ -5,12 +5,12 @@
 //! the data plane adopts it, so a restart drops no flow.
 
 use crate::{
+    config::DataplaneMode,
     dataplane::{
         ebpf::pins,
         nftables::{self, nft::NftError},
         proxy::vip_addrs,
     },
-    preflight::DataplaneMode,
 };
 use std::{fmt, net::IpAddr, path::Path};
 

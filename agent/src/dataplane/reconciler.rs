@@ -7,8 +7,8 @@
 
 use super::DataPlane;
 use crate::{
-    agent::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
     endpoints::EndpointCache,
+    subsystem::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
 };
 use std::{sync::Arc, time::Duration};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};

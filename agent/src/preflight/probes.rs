@@ -13,7 +13,7 @@ use super::{
     object,
 };
 use crate::{
-    dataplane::ebpf::{EMBEDDED_OBJECT, attach, loader, programs_embedded},
+    dataplane::ebpf::{EMBEDDED_OBJECT, EbpfError, attach, pins, programs_embedded},
     error_chain::error_chain,
 };
 use agent_common::lb;
@@ -326,7 +326,7 @@ const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 fn bpffs() -> Check {
     let root = Path::new("/sys/fs/bpf");
-    if loader::fs_type(root) == Some(BPF_FS_MAGIC) {
+    if pins::fs_type(root) == Some(BPF_FS_MAGIC) {
         return Check::new("bpffs", true, "mounted on /sys/fs/bpf", EBPF);
     }
     let known = std::fs::read_to_string("/proc/filesystems")
@@ -494,7 +494,7 @@ fn agent_programs_here(cgroup: Option<PathBuf>) -> Vec<Check> {
                     .map_err(|e| format!("creating the object's maps: {}", error_chain(&e)))
             })
     } else {
-        Err(loader::EbpfError::NotEmbedded.to_string())
+        Err(EbpfError::NotEmbedded.to_string())
     };
     let mut ebpf = match loaded {
         Ok(ebpf) => ebpf,

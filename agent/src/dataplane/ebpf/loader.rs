@@ -19,13 +19,9 @@ use aya::{
 };
 use std::path::Path;
 
-use super::{pins, stats::StatsLayout};
+use super::{error::EbpfError, pins, stats::StatsLayout};
 
 pub use aya::programs::XdpMode;
-
-/// Re-exported where preflight finds them.
-pub use super::error::EbpfError;
-pub(crate) use super::pins::fs_type;
 
 /// The compiled eBPF object (ELF), 8-byte aligned as aya requires.
 ///

@@ -47,7 +47,7 @@ use sync::LbSync;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 /// Where pins live unless configured otherwise.
-pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/rune";
+pub const DEFAULT_PIN_DIR: &str = crate::config::DEFAULT_BPF_PIN_DIR;
 
 /// How often draining backends are checked for the end of their drain.
 const DRAIN_CHECK: Duration = Duration::from_secs(1);
