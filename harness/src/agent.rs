@@ -287,14 +287,7 @@ impl Agent {
         env: &[(&str, &str)],
         metrics: SocketAddr,
     ) -> Agent {
-        env.iter()
-            .fold(Self::command(agent_bin(), state_dir), |c, (k, v)| {
-                c.env(k, v)
-            })
-            .args(args)
-            .metrics_set_elsewhere(metrics)
-            .spawn()
-            .unwrap_or_else(|e| panic!("{e:#}"))
+        Self::started_with(None, state_dir, args, env, metrics)
     }
 
     /// [`Agent::start`] inside the network namespace `ns` (see
@@ -326,11 +319,23 @@ impl Agent {
         env: &[(&str, &str)],
         metrics: SocketAddr,
     ) -> Agent {
+        Self::started_with(Some(ns), state_dir, args, env, metrics)
+    }
+
+    /// [`Agent::start_with`] and [`Agent::start_with_in`].
+    fn started_with(
+        ns: Option<&NetNs>,
+        state_dir: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+        metrics: SocketAddr,
+    ) -> Agent {
+        let mut command = Self::command(agent_bin(), state_dir);
+        if let Some(ns) = ns {
+            command = command.netns(ns);
+        }
         env.iter()
-            .fold(Self::command(agent_bin(), state_dir), |c, (k, v)| {
-                c.env(k, v)
-            })
-            .netns(ns)
+            .fold(command, |c, (k, v)| c.env(k, v))
             .args(args)
             .metrics_set_elsewhere(metrics)
             .spawn()

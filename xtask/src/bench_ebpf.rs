@@ -318,8 +318,8 @@ fn measure(object: &Path, test_object: &Path) -> Result<String> {
         t,
         "IPv4 TCP, 70-byte frame; repeat {} ({fresh} into an emptied conntrack for the \
          not-full rows), median of {RUNS} runs; conntrack {} entries per family, \
-         {cpus} possible CPUs. Maps of a default node: {FRONTENDS} frontends with a \
-         Maglev table of {TABLE_SIZE} slots each ({BACKENDS_PER_FRONTEND} backends; \
+         {cpus} possible CPUs. Maps of a default node: 512 frontends with a \
+         Maglev table of 16,381 slots each ({BACKENDS_PER_FRONTEND} backends; \
          Katran's ring: 65,537 slots), the measured VIP one of them, the VIP \
          prefilter as the agent writes it. \
          Drivers alone: XDP {xdp_driver:.1} ns, XDP new-flow {xdp_driver_vary:.1} ns, \

@@ -569,6 +569,20 @@ mod tests {
         );
     }
 
+    /// The lines that differ between `want` and `got`, numbered: `-want`, `+got`.
+    fn line_diff(want: &str, got: &str) -> String {
+        let mut diff = String::new();
+        let (w, g): (Vec<&str>, Vec<&str>) = (want.lines().collect(), got.lines().collect());
+        for i in 0..g.len().max(w.len()) {
+            let (a, b) = (w.get(i).copied(), g.get(i).copied());
+            if a != b {
+                writeln!(diff, "line {}: -{}", i + 1, a.unwrap_or("<end>")).unwrap();
+                writeln!(diff, "line {}: +{}", i + 1, b.unwrap_or("<end>")).unwrap();
+            }
+        }
+        diff
+    }
+
     fn golden_path() -> PathBuf {
         PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("src/dataplane/ebpf/testdata/golden_maps.txt")
@@ -590,15 +604,7 @@ mod tests {
         }
         let want = std::fs::read_to_string(&path).unwrap_or_default();
         if got != want {
-            let mut diff = String::new();
-            let (g, w): (Vec<&str>, Vec<&str>) = (got.lines().collect(), want.lines().collect());
-            for i in 0..g.len().max(w.len()) {
-                let (a, b) = (w.get(i).copied(), g.get(i).copied());
-                if a != b {
-                    writeln!(diff, "line {}: -{}", i + 1, a.unwrap_or("<end>")).unwrap();
-                    writeln!(diff, "line {}: +{}", i + 1, b.unwrap_or("<end>")).unwrap();
-                }
-            }
+            let diff = line_diff(&want, &got);
             panic!(
                 "maps differ from {} (- expected, + got); if the change is intended, rerun \
              with RUNE_UPDATE_GOLDEN=1 and review the file:\n{diff}",
@@ -1210,15 +1216,7 @@ mod tests {
             fake.apply(delta, now).unwrap();
             let (k, f) = (dump(in_kernel.maps(), true), dump(fake.maps(), true));
             if k != f {
-                let mut diff = String::new();
-                let (k, f): (Vec<&str>, Vec<&str>) = (k.lines().collect(), f.lines().collect());
-                for i in 0..k.len().max(f.len()) {
-                    let (a, b) = (f.get(i).copied(), k.get(i).copied());
-                    if a != b {
-                        writeln!(diff, "line {}: -{}", i + 1, a.unwrap_or("<end>")).unwrap();
-                        writeln!(diff, "line {}: +{}", i + 1, b.unwrap_or("<end>")).unwrap();
-                    }
-                }
+                let diff = line_diff(&f, &k);
                 panic!(
                     "after {what}, the kernel's maps differ from the fake's (- fake, + kernel):\n{diff}"
                 );
