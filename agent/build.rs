@@ -1,6 +1,11 @@
 //! Builds the eBPF programs (`agent-ebpf`) with aya-build, so a plain `cargo build`
 //! produces an agent with its programs embedded (see `src/dataplane/ebpf/loader.rs`).
 //!
+//! The nested build makes both binaries of `agent-ebpf`: the agent's object, copied
+//! to `$OUT_DIR` and embedded, and the test-only object (`agent-ebpf-test`: programs
+//! only tests and benches load), which stays in `target/agent-ebpf-build/` where the
+//! tests find it (`rune_harness::test_programs`). The agent never carries it.
+//!
 //! * `AYA_BUILD_SKIP=1` builds the agent without programs: an empty object is
 //!   embedded and the loader says so at run time.
 //! * A missing eBPF toolchain (nightly, its `rust-src`, `bpf-linker`) fails the build
@@ -18,6 +23,8 @@ use anyhow::{Context as _, anyhow};
 
 /// The package holding the programs; its binary is copied to `$OUT_DIR/agent-ebpf`.
 const EBPF_PACKAGE: &str = "agent-ebpf";
+/// Its second binary, the test-only programs (left in the shared build directory).
+const TEST_OBJECT: &str = "agent-ebpf-test";
 /// The toolchain aya-build compiles the programs with (`Toolchain::default()`).
 const EBPF_TOOLCHAIN: &str = "nightly";
 
@@ -100,6 +107,10 @@ fn main() -> anyhow::Result<()> {
     let built = shared.join(EBPF_PACKAGE);
     fs::copy(&built, &object)
         .with_context(|| format!("copying {} to {}", built.display(), object.display()))?;
+    let test_object = shared.join(TEST_OBJECT);
+    if !test_object.is_file() {
+        return Err(anyhow!("aya-build produced no {}", test_object.display()));
+    }
     drop(lock);
     if !object.is_file() {
         return Err(anyhow!("aya-build produced no {}", object.display()));

@@ -9,10 +9,11 @@ pub mod filter;
 pub mod hash;
 pub mod lb;
 
-/// Packet and byte counters kept by an XDP program, one slot per CPU.
+/// Packet and byte counters kept by an XDP program, one slot per CPU (the test
+/// object's `rune_xdp_pass`).
 ///
-/// The kernel side bumps its own CPU's slot without atomics (a `PerCpuArray`); the
-/// agent reads every CPU's slot and sums them with [`PacketStats::add`].
+/// The kernel side bumps its own CPU's slot without atomics (a `PerCpuArray`); user
+/// space reads every CPU's slot and sums them with [`PacketStats::add`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PacketStats {
@@ -41,10 +42,3 @@ impl PacketStats {
 // above) and every bit pattern is a valid value.
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for PacketStats {}
-
-/// Name of the XDP program that counts packets and passes them on.
-pub const XDP_PASS_PROGRAM: &str = "rune_xdp_pass";
-
-/// Name of the `PerCpuArray<PacketStats>` map (one entry, index 0) that
-/// [`XDP_PASS_PROGRAM`] counts into.
-pub const XDP_STATS_MAP: &str = "RUNE_XDP_STATS";

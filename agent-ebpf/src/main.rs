@@ -2,52 +2,18 @@
 //! embedded in the agent binary.
 //!
 //! Program and map names are part of the contract with the loader in
-//! `agent/src/dataplane/ebpf/`; they are spelled out in `agent-common`.
+//! `agent/src/dataplane/ebpf/`; they are spelled out in `agent-common`. Programs
+//! only tests and benches load live in the second binary, `agent-ebpf-test`
+//! (`src/test_programs/`).
 #![no_std]
 #![no_main]
 
-mod bench;
 mod maps;
 mod nat;
 mod select;
 mod sock;
 mod tc;
 mod xdp;
-
-use agent_common::PacketStats;
-use aya_ebpf::{
-    bindings::xdp_action,
-    macros::{map, xdp},
-    maps::PerCpuArray,
-    programs::XdpContext,
-};
-
-/// Per-CPU packet and byte counters of [`rune_xdp_pass`] (one entry, index 0).
-/// Named as `agent_common::XDP_STATS_MAP`.
-#[map]
-static RUNE_XDP_STATS: PerCpuArray<PacketStats> = PerCpuArray::with_max_entries(1, 0);
-
-/// XDP pass-through: counts every packet and its bytes, then passes it to the stack.
-/// Named as `agent_common::XDP_PASS_PROGRAM`.
-#[xdp]
-pub fn rune_xdp_pass(ctx: XdpContext) -> u32 {
-    match try_rune_xdp_pass(&ctx) {
-        Ok(action) => action,
-        Err(()) => xdp_action::XDP_ABORTED,
-    }
-}
-
-fn try_rune_xdp_pass(ctx: &XdpContext) -> Result<u32, ()> {
-    let len = ctx.data_end().saturating_sub(ctx.data()) as u64;
-    let stats = RUNE_XDP_STATS.get_ptr_mut(0).ok_or(())?;
-    // SAFETY: the pointer comes from a successful map lookup and stays valid for the
-    // whole program run; the slot belongs to this CPU, so nothing else writes it now.
-    unsafe {
-        (*stats).packets = (*stats).packets.wrapping_add(1);
-        (*stats).bytes = (*stats).bytes.wrapping_add(len);
-    }
-    Ok(xdp_action::XDP_PASS)
-}
 
 #[cfg(not(test))]
 #[panic_handler]

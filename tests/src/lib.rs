@@ -1,12 +1,9 @@
-//! Shared helpers for the end-to-end tests.
+//! Helpers for the end-to-end tests that know the agent (its modes, VIP scenarios,
+//! map layouts, DNS); everything generic (namespaces, topology, pins, cgroups, the
+//! agent process, packets, `BPF_PROG_TEST_RUN`) is in `rune-harness`, shared with
+//! `cargo xtask bench`.
 
-pub mod agent;
-pub mod bpf;
-pub mod cgroup;
 pub mod dns;
+pub mod maps;
 pub mod modes;
-pub mod netns;
-pub mod packet;
-pub mod prog_test_run;
-pub mod topology;
 pub mod vip;

@@ -12,12 +12,13 @@ use std::{
     time::Duration,
 };
 
-use crate::{
+use crate::vip::{BACKEND_PORT, PATIENCE, apply};
+use rune_harness::{
     agent::{Agent, eventually, metric},
-    bpf::PinDir,
+    bpffs::PinDir,
     netns::NetNs,
+    test_programs,
     topology::{CLIENT_IF, Topology},
-    vip::{BACKEND_PORT, PATIENCE, apply},
 };
 
 /// The service every scenario uses: `web` on [`VIP4`] and [`VIP6`].
@@ -212,8 +213,9 @@ pub struct ModeAgent<'t> {
     agent: Agent,
     state: tempfile::TempDir,
     pins: PinDir,
-    /// XDP only: the pass program on the client's veth (see [`ModeAgent::start`]).
-    _peer_xdp: Option<(aya::Ebpf, PinDir)>,
+    /// XDP only: the test object's pass program on the client's veth (see
+    /// [`ModeAgent::start`]).
+    _peer_xdp: Option<aya::Ebpf>,
 }
 
 impl<'t> ModeAgent<'t> {
@@ -235,20 +237,18 @@ impl<'t> ModeAgent<'t> {
         let extra: Vec<String> = extra.iter().map(|a| a.to_string()).collect();
         let agent = start_logged_agent(mode, topo, state.path(), &pins, &extra);
         let peer_xdp = (mode == Mode::EbpfXdp).then(|| {
-            let peer_pins = PinDir::new("vip-peer");
-            let mut bpf = rune_agent::dataplane::ebpf::load_embedded(peer_pins.path())
-                .unwrap_or_else(|e| panic!("{e}"));
+            let mut bpf = test_programs::load().unwrap_or_else(|e| panic!("{e:#}"));
             topo.client()
                 .run(|| {
-                    rune_agent::dataplane::ebpf::attach_xdp_pass(
+                    test_programs::attach_xdp_pass(
                         &mut bpf,
                         CLIENT_IF,
-                        rune_agent::dataplane::ebpf::XdpMode::Driver,
+                        aya::programs::XdpMode::Driver,
                     )
                 })
                 .unwrap()
-                .unwrap_or_else(|e| panic!("{:#}", anyhow::Error::from(e)));
-            (bpf, peer_pins)
+                .unwrap_or_else(|e| panic!("{e:#}"));
+            bpf
         });
         Self {
             mode,

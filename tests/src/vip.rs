@@ -4,7 +4,7 @@
 
 use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
-use crate::{
+use rune_harness::{
     agent::{Agent, eventually},
     topology::{LongLived, Topology, TopologyConfig},
 };

@@ -2,7 +2,7 @@
 //! commands through a running agent's socket, clear errors for bad input, and an
 //! identity and store that survive a restart. Needs no root.
 
-use rune_agent_tests::agent::{Agent, cli, eventually, free_port};
+use rune_harness::agent::{Agent, cli, eventually, free_port};
 use std::{os::unix::fs::PermissionsExt, process::Output, time::Duration};
 
 const PATIENCE: Duration = Duration::from_secs(20);

@@ -3,7 +3,7 @@
 //! 127.0.0.1 to real backends on loopback, change and delete endpoints, read
 //! `status` and `/metrics`. Needs no root.
 
-use rune_agent_tests::agent::{Agent, eventually, free_port, metric};
+use rune_harness::agent::{Agent, eventually, free_port, metric};
 use std::{
     collections::HashMap,
     io::{BufRead, BufReader, Write},

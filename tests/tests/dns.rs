@@ -7,10 +7,8 @@ use hickory_proto::{
     op::{Message, MessageType, OpCode, Query, ResponseCode},
     rr::{Name, RData, RecordType},
 };
-use rune_agent_tests::{
-    agent::{Agent, eventually, free_port, metric},
-    dns::exchange_tcp,
-};
+use rune_agent_tests::dns::exchange_tcp;
+use rune_harness::agent::{Agent, eventually, free_port, metric};
 use std::{
     net::{IpAddr, SocketAddr, UdpSocket},
     str::FromStr,

@@ -10,7 +10,7 @@ use hickory_proto::{
         rdata::{A, SOA},
     },
 };
-use rune_agent_tests::agent::{Agent, free_port, metric};
+use rune_harness::agent::{Agent, free_port, metric};
 use std::{
     io::{Read, Write},
     net::{IpAddr, SocketAddr, TcpListener, UdpSocket},

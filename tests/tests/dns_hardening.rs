@@ -21,10 +21,8 @@ use rune_agent::{
     orderedlog::Snapshot,
     subsystem::{StartContext, Subsystem},
 };
-use rune_agent_tests::{
-    agent::{Agent, eventually, free_port},
-    dns::exchange_tcp,
-};
+use rune_agent_tests::dns::exchange_tcp;
+use rune_harness::agent::{Agent, eventually, free_port};
 use std::{
     net::{Ipv4Addr, SocketAddr, UdpSocket},
     str::FromStr,

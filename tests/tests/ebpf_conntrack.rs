@@ -37,11 +37,13 @@ use std::{
 };
 
 use rune_agent_tests::{
-    agent::eventually,
     modes::{Mode, ModeAgent},
+    vip::{BACKEND_PORT, PATIENCE},
+};
+use rune_harness::{
+    agent::eventually,
     netns::require_root,
     topology::{Topology, TopologyConfig},
-    vip::{BACKEND_PORT, PATIENCE},
 };
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 

@@ -1,5 +1,6 @@
-//! The embedded eBPF object loads, and `rune_xdp_pass` attached (native XDP) to a
-//! veth counts the packets crossing it while they still reach their destination.
+//! The embedded eBPF object loads and carries no test-only program; the test
+//! object's `rune_xdp_pass` attached (native XDP) to a veth counts the packets
+//! crossing it while they still reach their destination.
 //!
 //! Needs root. Everything happens in two namespaces the test creates and removes:
 //! `client` (veth `rune-c`, 198.18.0.1/30) and `server` (veth `rune-s`, 198.18.0.2/30,
@@ -8,16 +9,49 @@
 
 use std::{net::UdpSocket, time::Duration};
 
-use rune_agent::dataplane::ebpf::{self, XdpMode};
-use rune_agent_tests::{
-    bpf::PinDir,
+use aya::programs::XdpMode;
+use rune_agent::dataplane::ebpf;
+use rune_harness::{
+    bpffs::PinDir,
     netns::{NetNs, require_root, veth_pair},
+    test_programs::{self, XDP_PASS},
 };
 
 /// Datagrams sent client → server; each must be counted and delivered.
 const DATAGRAMS: u64 = 20;
 const PAYLOAD: &[u8] = b"rune-xdp-pass-test";
 const SERVER_PORT: u16 = 40_000;
+
+/// The agent's object loads (its maps created, pinned in a private directory) and
+/// holds none of the programs or maps only tests and benches use: those are in the
+/// test object.
+#[test]
+fn the_agent_object_loads_without_test_programs() {
+    if let Err(e) = require_root() {
+        panic!("{e}");
+    }
+    let pins = PinDir::new("agent-object");
+    let bpf = ebpf::load_embedded(pins.path()).unwrap_or_else(|e| panic!("{e}"));
+    let programs: Vec<&str> = bpf.programs().map(|(name, _)| name).collect();
+    assert!(
+        programs.contains(&agent_common::lb::PROG_XDP_LB),
+        "{programs:?}"
+    );
+    let test_only: Vec<&str> = programs
+        .iter()
+        .copied()
+        .filter(|p| *p == XDP_PASS || p.starts_with("rune_bench"))
+        .chain(
+            bpf.maps()
+                .map(|(name, _)| name)
+                .filter(|m| *m == test_programs::XDP_STATS || m.starts_with("RUNE_BENCH")),
+        )
+        .collect();
+    assert!(
+        test_only.is_empty(),
+        "test-only programs or maps in the agent's object: {test_only:?}"
+    );
+}
 
 #[test]
 fn xdp_pass_counts_packets_and_passes_them() {
@@ -34,13 +68,12 @@ fn xdp_pass_counts_packets_and_passes_them() {
         .ip(&["addr", "add", "198.18.0.2/30", "dev", "rune-s"])
         .unwrap();
 
-    let pins = PinDir::new("xdp-pass");
-    let mut bpf = ebpf::load_embedded(pins.path()).unwrap_or_else(|e| panic!("{e}"));
+    let mut bpf = test_programs::load().unwrap_or_else(|e| panic!("{e:#}"));
     server
-        .run(|| ebpf::attach_xdp_pass(&mut bpf, "rune-s", XdpMode::Driver))
+        .run(|| test_programs::attach_xdp_pass(&mut bpf, "rune-s", XdpMode::Driver))
         .unwrap()
-        .unwrap_or_else(|e| panic!("{:#}", anyhow::Error::from(e)));
-    let before = ebpf::xdp_pass_stats(&bpf).unwrap();
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let before = test_programs::xdp_pass_stats(&bpf).unwrap();
 
     // Sockets keep the namespace they were created in.
     let receiver = server
@@ -72,7 +105,7 @@ fn xdp_pass_counts_packets_and_passes_them() {
 
     // Each datagram is one frame: Ethernet (14) + IPv4 (20) + UDP (8) + payload.
     let frame = (14 + 20 + 8 + PAYLOAD.len()) as u64;
-    let after = ebpf::xdp_pass_stats(&bpf).unwrap();
+    let after = test_programs::xdp_pass_stats(&bpf).unwrap();
     let packets = after.packets - before.packets;
     let bytes = after.bytes - before.bytes;
     eprintln!("rune_xdp_pass counted {packets} packets, {bytes} bytes");

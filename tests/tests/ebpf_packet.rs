@@ -9,8 +9,7 @@
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    path::{Path, PathBuf},
-    sync::atomic::{AtomicU32, Ordering},
+    path::Path,
 };
 
 use agent_common::{
@@ -31,7 +30,8 @@ use rune_agent::dataplane::ebpf::{
     EMBEDDED_OBJECT,
     stats::{self, StatsLayout},
 };
-use rune_agent_tests::{
+use rune_harness::{
+    bpffs::PinDir,
     netns::require_root,
     packet::{PacketSpec, TCP_ACK, TCP_RST, TCP_SYN, parse_and_verify, parse_icmp_error},
     prog_test_run::{TestRun, test_run},
@@ -174,47 +174,6 @@ fn octets(addr: IpAddr) -> Vec<u8> {
     }
 }
 
-/// A fresh directory under /sys/fs/bpf for one test's pinned maps; removed on drop.
-struct PinDir(PathBuf);
-
-impl PinDir {
-    fn new() -> Self {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let bpffs = Path::new("/sys/fs/bpf");
-        if !is_bpffs(bpffs) {
-            let status = std::process::Command::new("mount")
-                .args(["-t", "bpf", "bpf", "/sys/fs/bpf"])
-                .status()
-                .expect("run mount");
-            assert!(status.success(), "mounting bpffs on /sys/fs/bpf failed");
-        }
-        let dir = bpffs.join(format!(
-            "rune-ebpf-packet-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).expect("create the pin directory");
-        Self(dir)
-    }
-}
-
-impl Drop for PinDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn is_bpffs(path: &Path) -> bool {
-    std::fs::read_to_string("/proc/self/mounts")
-        .map(|m| {
-            m.lines().any(|l| {
-                let mut f = l.split_whitespace();
-                (f.nth(1), f.next()) == (path.to_str(), Some("bpf"))
-            })
-        })
-        .unwrap_or(false)
-}
-
 /// The loaded object with the three programs loaded and the maps filled.
 struct Lb {
     ebpf: Ebpf,
@@ -228,13 +187,13 @@ impl Lb {
             panic!("{e}");
         }
         assert!(!EMBEDDED_OBJECT.is_empty(), "agent built without eBPF");
-        let pins = PinDir::new();
-        let layout = StatsLayout::new(&pins.0, STATS_ENTRIES, STATS_ENTRIES).unwrap();
+        let pins = PinDir::create("ebpf-packet").unwrap_or_else(|e| panic!("{e:#}"));
+        let layout = StatsLayout::new(pins.path(), STATS_ENTRIES, STATS_ENTRIES).unwrap();
         let mut loader = EbpfLoader::new();
         layout.configure(&mut loader);
         let mut ebpf = loader
             .map_max_entries(lb::MAGLEV, MAGLEV_SLOTS)
-            .default_map_pin_directory(&pins.0)
+            .default_map_pin_directory(pins.path())
             .load(EMBEDDED_OBJECT)
             .unwrap_or_else(|e| panic!("load the object: {e:#}"));
         {
@@ -296,7 +255,7 @@ impl Lb {
                 Array::try_from(self.ebpf.map_mut(lb::MAGLEV).unwrap()).unwrap();
             for slot in 0..TABLE {
                 let id = svc.backends[slot as usize % svc.backends.len()];
-                rune_agent_tests::bpf::set_maglev_slot(&mut maglev, base + slot, id);
+                rune_agent_tests::maps::set_maglev_slot(&mut maglev, base + slot, id);
             }
         }
     }
@@ -359,7 +318,7 @@ impl Lb {
         let base = ALL_SVCS.iter().position(|s| s.id == svc.id).unwrap() as u32 * TABLE;
         let maglev: Array<&MapData, [u32; 2]> =
             Array::try_from(self.ebpf.map(lb::MAGLEV).unwrap()).unwrap();
-        rune_agent_tests::bpf::maglev_slot(&maglev, base + hash % TABLE)
+        rune_agent_tests::maps::maglev_slot(&maglev, base + hash % TABLE)
     }
 
     fn run(&self, prog: &str, packet: &[u8]) -> anyhow::Result<TestRun> {
@@ -532,7 +491,7 @@ fn xdp_vip_hit_translates_and_conntrack_keeps_the_backend() {
         let mut maglev: Array<_, [u32; 2]> =
             Array::try_from(lb.ebpf.map_mut(lb::MAGLEV).unwrap()).unwrap();
         for slot in 0..TABLE {
-            rune_agent_tests::bpf::set_maglev_slot(&mut maglev, slot, other);
+            rune_agent_tests::maps::set_maglev_slot(&mut maglev, slot, other);
         }
         assert_eq!(expect_dnat_to(&lb, lb::PROG_XDP_LB, &spec, id), id);
         let spec2 = vip_packet(&SVC_TCP4, client, 40001);
@@ -702,7 +661,7 @@ fn tcp_conntrack_follows_the_handshake_and_stale_entries_end() {
             let mut maglev: Array<_, [u32; 2]> =
                 Array::try_from(lb.ebpf.map_mut(lb::MAGLEV).unwrap()).unwrap();
             for slot in 0..TABLE {
-                rune_agent_tests::bpf::set_maglev_slot(&mut maglev, slot, other);
+                rune_agent_tests::maps::set_maglev_slot(&mut maglev, slot, other);
             }
         }
         assert_eq!(
@@ -1376,10 +1335,10 @@ fn pinned_conntrack_of_another_layout_is_reported() {
     if let Err(e) = require_root() {
         panic!("{e}");
     }
-    let pins = PinDir::new();
+    let pins = PinDir::create("ebpf-packet").unwrap_or_else(|e| panic!("{e:#}"));
     // A hash map with the earlier 32-byte conntrack value, pinned as RUNE_CT_V4.
-    pin_raw_map(&pins.0.join(lb::CONNTRACK_V4), 1, 16, 32);
-    let err = match rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES) {
+    pin_raw_map(&pins.path().join(lb::CONNTRACK_V4), 1, 16, 32);
+    let err = match rune_agent::dataplane::ebpf::load_lb(pins.path(), &SMALL_SIZES) {
         Ok(_) => panic!("loading over a pinned map of another layout must fail"),
         Err(e) => e.to_string(),
     };
@@ -1404,10 +1363,10 @@ fn pinned_conntrack_of_earlier_layouts_is_carried_over() {
         (8u32, [2, SVC_TCP4.id, 0, 0]),
         (16, [2, SVC_TCP4.id, 77, 0]),
     ] {
-        let pins = PinDir::new();
+        let pins = PinDir::create("ebpf-packet").unwrap_or_else(|e| panic!("{e:#}"));
         // The earlier agent's backends (pinned; the load reuses them).
         {
-            let mut ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES).unwrap();
+            let mut ebpf = rune_agent::dataplane::ebpf::load_lb(pins.path(), &SMALL_SIZES).unwrap();
             let (addr, port) = backend_of(2);
             let mut backends: Array<_, Backend> =
                 Array::try_from(ebpf.map_mut(lb::BACKENDS).unwrap()).unwrap();
@@ -1424,9 +1383,9 @@ fn pinned_conntrack_of_earlier_layouts_is_carried_over() {
             lb::CONNTRACK_REPLY_V4,
             lb::CONNTRACK_REPLY_V6,
         ] {
-            std::fs::remove_file(pins.0.join(name)).unwrap();
+            std::fs::remove_file(pins.path().join(name)).unwrap();
         }
-        let path = pins.0.join(lb::CONNTRACK_V4);
+        let path = pins.path().join(lb::CONNTRACK_V4);
         pin_raw_map(&path, 9, 16, value_size); // BPF_MAP_TYPE_LRU_HASH
         let key = ct_key_v4(&vip_packet(&SVC_TCP4, IpAddr::V4(CLIENT4), 50000));
         {
@@ -1441,7 +1400,7 @@ fn pinned_conntrack_of_earlier_layouts_is_carried_over() {
                 m.insert(key, [old[0], old[1], old[2], old[3]], 0).unwrap();
             }
         }
-        let ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES)
+        let ebpf = rune_agent::dataplane::ebpf::load_lb(pins.path(), &SMALL_SIZES)
             .unwrap_or_else(|e| panic!("load over the {value_size}-byte layout: {e:#}"));
         let ct: HashMap<&MapData, CtKeyV4, CtValue> =
             HashMap::try_from(ebpf.map(lb::CONNTRACK_V4).unwrap()).unwrap();
@@ -1482,7 +1441,7 @@ fn pinned_conntrack_of_earlier_layouts_is_carried_over() {
             "{value_size}-byte layout"
         );
         assert!(
-            !pins.0.join("RUNE_REVNAT").exists(),
+            !pins.path().join("RUNE_REVNAT").exists(),
             "the old reverse-NAT index is unpinned"
         );
     }
@@ -1496,8 +1455,8 @@ fn pinned_per_cpu_counters_are_carried_over() {
     if let Err(e) = require_root() {
         panic!("{e}");
     }
-    let pins = PinDir::new();
-    let path = pins.0.join(lb::SERVICE_STATS);
+    let pins = PinDir::create("ebpf-packet").unwrap_or_else(|e| panic!("{e:#}"));
+    let path = pins.path().join(lb::SERVICE_STATS);
     pin_raw_map(&path, 6, 4, 24); // BPF_MAP_TYPE_PERCPU_ARRAY of TrafficStats
     let cpus = aya::util::nr_cpus().unwrap();
     let one = TrafficStats {
@@ -1518,7 +1477,7 @@ fn pinned_per_cpu_counters_are_carried_over() {
         packets: 2 * n,
         bytes: 300 * n,
     };
-    let ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES)
+    let ebpf = rune_agent::dataplane::ebpf::load_lb(pins.path(), &SMALL_SIZES)
         .unwrap_or_else(|e| panic!("load over per-CPU counters: {e:#}"));
     let read = |ebpf: &Ebpf| {
         let m: Array<&MapData, TrafficStats> =
@@ -1542,7 +1501,7 @@ fn pinned_per_cpu_counters_are_carried_over() {
         frontends: 2 * SMALL_SIZES.frontends,
         ..SMALL_SIZES
     };
-    let ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &bigger)
+    let ebpf = rune_agent::dataplane::ebpf::load_lb(pins.path(), &bigger)
         .unwrap_or_else(|e| panic!("re-open: {e:#}"));
     assert_eq!(
         read(&ebpf),
@@ -1559,19 +1518,22 @@ fn a_load_creates_the_vip_prefilter_afresh() {
     if let Err(e) = require_root() {
         panic!("{e}");
     }
-    let pins = PinDir::new();
+    let pins = PinDir::create("ebpf-packet").unwrap_or_else(|e| panic!("{e:#}"));
     fn words(ebpf: &mut Ebpf) -> Array<&mut MapData, u64> {
         Array::try_from(ebpf.map_mut(lb::VIP_FILTER).unwrap()).unwrap()
     }
-    let mut ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES)
+    let mut ebpf = rune_agent::dataplane::ebpf::load_lb(pins.path(), &SMALL_SIZES)
         .unwrap_or_else(|e| panic!("first load: {e:#}"));
     let mut filter = words(&mut ebpf);
     for i in 0..filter.len() {
         filter.set(i, u64::MAX, 0).unwrap();
     }
-    assert!(pins.0.join(lb::VIP_FILTER).exists(), "the filter is pinned");
+    assert!(
+        pins.path().join(lb::VIP_FILTER).exists(),
+        "the filter is pinned"
+    );
     drop(ebpf);
-    let mut ebpf = rune_agent::dataplane::ebpf::load_lb(&pins.0, &SMALL_SIZES)
+    let mut ebpf = rune_agent::dataplane::ebpf::load_lb(pins.path(), &SMALL_SIZES)
         .unwrap_or_else(|e| panic!("second load: {e:#}"));
     let filter = words(&mut ebpf);
     let set: Vec<u32> = (0..filter.len())

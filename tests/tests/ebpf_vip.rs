@@ -10,13 +10,15 @@
 use std::{path::Path, process::Command, sync::Mutex};
 
 use rune_agent_tests::{
-    agent::Agent,
-    bpf::PinDir,
-    cgroup::TestCgroup,
     modes::{TCP_PORT, UDP_PORT, VIP4, VIP6, all_ready, web_yaml},
+    vip::{PATIENCE, apply, topology},
+};
+use rune_harness::{
+    agent::Agent,
+    bpffs::PinDir,
+    cgroup::TestCgroup,
     netns::{join_at, require_root},
     topology::Topology,
-    vip::{PATIENCE, apply, topology},
 };
 
 /// One test at a time: each starts a privileged agent and its own topology.
@@ -74,7 +76,7 @@ fn socket_lb_rewrites_connects_of_a_local_client() {
     };
     let vip_tcp = format!("{VIP4}:{TCP_PORT}");
     // The maps are written shortly after the apply returns.
-    rune_agent_tests::agent::eventually(PATIENCE, "the VIP answers", || {
+    rune_harness::agent::eventually(PATIENCE, "the VIP answers", || {
         run_client("tcp", &vip_tcp).status.success().then_some(())
     });
     let tcp = client("tcp", &vip_tcp);
@@ -168,7 +170,7 @@ fn programs_stay_after_stop_and_cleanup_removes_them() {
         "only {full} prefilter words written"
     );
 
-    let out = rune_agent_tests::agent::cli_in(
+    let out = rune_harness::agent::cli_in(
         topo.node(),
         state.path(),
         &["cleanup", "--bpf-pin-dir", &pin_dir],

@@ -4,20 +4,25 @@
 //! nftables mode's table), and serves the same VIP in the new mode.
 //!
 //! Needs root. The test builds its own namespaces and pin directory and removes them
-//! on drop; traffic goes only to 198.18.0.0/15 inside them.
+//! on drop; traffic goes only to 198.18.0.0/15 inside them. It looks only at what it
+//! made: its pins, and the programs that use its pinned maps (another agent on the
+//! machine, with another pin directory, changes nothing here).
 
 use std::{
+    collections::BTreeSet,
     net::{IpAddr, SocketAddr},
-    path::Path,
+    path::PathBuf,
 };
 
 use rune_agent_tests::{
-    agent::eventually,
-    bpf::PinDir,
     modes::{Mode, marked_addresses, start_agent},
+    vip::{BACKEND_PORT, PATIENCE, apply, wait_reachable},
+};
+use rune_harness::{
+    agent::eventually,
+    bpffs::PinDir,
     netns::{NetNs, require_root},
     topology::{Topology, TopologyConfig},
-    vip::{BACKEND_PORT, PATIENCE, apply, wait_reachable},
 };
 
 const VIP: &str = "198.18.100.10";
@@ -51,32 +56,38 @@ fn vip() -> SocketAddr {
     SocketAddr::new(VIP.parse().unwrap(), PORT)
 }
 
-fn pins_left(pins: &PinDir) -> Vec<String> {
-    walk(pins.path())
+fn pins_left(pins: &PinDir) -> Vec<PathBuf> {
+    pins.pins()
 }
 
-fn walk(dir: &Path) -> Vec<String> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut out = Vec::new();
-    for e in entries.flatten() {
-        let path = e.path();
-        if path.is_dir() {
-            out.extend(walk(&path));
-        } else {
-            out.push(path.display().to_string());
-        }
-    }
-    out
-}
-
-/// The programs of ours the kernel still holds (names are cut at 15 bytes).
-fn rune_programs() -> Vec<String> {
+/// The ids of the programs the kernel holds that use a map pinned in `pins`: this
+/// test's agent's programs, and no other agent's (another pin directory's) on the
+/// machine.
+fn programs_of(pins: &PinDir) -> BTreeSet<u32> {
+    let maps: BTreeSet<u32> = pins
+        .pins()
+        .iter()
+        .filter_map(|p| aya::maps::MapInfo::from_pin(p).ok())
+        .map(|m| m.id())
+        .collect();
     aya::programs::loaded_programs()
         .filter_map(Result::ok)
-        .filter_map(|p| p.name_as_str().map(str::to_owned))
-        .filter(|n| n.starts_with("rune_") && !n.starts_with("rune_xdp_pass"))
+        .filter(|p| {
+            p.map_ids()
+                .ok()
+                .flatten()
+                .is_some_and(|ids| ids.iter().any(|id| maps.contains(id)))
+        })
+        .map(|p| p.id())
+        .collect()
+}
+
+/// Which of the programs `ids` the kernel still holds.
+fn still_loaded(ids: &BTreeSet<u32>) -> BTreeSet<u32> {
+    aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .map(|p| p.id())
+        .filter(|id| ids.contains(id))
         .collect()
 }
 
@@ -114,17 +125,18 @@ fn switching_modes_leaves_nothing_of_the_old_mode() {
         !pins_left(&pins).is_empty(),
         "a stopped eBPF agent keeps its pins"
     );
-    assert!(!rune_programs().is_empty(), "and its programs");
+    let programs = programs_of(&pins);
+    assert!(!programs.is_empty(), "and its programs");
 
     // eBPF → nftables: the pins go, and with them the programs.
     let mut agent = start_agent(Mode::Nftables, &topo, state.path(), &pins);
     assert_eq!(
         pins_left(&pins),
-        Vec::<String>::new(),
+        Vec::<PathBuf>::new(),
         "no eBPF pins remain"
     );
-    eventually(PATIENCE, "the eBPF programs to be freed", || {
-        rune_programs().is_empty().then_some(())
+    eventually(PATIENCE, "the eBPF agent's programs to be freed", || {
+        still_loaded(&programs).is_empty().then_some(())
     });
     wait_reachable(&topo, vip());
     assert!(nft_table_exists(node));
@@ -170,5 +182,5 @@ fn switching_modes_leaves_nothing_of_the_old_mode() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(pins_left(&pins), Vec::<String>::new());
+    assert_eq!(pins_left(&pins), Vec::<PathBuf>::new());
 }

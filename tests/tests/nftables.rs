@@ -16,16 +16,13 @@ use std::{
 };
 
 use rune_agent_tests::{
-    agent::eventually,
-    bpf::PinDir,
     modes::{
         Ep, Mode, TCP_PORT, UDP_PORT, VIP4, VIP6, all_ready, service_yaml, start_agent,
         start_agent_with, web_yaml,
     },
-    netns::require_root,
-    topology::Topology,
     vip::{BACKEND_PORT, PATIENCE, apply, backend_name, topology, wait_reachable},
 };
+use rune_harness::{agent::eventually, bpffs::PinDir, netns::require_root, topology::Topology};
 use serde_json::Value;
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -241,7 +238,7 @@ fn table_holds_exactly_the_services_and_changes_touch_only_their_service() {
     assert!(map_elements(&table, "no-endpoints").is_empty());
     // The web port's backends are exactly the three IPv4 backends, as data.
     let backend_text =
-        |b: &rune_agent_tests::topology::Backend| format!("{} . {BACKEND_PORT}", b.addr().v4);
+        |b: &rune_harness::topology::Backend| format!("{} . {BACKEND_PORT}", b.addr().v4);
     let mut expected: Vec<String> = topo.backends().iter().map(backend_text).collect();
     expected.sort();
     assert_eq!(backends_of(&table, VIP4, "tcp", TCP_PORT), expected);

@@ -14,9 +14,9 @@ use std::{
     time::Duration,
 };
 
-use rune_agent_tests::{
+use rune_harness::{
     agent::{Agent, agent_bin, free_port, metric},
-    bpf::PinDir,
+    bpffs::PinDir,
     cgroup::TestCgroup,
     netns::{NetNs, require_root},
 };

@@ -12,11 +12,10 @@
 use std::{
     io::{BufRead as _, BufReader, ErrorKind, Write as _},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, UdpSocket},
-    path::PathBuf,
     process::Stdio,
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicU32, Ordering},
+        atomic::{AtomicBool, Ordering},
     },
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -33,7 +32,7 @@ use aya::{
     programs::{CgroupAttachMode, CgroupSockAddr, ProgramError},
 };
 use rune_agent::dataplane::ebpf::stats::{self, StatsLayout};
-use rune_agent_tests::{cgroup::TestCgroup, netns::require_root};
+use rune_harness::{bpffs::PinDir, cgroup::TestCgroup, netns::require_root};
 use serde_json::Value;
 
 /// Slots of the test's Maglev array (`RUNE_MAGLEV`).
@@ -57,48 +56,6 @@ const SOCK_PROGRAMS: [&str; 8] = [
 // ---------------------------------------------------------------------------------
 // Fixture: pinned maps, programs attached to a test cgroup.
 
-/// A bpffs directory holding one test's pinned maps; removed (with the pins) on drop.
-struct PinDir(PathBuf);
-
-impl PinDir {
-    fn new() -> Self {
-        static SEQ: AtomicU32 = AtomicU32::new(0);
-        ensure_bpffs();
-        let dir = PathBuf::from(format!(
-            "/sys/fs/bpf/rune-test-sock-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
-        Self(dir)
-    }
-}
-
-impl Drop for PinDir {
-    fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_dir_all(&self.0) {
-            eprintln!("warning: removing {}: {e}", self.0.display());
-        }
-    }
-}
-
-/// Mounts bpffs at /sys/fs/bpf unless it is there.
-fn ensure_bpffs() {
-    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
-    let path = c"/sys/fs/bpf";
-    // SAFETY: a zeroed statfs is a valid out-buffer; the path is NUL-terminated.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    let ok = unsafe { libc::statfs(path.as_ptr(), &mut st) } == 0;
-    if ok && st.f_type as i64 == BPF_FS_MAGIC {
-        return;
-    }
-    let status = std::process::Command::new("mount")
-        .args(["-t", "bpf", "bpf", "/sys/fs/bpf"])
-        .status()
-        .expect("running mount");
-    assert!(status.success(), "mounting bpffs at /sys/fs/bpf failed");
-}
-
 /// One test's world. Fields drop in order: programs detach and maps close first,
 /// then the pins go, then the cgroup (whose client processes have exited).
 struct Fixture {
@@ -116,11 +73,11 @@ impl Fixture {
             rune_agent::dataplane::ebpf::programs_embedded(),
             "rune-agent was built without eBPF programs (AYA_BUILD_SKIP)"
         );
-        let pins = PinDir::new();
-        let layout = StatsLayout::new(&pins.0, MAP_ENTRIES, MAP_ENTRIES).unwrap();
+        let pins = PinDir::create("sock").unwrap_or_else(|e| panic!("{e:#}"));
+        let layout = StatsLayout::new(pins.path(), MAP_ENTRIES, MAP_ENTRIES).unwrap();
         let mut loader = EbpfLoader::new();
         layout.configure(&mut loader);
-        loader.default_map_pin_directory(&pins.0);
+        loader.default_map_pin_directory(pins.path());
         loader.map_max_entries(lb::MAGLEV, MAGLEV_SLOTS);
         for name in [
             lb::SERVICES_V4,
@@ -210,7 +167,7 @@ impl Fixture {
         let mut map: Array<_, [u32; 2]> =
             Array::try_from(self.bpf.map_mut(lb::MAGLEV).unwrap()).unwrap();
         for (i, id) in ids.iter().enumerate() {
-            rune_agent_tests::bpf::set_maglev_slot(&mut map, base + i as u32, *id);
+            rune_agent_tests::maps::set_maglev_slot(&mut map, base + i as u32, *id);
         }
     }
 

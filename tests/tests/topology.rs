@@ -1,4 +1,4 @@
-//! The shared data-plane test topology itself (`rune_agent_tests::topology`): the
+//! The shared data-plane test topology itself (`rune_harness::topology`): the
 //! client reaches every backend directly over TCP and UDP, IPv4 and IPv6, from
 //! either client address; the backends count what they served; a long-lived
 //! connection keeps working; dropping the topology removes every namespace. And an
@@ -12,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use rune_agent_tests::{
+use rune_harness::{
     agent::{Agent, http_get_in},
     netns::require_root,
     topology::{CLIENT_IF, NODE_CLIENT_IF, Topology},

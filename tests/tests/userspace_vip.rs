@@ -16,13 +16,15 @@ use std::{
 };
 
 use rune_agent_tests::{
-    bpf::PinDir,
     modes::{
         Mode, TCP_PORT, VIP4, VIP6, all_ready, block_on_in, marked_addresses, start_agent, web_yaml,
     },
+    vip::{PATIENCE, apply, topology, wait_reachable},
+};
+use rune_harness::{
+    bpffs::PinDir,
     netns::{NetNs, require_root},
     topology::CLIENT_TIMEOUT,
-    vip::{PATIENCE, apply, topology, wait_reachable},
 };
 
 /// One test at a time: each starts a privileged agent and its own topology.

@@ -22,19 +22,17 @@ use std::{
 };
 
 use rune_agent_tests::{
-    agent::eventually,
     modes::{
         Ep, Mode, ModeAgent, TCP_PORT, UDP_PORT, VIP4, VIP6, all_ready,
         assert_empty_service_refuses, web_yaml,
     },
-    netns::require_root,
-    topology::Topology,
     vip::{
         BACKEND_PORT, PATIENCE, assert_balanced, assert_held_flows_stay,
         assert_terminating_gets_no_new_flows, backend_name, hold_one_per_backend, tcp_spread,
         topology, wait_reachable,
     },
 };
+use rune_harness::{agent::eventually, netns::require_root, topology::Topology};
 
 /// One test at a time: each starts a privileged agent and its own topology.
 static SERIAL: Mutex<()> = Mutex::new(());

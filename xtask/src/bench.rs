@@ -15,11 +15,11 @@
 //! 127.0.0.0/8.
 
 use anyhow::{Context, Result, bail};
+use rune_harness::agent::Agent;
 use std::{
     fmt::Write as _,
     net::{Ipv4Addr, SocketAddr},
-    path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    path::Path,
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -65,17 +65,16 @@ pub fn run() -> Result<()> {
 }
 
 async fn bench_all(bin: &Path) -> Result<String> {
-    let state = tempdir("rune-bench")?;
+    let state = tempfile::Builder::new().prefix("rune-bench-").tempdir()?;
     let backend = start_backend().await?;
     let service_port = free_port().await?;
-    let mut agent = AgentProc::start(bin, &state, &[])?;
-    agent.wait_ready().await?;
-    agent.apply(&service_yaml(
-        "bench",
-        service_port,
-        backend.port(),
-        &[BACKEND],
-    ))?;
+    let agent = dev_agent(bin, &state, &[])?;
+    wait_ready(&agent).await?;
+    apply(
+        bin,
+        &agent,
+        &service_yaml("bench", service_port, backend.port(), &[BACKEND]),
+    )?;
     let proxied = SocketAddr::from((Ipv4Addr::LOCALHOST, service_port));
     wait_connect(proxied).await?;
 
@@ -95,13 +94,15 @@ async fn bench_all(bin: &Path) -> Result<String> {
         }
         rows.push((scenario, median(&mut direct), median(&mut via)));
     }
-    let rss_idle = agent.rss_kib()?;
+    let rss_idle = agent.status_kib("VmRSS")?;
     drop(agent);
 
     // Memory with 1,000 services (dev mode binds one listener per service port).
-    let state2 = tempdir("rune-bench-mem")?;
-    let mut agent = AgentProc::start(bin, &state2, &["--dev-port-offset", "0"])?;
-    agent.wait_ready().await?;
+    let state2 = tempfile::Builder::new()
+        .prefix("rune-bench-mem-")
+        .tempdir()?;
+    let agent = dev_agent(bin, &state2, &["--dev-port-offset", "0"])?;
+    wait_ready(&agent).await?;
     let base = free_port_block(MEMORY_SERVICES).await?;
     let mut yaml = String::new();
     for i in 0..MEMORY_SERVICES {
@@ -115,13 +116,13 @@ async fn bench_all(bin: &Path) -> Result<String> {
         ));
         yaml.push_str("---\n");
     }
-    agent.apply(&yaml)?;
+    apply(bin, &agent, &yaml)?;
     wait_connect(SocketAddr::from((
         Ipv4Addr::LOCALHOST,
         base + MEMORY_SERVICES as u16 - 1,
     )))
     .await?;
-    let rss_1000 = agent.rss_kib()?;
+    let rss_1000 = agent.status_kib("VmRSS")?;
     drop(agent);
 
     let mut t = String::new();
@@ -328,93 +329,30 @@ async fn wait_connect(addr: SocketAddr) -> Result<()> {
     bail!("{addr} did not accept connections within 30 s")
 }
 
-pub(crate) fn tempdir(prefix: &str) -> Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
+/// The release agent in dev mode (`run --dev`) on the state directory `state`
+/// (removed with it), `extra` flags after; killed on drop.
+pub(crate) fn dev_agent(bin: &Path, state: &tempfile::TempDir, extra: &[&str]) -> Result<Agent> {
+    Agent::command(bin, state.path())
+        .args(["--dev"])
+        .args(extra)
+        .env("RUST_LOG", "warn")
+        .spawn()
 }
 
-/// The release agent in dev mode; killed on drop.
-pub(crate) struct AgentProc {
-    child: Child,
-    bin: PathBuf,
-    state: PathBuf,
-    metrics: SocketAddr,
-}
-
-impl AgentProc {
-    pub(crate) fn start(bin: &Path, state: &Path, extra: &[&str]) -> Result<AgentProc> {
-        let port = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
-            .local_addr()?
-            .port();
-        let metrics = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-        let child = Command::new(bin)
-            .args([
-                "run",
-                "--dev",
-                "--metrics-addr",
-                &metrics.to_string(),
-                "--state-dir",
-            ])
-            .arg(state)
-            .args(extra)
-            .env("RUST_LOG", "warn")
-            // Loopback only: the benchmarked agent never forwards DNS anywhere.
-            .env("RUNE_DNS_RESOLV_CONF", "/dev/null")
-            .stdin(Stdio::null())
-            .spawn()
-            .context("starting the agent")?;
-        Ok(AgentProc {
-            child,
-            bin: bin.to_owned(),
-            state: state.to_owned(),
-            metrics,
-        })
-    }
-
-    pub(crate) async fn wait_ready(&mut self) -> Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Some(s) = self.child.try_wait()? {
-                bail!("the agent exited: {s}");
-            }
-            if let Ok(mut s) = TcpStream::connect(self.metrics).await {
-                s.write_all(b"GET /readyz HTTP/1.0\r\n\r\n").await?;
-                let mut r = String::new();
-                let _ = s.read_to_string(&mut r).await;
-                if r.starts_with("HTTP/1.1 200") || r.starts_with("HTTP/1.0 200") {
-                    return Ok(());
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+/// Waits (up to 30 s) until the agent answers `/readyz` with 200.
+pub(crate) async fn wait_ready(agent: &Agent) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        agent.ensure_alive()?;
+        if matches!(agent.http_get("/readyz"), Ok((200, _))) {
+            return Ok(());
         }
-        bail!("the agent was not ready within 30 s")
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-
-    pub(crate) fn apply(&self, yaml: &str) -> Result<()> {
-        crate::util::rune_apply(&self.bin, &self.state, yaml)
-    }
-
-    /// The agent's process id.
-    pub(crate) fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    pub(crate) fn rss_kib(&self) -> Result<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next()?.parse().ok())
-            .context("no VmRSS in /proc/PID/status")
-    }
+    bail!("the agent was not ready within 30 s")
 }
 
-impl Drop for AgentProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.state);
-    }
+/// `rune-agent apply -f -` of `yaml` against `agent`'s state directory.
+pub(crate) fn apply(bin: &Path, agent: &Agent, yaml: &str) -> Result<()> {
+    crate::util::rune_apply(bin, &agent.state_dir, yaml)
 }

@@ -13,7 +13,7 @@
 //!
 //! Every load loop is bounded in time; all traffic stays on 127.0.0.0/8.
 
-use crate::bench::{AgentProc, free_port, median, tempdir};
+use crate::bench::{apply, dev_agent, free_port, median, wait_ready};
 use anyhow::{Context, Result, bail, ensure};
 use hickory_proto::{
     op::{Message, MessageType, OpCode, Query, ResponseCode},
@@ -84,14 +84,16 @@ pub async fn run(bin: &Path) -> Result<String> {
             .collect::<Result<Vec<_>>>()?,
     );
 
-    let state = tempdir("rune-bench-dns")?;
+    let state = tempfile::Builder::new()
+        .prefix("rune-bench-dns-")
+        .tempdir()?;
     let agent_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().await?));
-    let mut agent = AgentProc::start(bin, &state, &["--dns-addr", &agent_addr.to_string()])?;
-    agent.wait_ready().await?;
-    agent.apply(&headless_services(SERVICES))?;
+    let agent = dev_agent(bin, &state, &["--dns-addr", &agent_addr.to_string()])?;
+    wait_ready(&agent).await?;
+    apply(bin, &agent, &headless_services(SERVICES))?;
     wait_resolves(agent_addr, &names[SERVICES - 1]).await?;
 
-    let dnsmasq = match Dnsmasq::start(&names, &state).await {
+    let dnsmasq = match Dnsmasq::start(&names, state.path()).await {
         Ok(d) => Some(d),
         Err(e) => {
             println!("bench: dnsmasq comparison skipped: {e:#}");
@@ -116,22 +118,24 @@ pub async fn run(bin: &Path) -> Result<String> {
             dnsmasq_runs.push(load(d.addr, d.child.id(), &packets).await?);
         }
     }
-    let rss_under_load = agent.rss_kib()?;
+    let rss_under_load = agent.status_kib("VmRSS")?;
     drop(dnsmasq);
     drop(agent);
 
     // Memory with 10,000 services: headless, no ports, so the figure is the agent
     // with its zone, not 10,000 dev proxies.
-    let state2 = tempdir("rune-bench-dns-mem")?;
+    let state2 = tempfile::Builder::new()
+        .prefix("rune-bench-dns-mem-")
+        .tempdir()?;
     let addr2 = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().await?));
-    let mut agent = AgentProc::start(bin, &state2, &["--dns-addr", &addr2.to_string()])?;
-    agent.wait_ready().await?;
-    let rss_empty = agent.rss_kib()?;
-    agent.apply(&headless_services(MEMORY_SERVICES))?;
+    let agent = dev_agent(bin, &state2, &["--dns-addr", &addr2.to_string()])?;
+    wait_ready(&agent).await?;
+    let rss_empty = agent.status_kib("VmRSS")?;
+    apply(bin, &agent, &headless_services(MEMORY_SERVICES))?;
     wait_resolves(addr2, &format!("s{}.default.rune.", MEMORY_SERVICES - 1)).await?;
     // Let the zone rebuilds triggered by the apply settle before reading.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let rss_10k = agent.rss_kib()?;
+    let rss_10k = agent.status_kib("VmRSS")?;
     drop(agent);
 
     let a = summarize(&mut agent_runs);

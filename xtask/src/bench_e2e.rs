@@ -22,17 +22,17 @@
 //! Then the short-connection scenario with source port reuse through two VIPs
 //! ([`crate::bench_reuse`], also `cargo xtask bench reuse` alone).
 
-use crate::agent_proc::AgentProcess;
 use crate::bench::{RUN, Scenario, load, median, start_backend_on};
-use crate::bench_sync::{Netns, PinDir, TempDir};
 use anyhow::{Context as _, Result, bail};
+use rune_harness::{
+    bpffs::PinDir,
+    netns::{NetNs, enter},
+    topology::{CLIENT_IF, NODE_CLIENT_IF, Topology, TopologyConfig},
+};
 use std::{
     fmt::Write as _,
-    fs::File,
     net::{Ipv4Addr, SocketAddr},
-    os::fd::AsRawFd as _,
     path::Path,
-    process::Command,
     sync::mpsc,
     time::{Duration, Instant},
 };
@@ -41,7 +41,8 @@ use std::{
 const ROUNDS: u8 = 7;
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 18, 100, 10);
 const VIP_PORT: u16 = 80;
-const BACKEND: Ipv4Addr = Ipv4Addr::new(198, 18, 10, 2);
+/// The topology's backend-1 (`rune_harness::topology`).
+const BACKEND: Ipv4Addr = Ipv4Addr::new(198, 18, 11, 2);
 
 /// Client source addresses per mode (198.18.1.x blocks; see [`src_addr`]).
 const ADDRS_PER_MODE: u8 = 4 * ROUNDS + 2;
@@ -123,12 +124,12 @@ impl Mode {
                     "--cgroup".into(),
                     "none".into(),
                     "--interfaces".into(),
-                    "n-client".into(),
+                    NODE_CLIENT_IF.into(),
                     "--bpf-pin-dir".into(),
                     pins.display().to_string(),
                 ];
                 if self == Mode::EbpfXdp {
-                    flags.extend(["--xdp-interfaces".into(), "n-client".into()]);
+                    flags.extend(["--xdp-interfaces".into(), NODE_CLIENT_IF.into()]);
                 }
                 flags
             }
@@ -193,15 +194,21 @@ fn one_vip(bin: &Path) -> Result<String> {
     if !crate::util::is_root() {
         return Ok(format!("\n{TITLE}\n\nskipped: needs root\n"));
     }
-    let pid = std::process::id();
-    let client = Netns::create(&format!("rune-bench-e2e-c-{pid}"))?;
-    let node = Netns::create(&format!("rune-bench-e2e-n-{pid}"))?;
-    let backend = Netns::create(&format!("rune-bench-e2e-b-{pid}"))?;
-    wire(&client, &node, &backend)?;
+    let topo = topology()?;
+    let (client, node) = (topo.client(), topo.node());
+    for host in 10..10 + ADDRS_PER_MODE * Mode::ALL.len() as u8 {
+        client.ip(&[
+            "addr",
+            "add",
+            &format!("198.18.1.{host}/24"),
+            "dev",
+            CLIENT_IF,
+        ])?;
+    }
 
     // The backend server lives on a thread inside the backend namespace.
     let (tx, rx) = mpsc::channel();
-    let backend_path = backend.path();
+    let backend_path = topo.backends()[0].ns().path();
     std::thread::spawn(move || {
         let result = (|| -> Result<()> {
             enter(&backend_path)?;
@@ -231,26 +238,29 @@ fn one_vip(bin: &Path) -> Result<String> {
     let mut rows = Vec::new();
     // Each mode keeps its index in `Mode::ALL`: its client addresses stay its own.
     for (m, mode) in Mode::selected()? {
-        let state = TempDir::new(&format!("rune-bench-e2e-{pid}-{m}"))?;
-        let pins = PinDir(format!("/sys/fs/bpf/rune-bench-e2e-{pid}-{m}").into());
-        apply_offline(bin, &state.0, &yaml)?;
+        let state = tempfile::Builder::new()
+            .prefix(&format!("rune-bench-e2e-{m}-"))
+            .tempdir()?;
+        let pins = PinDir::new(&format!("bench-e2e-{m}"));
+        apply_offline(bin, state.path(), &yaml)?;
         let xdp = mode == Mode::EbpfXdp;
         if xdp {
-            client_tx_checksum(&client, false)?;
+            client.set_tx_checksum(CLIENT_IF, false)?;
         }
-        let agent = AgentProcess::spawn(bin, &node, &state.0, &mode.flags(&pins.0), "warn")?;
-        let measured = measure(&client, backend_addr, m, agent.child.id()).with_context(|| {
+        let agent =
+            crate::util::spawn_agent(bin, node, state.path(), &mode.flags(pins.path()), "warn")?;
+        let measured = measure(client, backend_addr, m, agent.pid()).with_context(|| {
             format!(
                 "measuring the {} mode (agent log: {})",
                 mode.label(),
-                agent.log.display()
+                agent.log_path().unwrap_or(Path::new("?")).display()
             )
         })?;
         // Stops the agent; then the pins go (detaching the eBPF programs).
         drop(agent);
         drop(pins);
         if xdp {
-            client_tx_checksum(&client, true)?;
+            client.set_tx_checksum(CLIENT_IF, true)?;
         }
         rows.extend(measured.into_iter().map(|row| (mode, row)));
     }
@@ -340,7 +350,7 @@ impl Run {
 /// thread in the client namespace, with the CPU time of this process and of the
 /// agent (`agent_pid`) around every run.
 fn measure(
-    client: &Netns,
+    client: &NetNs,
     backend_addr: SocketAddr,
     mode: usize,
     agent_pid: u32,
@@ -431,86 +441,15 @@ async fn load_once(target: SocketAddr) -> Result<()> {
     Ok(())
 }
 
-/// Moves the calling thread into the namespace at `path`.
-pub(crate) fn enter(path: &Path) -> Result<()> {
-    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    // SAFETY: setns on an open namespace file changes only this thread's namespace.
-    if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        return Err(std::io::Error::last_os_error()).context("setns");
-    }
-    Ok(())
-}
-
-/// Runs `ip ARGS` (the bench's namespaces only); fails unless it succeeds.
-pub(crate) fn ip(args: &[&str]) -> Result<()> {
-    crate::util::run_status(
-        "configure the bench's namespaces",
-        Command::new("ip").args(args),
-    )
-}
-
-/// Veths, addresses (client: 198.18.1.2 plus one source address per run), routes,
-/// forwarding in the node.
-fn wire(client: &Netns, node: &Netns, backend: &Netns) -> Result<()> {
-    let (c, n, b) = (
-        &client_name(client),
-        &client_name(node),
-        &client_name(backend),
-    );
-    ip(&[
-        "link", "add", "c-node", "netns", c, "type", "veth", "peer", "n-client", "netns", n,
-    ])?;
-    ip(&[
-        "link", "add", "b-node", "netns", b, "type", "veth", "peer", "n-back", "netns", n,
-    ])?;
-    ip(&["-n", c, "addr", "add", "198.18.1.2/24", "dev", "c-node"])?;
-    for host in 10..10 + ADDRS_PER_MODE * Mode::ALL.len() as u8 {
-        ip(&[
-            "-n",
-            c,
-            "addr",
-            "add",
-            &format!("198.18.1.{host}/24"),
-            "dev",
-            "c-node",
-        ])?;
-    }
-    ip(&["-n", n, "addr", "add", "198.18.1.1/24", "dev", "n-client"])?;
-    ip(&["-n", n, "addr", "add", "198.18.10.1/24", "dev", "n-back"])?;
-    ip(&["-n", b, "addr", "add", "198.18.10.2/24", "dev", "b-node"])?;
-    for (ns, dev) in [(c, "c-node"), (n, "n-client"), (n, "n-back"), (b, "b-node")] {
-        ip(&["-n", ns, "link", "set", dev, "up"])?;
-    }
-    ip(&["-n", c, "route", "add", "default", "via", "198.18.1.1"])?;
-    ip(&["-n", b, "route", "add", "default", "via", "198.18.10.1"])?;
-    crate::util::run_status(
-        "enable forwarding in the node namespace",
-        Command::new("ip").args(["netns", "exec", n, "sysctl", "-qw", "net.ipv4.ip_forward=1"]),
-    )
-}
-
-/// Turns TX checksum offload of the client's veth on or off (`ethtool -K c-node tx
-/// on|off` inside the client namespace).
-pub(crate) fn client_tx_checksum(client: &Netns, on: bool) -> Result<()> {
-    crate::util::run_status(
-        "set TX checksum offload of the client's veth (ethtool)",
-        Command::new("ip").args([
-            "netns",
-            "exec",
-            &client_name(client),
-            "ethtool",
-            "-K",
-            "c-node",
-            "tx",
-            if on { "on" } else { "off" },
-        ]),
-    )
-}
-
-/// The name of a bench namespace (for `ip -n` and `ip netns exec`).
-pub(crate) fn client_name(ns: &Netns) -> String {
-    ns.path()
-        .file_name()
-        .map(|f| f.to_string_lossy().into_owned())
-        .unwrap_or_default()
+/// The bench's network (`rune_harness::topology`): client, node and one backend
+/// namespace, no test servers (the bench runs its own), TX checksum offload left on
+/// (the XDP mode turns it off on the client's veth for its runs).
+pub(crate) fn topology() -> Result<Topology> {
+    Topology::with_config(&TopologyConfig {
+        backends: 1,
+        tcp_port: None,
+        udp_port: None,
+        client_tx_checksum_off: false,
+        ..TopologyConfig::default()
+    })
 }

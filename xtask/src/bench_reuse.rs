@@ -30,13 +30,12 @@
 mod client;
 mod net;
 
-use crate::agent_proc::AgentProcess;
 use crate::bench::median;
-use crate::bench_e2e::{Mode, apply_offline, client_tx_checksum};
-use crate::bench_sync::{Netns, PinDir, TempDir};
+use crate::bench_e2e::{Mode, apply_offline};
 use anyhow::{Context as _, Result};
 use client::{Errors, counters, wrk_pair};
-use net::{Topology, nginx, route_src, sysctl, wait_answering};
+use net::{nginx, route_src, topology, wait_answering};
+use rune_harness::{bpffs::PinDir, netns::NetNs, topology::CLIENT_IF};
 use std::{fmt::Write as _, net::Ipv4Addr, path::Path, time::Duration};
 
 /// Rounds (each: one direct run, then one VIP run).
@@ -85,48 +84,58 @@ pub fn section(bin: &Path) -> Result<String> {
     if !crate::util::is_root() {
         return Ok(format!("\n{TITLE}\n\nskipped: needs root\n"));
     }
-    let pid = std::process::id();
-    let net = Topology::create(pid)?;
-    sysctl(&net.client, "net.ipv4.ip_local_port_range", PORT_RANGE)?;
-    sysctl(&net.client, "net.ipv4.tcp_tw_reuse", "1")?;
-    let work = TempDir::new(&format!("rune-bench-reuse-{pid}"))?;
+    let net = topology()?;
+    let client = net.client();
+    client.sysctl("net.ipv4.ip_local_port_range", PORT_RANGE)?;
+    client.sysctl("net.ipv4.tcp_tw_reuse", "1")?;
+    let work = tempfile::Builder::new()
+        .prefix("rune-bench-reuse-")
+        .tempdir()?;
     // Declared after the namespaces: the servers are killed before those go.
     let _nginx = net
-        .backends
+        .backends()
         .iter()
         .enumerate()
-        .map(|(i, ns)| nginx(ns, &work.0.join(format!("nginx-{}", i + 1))))
+        .map(|(i, b)| nginx(b.ns(), &work.path().join(format!("nginx-{}", i + 1))))
         .collect::<Result<Vec<_>>>()?;
-    wait_answering(&net.client, &BACKENDS).with_context(|| {
+    wait_answering(client, &BACKENDS).with_context(|| {
         format!(
             "the nginx backends (logs: {}/nginx-*/error.log)",
-            work.0.display()
+            work.path().display()
         )
     })?;
 
     let mut rows = Vec::new();
     // Each mode keeps its index in `Mode::ALL`: its client addresses stay its own.
     for (m, mode) in Mode::selected()? {
-        let state = TempDir::new(&format!("rune-bench-reuse-{pid}-{m}"))?;
-        let pins = PinDir(format!("/sys/fs/bpf/rune-bench-reuse-{pid}-{m}").into());
-        apply_offline(bin, &state.0, &services_yaml())?;
+        let state = tempfile::Builder::new()
+            .prefix(&format!("rune-bench-reuse-{m}-"))
+            .tempdir()?;
+        let pins = PinDir::new(&format!("bench-reuse-{m}"));
+        apply_offline(bin, state.path(), &services_yaml())?;
         let xdp = mode == Mode::EbpfXdp;
         if xdp {
-            client_tx_checksum(&net.client, false)?;
+            client.set_tx_checksum(CLIENT_IF, false)?;
         }
-        let agent = AgentProcess::spawn(bin, &net.node, &state.0, &mode.flags(&pins.0), "warn")?;
-        let row = measure(&net.client, m, &work.0).with_context(|| {
+        let agent = crate::util::spawn_agent(
+            bin,
+            net.node(),
+            state.path(),
+            &mode.flags(pins.path()),
+            "warn",
+        )?;
+        let row = measure(client, m, work.path()).with_context(|| {
             format!(
                 "measuring the {} mode (agent log: {})",
                 mode.label(),
-                agent.log.display()
+                agent.log_path().unwrap_or(Path::new("?")).display()
             )
         })?;
         // Stops the agent; then the pins go (detaching the eBPF programs).
         drop(agent);
         drop(pins);
         if xdp {
-            client_tx_checksum(&net.client, true)?;
+            client.set_tx_checksum(CLIENT_IF, true)?;
         }
         rows.push((mode, row));
     }
@@ -261,7 +270,7 @@ impl Side {
     /// client namespace's counters before and after (`work`: nstat's history file).
     fn run(
         &mut self,
-        client: &Netns,
+        client: &NetNs,
         src: Ipv4Addr,
         targets: [Ipv4Addr; 2],
         work: &Path,
@@ -285,7 +294,7 @@ impl Side {
 
 /// Direct and VIP runs, interleaved, from the mode's own client addresses (`mode`:
 /// its index in [`Mode::ALL`]), once both VIPs answer.
-fn measure(client: &Netns, mode: usize, work: &Path) -> Result<Row> {
+fn measure(client: &NetNs, mode: usize, work: &Path) -> Result<Row> {
     wait_answering(client, &VIPS)?;
     let mut row = Row::default();
     for _ in 0..ROUNDS {

@@ -32,7 +32,7 @@ use std::{
     fmt::Write as _,
     net::Ipv4Addr,
     os::fd::{AsFd as _, AsRawFd as _},
-    path::{Path, PathBuf},
+    path::Path,
     process::{Command, Stdio},
     thread::sleep,
     time::{Duration, Instant},
@@ -44,7 +44,7 @@ use agent_common::lb::{self, BACKEND_ACTIVE, Backend, PROTO_TCP, ServiceKeyV4, S
 use anyhow::{Context as _, Result, bail, ensure};
 use aya::maps::{Array, HashMap, Map, MapData};
 
-use crate::agent_proc::AgentProcess;
+use rune_harness::{bpffs::PinDir, netns::NetNs};
 
 /// Services in the snapshot.
 pub(crate) const SERVICES: usize = 10_000;
@@ -138,16 +138,17 @@ pub fn section(bin: &Path) -> Result<String> {
     if !crate::util::is_root() {
         return Ok(format!("\n{TITLE}\n\nskipped: needs root\n"));
     }
-    let pid = std::process::id();
-    let netns = Netns::create(&format!("rune-bench-sync-{pid}"))?;
-    let work = TempDir::new(&format!("rune-bench-sync-{pid}"))?;
-    let yaml = work.0.join("snapshot.yaml");
+    let netns = NetNs::new("bench-sync")?;
+    let work = tempfile::Builder::new()
+        .prefix("rune-bench-sync-")
+        .tempdir()?;
+    let yaml = work.path().join("snapshot.yaml");
     std::fs::write(&yaml, snapshot_yaml())?;
 
     let mut runs = Vec::new();
     let mut changes = None;
     for run in 0..SNAPSHOT_RUNS {
-        let state = work.0.join(format!("state-{run}"));
+        let state = work.path().join(format!("state-{run}"));
         let t = Instant::now();
         let mut apply = Command::new(bin);
         apply
@@ -161,10 +162,9 @@ pub fn section(bin: &Path) -> Result<String> {
             &mut apply,
         )?;
         let store_apply = t.elapsed();
-        let pins = PinDir(PathBuf::from(format!("/sys/fs/bpf/rune-bench-sync-{pid}")));
-        let _ = std::fs::remove_dir_all(&pins.0);
-        let agent = Agent::start(bin, &netns, &state, &pins.0, "")?;
-        let mut snap = measure_snapshot(&agent, &pins.0)?;
+        let pins = PinDir::new("bench-sync");
+        let agent = Agent::start(bin, &netns, &state, pins.path(), "")?;
+        let mut snap = measure_snapshot(&agent, pins.path())?;
         snap.store_apply = store_apply;
         eprintln!(
             "sync run {}: snapshot → maps {:.0} ms (agent's apply {:.0} ms), RSS {:.1} MiB",
@@ -175,7 +175,7 @@ pub fn section(bin: &Path) -> Result<String> {
         );
         runs.push(snap);
         if run + 1 == SNAPSHOT_RUNS {
-            changes = Some(measure_changes(bin, &agent, &state, &pins.0)?);
+            changes = Some(measure_changes(bin, &agent, &state, pins.path())?);
         }
         drop(agent);
         drop(pins);
@@ -197,82 +197,16 @@ pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// A network namespace of the bench's own, with `lo` up; deleted on drop.
-pub(crate) struct Netns {
-    name: String,
-}
-
-impl Netns {
-    pub(crate) fn create(name: &str) -> Result<Self> {
-        let _ = Command::new("ip")
-            .args(["netns", "delete", name])
-            .stderr(Stdio::null())
-            .status();
-        crate::util::run_status(
-            "create the bench's network namespace",
-            Command::new("ip").args(["netns", "add", name]),
-        )?;
-        let ns = Self {
-            name: name.to_owned(),
-        };
-        crate::util::run_status(
-            "set lo up in the bench's network namespace",
-            Command::new("ip").args(["-n", name, "link", "set", "lo", "up"]),
-        )?;
-        Ok(ns)
-    }
-
-    pub(crate) fn path(&self) -> PathBuf {
-        Path::new("/run/netns").join(&self.name)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "delete", &self.name])
-            .status();
-    }
-}
-
-/// A bpffs pin directory; its pins (files, then subdirectories) are removed on drop.
-pub(crate) struct PinDir(pub(crate) PathBuf);
-
-impl Drop for PinDir {
-    fn drop(&mut self) {
-        // Unlinking a pin unpins it; remove_dir_all removes files before their dirs.
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A temporary directory, removed on drop.
-pub(crate) struct TempDir(pub(crate) PathBuf);
-
-impl TempDir {
-    pub(crate) fn new(name: &str) -> Result<Self> {
-        let dir = std::env::temp_dir().join(name);
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
-        Ok(Self(dir))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// The release agent in production mode inside the bench's namespace; stopped
 /// (SIGTERM, then SIGKILL) on drop.
 pub(crate) struct Agent {
-    pub(crate) process: AgentProcess,
+    pub(crate) process: rune_harness::agent::Agent,
 }
 
 impl Agent {
     pub(crate) fn start(
         bin: &Path,
-        netns: &Netns,
+        netns: &NetNs,
         state: &Path,
         pins: &Path,
         interfaces: &str,
@@ -298,15 +232,15 @@ impl Agent {
     }
 
     /// The agent in production mode with `args` after `run` (see
-    /// [`AgentProcess::spawn`]), logging the data planes' and reconciler's debug
+    /// [`crate::util::spawn_agent`]), logging the data planes' and reconciler's debug
     /// lines that [`Agent::applies`] reads.
     pub(crate) fn start_with(
         bin: &Path,
-        netns: &Netns,
+        netns: &NetNs,
         state: &Path,
         args: &[String],
     ) -> Result<Self> {
-        AgentProcess::spawn(
+        crate::util::spawn_agent(
             bin,
             netns,
             state,
@@ -317,18 +251,11 @@ impl Agent {
     }
 
     pub(crate) fn rss(&self) -> Result<Rss> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.process.child.id()))?;
-        let field = |name: &str| -> Result<u64> {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix(name))
-                .and_then(|v| v.split_whitespace().next()?.parse().ok())
-                .with_context(|| format!("no {name} in /proc/PID/status"))
-        };
+        let field = |name: &str| self.process.status_kib(name);
         Ok(Rss {
-            vm: field("VmRSS:")?,
-            anon: field("RssAnon:")?,
-            file: field("RssFile:")?,
+            vm: field("VmRSS")?,
+            anon: field("RssAnon")?,
+            file: field("RssFile")?,
         })
     }
 
@@ -340,7 +267,7 @@ impl Agent {
             let digits: String = v.chars().take_while(char::is_ascii_digit).collect();
             digits.parse().ok()
         }
-        let log = std::fs::read_to_string(&self.process.log).unwrap_or_default();
+        let log = self.process.log();
         let mut out = Vec::new();
         let mut elapsed = None;
         for l in log.lines() {
@@ -471,20 +398,7 @@ fn measure_snapshot(agent: &Agent, pins: &Path) -> Result<Snapshot> {
 }
 
 pub(crate) fn ensure_alive(agent: &Agent) -> Result<()> {
-    // /proc/PID/stat of a zombie says Z; of a reaped process, nothing.
-    let stat = std::fs::read_to_string(format!("/proc/{}/stat", agent.process.child.id()))
-        .unwrap_or_default();
-    let state = stat
-        .rsplit(')')
-        .next()
-        .and_then(|s| s.split_whitespace().next());
-    if matches!(state, None | Some("Z" | "X")) {
-        bail!(
-            "the agent exited; its log:\n{}",
-            std::fs::read_to_string(&agent.process.log).unwrap_or_default()
-        );
-    }
-    Ok(())
+    agent.process.ensure_alive()
 }
 
 /// The pinned Maglev array, mapped read-only into this process.

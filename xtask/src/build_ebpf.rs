@@ -1,7 +1,8 @@
 //! `cargo xtask build-ebpf`: builds only the eBPF programs, as agent/build.rs does
-//! through aya-build, into `target/ebpf`, and prints the object's path.
+//! through aya-build, into `target/ebpf`, and prints the objects' paths: the agent's
+//! (`agent-ebpf`), then the test-only programs' (`agent-ebpf-test`).
 
-use std::{env, ffi::OsString};
+use std::{env, ffi::OsString, path::PathBuf};
 
 use anyhow::Context as _;
 
@@ -10,15 +11,24 @@ use crate::util;
 /// The bpf target the programs are built for (little-endian hosts only, as today).
 const TARGET: &str = "bpfel-unknown-none";
 
-/// Builds `agent-ebpf` with the nightly toolchain and prints the object path.
+/// Builds `agent-ebpf` with the nightly toolchain and prints the objects' paths.
 pub fn run() -> anyhow::Result<()> {
-    let object = build()?;
-    println!("{}", object.display());
+    let objects = build()?;
+    println!("{}", objects.agent.display());
+    println!("{}", objects.test.display());
     Ok(())
 }
 
-/// Builds `agent-ebpf` with the nightly toolchain; returns the object's path.
-pub fn build() -> anyhow::Result<std::path::PathBuf> {
+/// The two objects of `agent-ebpf`.
+pub struct Objects {
+    /// What the agent embeds and loads.
+    pub agent: PathBuf,
+    /// The programs only tests and benches load (`rune_harness::test_programs`).
+    pub test: PathBuf,
+}
+
+/// Builds `agent-ebpf` with the nightly toolchain; returns the objects' paths.
+pub fn build() -> anyhow::Result<Objects> {
     let target_dir = util::target_dir().join("ebpf");
     // The same flags aya-build passes (bpf_target_arch cfg, BTF, full debug info).
     let mut rustflags = OsString::new();
@@ -54,5 +64,9 @@ pub fn build() -> anyhow::Result<std::path::PathBuf> {
     util::run_status("build-ebpf", &mut cmd)
         .context("is the eBPF toolchain installed? run `cargo xtask setup`")?;
 
-    Ok(target_dir.join(TARGET).join("release").join("agent-ebpf"))
+    let dir = target_dir.join(TARGET).join("release");
+    Ok(Objects {
+        agent: dir.join("agent-ebpf"),
+        test: dir.join(rune_harness::test_programs::OBJECT),
+    })
 }

@@ -3,7 +3,6 @@
 //! Each subcommand lives in its own module with a `run` function; adding one is a
 //! `mod` line, an enum variant and a match arm.
 
-mod agent_proc;
 mod bench;
 mod bench_dns;
 mod bench_e2e;

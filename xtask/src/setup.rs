@@ -30,7 +30,7 @@ const NIGHTLY: &str = "nightly";
 /// bpf-linker's semver range; `bpf-linker --version` must start with this.
 const BPF_LINKER_VERSION: &str = "0.13";
 /// Where bpffs is mounted (aya pins maps there).
-const BPFFS: &str = "/sys/fs/bpf";
+const BPFFS: &str = rune_harness::bpffs::BPFFS;
 
 /// Checks and, where missing, installs every item.
 pub fn run() -> anyhow::Result<()> {
@@ -226,12 +226,7 @@ fn llvm_prefix() -> anyhow::Result<PathBuf> {
 }
 
 fn bpffs() -> anyhow::Result<()> {
-    let mounts = fs::read_to_string("/proc/self/mounts").context("reading /proc/self/mounts")?;
-    let mounted = mounts.lines().any(|line| {
-        let mut fields = line.split_whitespace().skip(1);
-        fields.next() == Some(BPFFS) && fields.next() == Some("bpf")
-    });
-    if mounted {
+    if rune_harness::bpffs::is_bpffs(Path::new(BPFFS)) {
         report("bpffs", "ok");
     } else if !util::is_root() {
         report(
@@ -239,10 +234,7 @@ fn bpffs() -> anyhow::Result<()> {
             &format!("not mounted at {BPFFS} (needs root), skipped"),
         );
     } else {
-        util::run_status(
-            "mount bpffs",
-            Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]),
-        )?;
+        rune_harness::bpffs::ensure_mounted()?;
         report("bpffs", "mounted");
     }
     Ok(())

@@ -1,8 +1,14 @@
 //! Small helpers shared by the tasks: paths and running commands.
 
-use std::{env, path::PathBuf, process::Command};
+use std::{
+    env,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use anyhow::{Context as _, bail};
+use rune_harness::{agent::Agent, netns::NetNs};
 
 /// The workspace root (the parent of the xtask crate).
 pub fn workspace_root() -> PathBuf {
@@ -57,50 +63,44 @@ pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// Makes `cmd`'s process enter the network namespace `ns` (setns between fork and
-/// exec) and die with the xtask (PR_SET_PDEATHSIG), so no bench child outlives it.
-/// `ns` is moved into the child's setup and stays open until exec.
-pub fn enter_netns_on_exec(cmd: &mut Command, ns: std::fs::File) {
-    use std::os::{fd::AsRawFd as _, unix::process::CommandExt as _};
-    // SAFETY: between fork and exec only async-signal-safe calls (setns, prctl) on
-    // a descriptor the closure owns.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            Ok(())
-        });
-    }
-}
-
 /// `BIN --state-dir STATE apply -f -` with `yaml` on its stdin; fails unless the
 /// command succeeds. Used by every bench that stores objects (into a stopped
 /// agent's store, or through a running agent's socket).
-pub fn rune_apply(
-    bin: &std::path::Path,
-    state: &std::path::Path,
-    yaml: &str,
-) -> anyhow::Result<()> {
-    use std::io::Write as _;
-    let mut child = Command::new(bin)
-        .arg("--state-dir")
-        .arg(state)
-        .args(["apply", "-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .with_context(|| format!("running {} apply", bin.display()))?;
-    child
-        .stdin
-        .take()
-        .context("the apply command's stdin")?
-        .write_all(yaml.as_bytes())?;
-    if !child.wait()?.success() {
-        bail!("rune-agent apply failed");
+pub fn rune_apply(bin: &Path, state: &Path, yaml: &str) -> anyhow::Result<()> {
+    let out = rune_harness::agent::run_cli(bin, None, state, &["apply", "-f", "-"], Some(yaml));
+    if !out.status.success() {
+        bail!(
+            "rune-agent apply failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(())
+}
+
+/// The production agent `bin` as a bench's child in `netns` (entered with setns
+/// before exec, so it still sees the host's bpffs): `rune-agent run --state-dir
+/// STATE ARGS` with the metrics and DNS listeners on the namespace's loopback (a
+/// fresh namespace: every port is free), DNS never forwarded, `RUST_LOG=rust_log`,
+/// its log in `STATE.log`; it dies with the xtask, and is stopped (SIGTERM, then
+/// SIGKILL after 10 s) on drop.
+pub fn spawn_agent(
+    bin: &Path,
+    netns: &NetNs,
+    state: &Path,
+    args: &[String],
+    rust_log: &str,
+) -> anyhow::Result<Agent> {
+    Agent::command(bin, state)
+        .netns(netns)
+        .metrics(SocketAddr::from(([127, 0, 0, 1], 9464)))
+        .args(args)
+        .args(["--dns-addr", "127.0.0.1:15353"])
+        .env("RUST_LOG", rust_log)
+        .log_file(state.with_extension("log"))
+        .stop_gracefully()
+        .die_with_parent()
+        .spawn()
 }
 
 /// The agent binary a bench measures: the one named by `RUNE_BENCH_AGENT` (to

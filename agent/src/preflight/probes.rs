@@ -780,9 +780,6 @@ mod tests {
         if !programs_embedded() {
             return;
         }
-        // tail_call is used only by the benchmark drivers that share the xdp and
-        // classifier sections; the agent never attaches them.
-        let bench_only = BpfHelper::BPF_FUNC_tail_call as u32;
         let mut seen = 0;
         for (section, calls) in helper_calls(EMBEDDED_OBJECT) {
             let type_name = match section.as_str() {
@@ -806,7 +803,7 @@ mod tests {
             let missing: Vec<u32> = calls
                 .iter()
                 .copied()
-                .filter(|id| *id != bench_only && !probed.contains(id))
+                .filter(|id| !probed.contains(id))
                 .collect();
             assert!(
                 missing.is_empty(),

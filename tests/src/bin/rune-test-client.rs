@@ -1,5 +1,5 @@
 //! A tiny client for socket-level tests, run as a child process (e.g. inside a test
-//! cgroup, see `rune_agent_tests::cgroup`):
+//! cgroup, see `rune_harness::cgroup`):
 //!
 //! ```text
 //! rune-test-client tcp|udp-connected|udp-unconnected ADDR [COUNT]

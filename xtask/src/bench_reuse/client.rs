@@ -3,8 +3,8 @@
 
 use super::net::{Reaped, in_netns};
 use super::{CONNECTIONS, RUN_SECS, WRK_LIMIT};
-use crate::bench_sync::Netns;
 use anyhow::{Context as _, Result, bail, ensure};
+use rune_harness::netns::NetNs;
 use std::{
     fmt,
     io::Read as _,
@@ -27,7 +27,7 @@ pub(super) struct Counters {
 /// Reads [`Counters`] with `nstat -asz` in the client namespace: absolute values of
 /// that namespace (its /proc/net), and no history file written (`NSTAT_HISTORY` points
 /// into `work` all the same, never at the per-user default other runs share).
-pub(super) fn counters(client: &Netns, work: &Path) -> Result<Counters> {
+pub(super) fn counters(client: &NetNs, work: &Path) -> Result<Counters> {
     let out = in_netns(client, "nstat")?
         .args(["-asz", "TcpExtTCPSynRetrans", "TcpOutRsts"])
         .env("NSTAT_HISTORY", work.join("nstat.history"))
@@ -100,7 +100,7 @@ pub(super) struct WrkRun {
 
 /// Runs one wrk per target at the same time in the client namespace and waits for
 /// both (killed, and the bench failed, after [`WRK_LIMIT`]).
-pub(super) fn wrk_pair(client: &Netns, targets: [Ipv4Addr; 2]) -> Result<Vec<WrkRun>> {
+pub(super) fn wrk_pair(client: &NetNs, targets: [Ipv4Addr; 2]) -> Result<Vec<WrkRun>> {
     let mut children = Vec::new();
     for target in targets {
         let mut cmd = in_netns(client, "wrk")?;

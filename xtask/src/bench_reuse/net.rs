@@ -2,9 +2,13 @@
 //! the backend namespaces, the client's source address and readiness probes.
 
 use super::{BACKENDS, GATEWAY, PROBE_SRC, src_addr};
-use crate::bench_e2e::{Mode, client_name, enter, ip};
-use crate::bench_sync::Netns;
+use crate::bench_e2e::Mode;
 use anyhow::{Context as _, Result, anyhow, ensure};
+use rune_harness::{
+    agent::die_with_parent,
+    netns::{NetNs, enter},
+    topology::{CLIENT_IF, Topology, TopologyConfig},
+};
 use std::{
     fs::File,
     io::{Read as _, Write as _},
@@ -15,115 +19,38 @@ use std::{
     time::{Duration, Instant},
 };
 
-/// The bench's namespaces, wired: client and the backends, each linked to the node.
-pub(super) struct Topology {
-    /// Where wrk, nstat and the probes run.
-    pub(super) client: Netns,
-    /// Where the agent runs and forwards.
-    pub(super) node: Netns,
-    /// One per nginx backend, in the order of [`BACKENDS`].
-    pub(super) backends: Vec<Netns>,
-}
-
-impl Topology {
-    /// Creates and wires the namespaces (deleted again on drop, also when wiring
-    /// fails): veths, addresses (the client's probe and per-run source addresses),
-    /// routes, forwarding in the node.
-    pub(super) fn create(pid: u32) -> Result<Self> {
-        let net = Self {
-            client: Netns::create(&format!("rune-bench-reuse-c-{pid}"))?,
-            node: Netns::create(&format!("rune-bench-reuse-n-{pid}"))?,
-            backends: (1..=BACKENDS.len())
-                .map(|i| Netns::create(&format!("rune-bench-reuse-b{i}-{pid}")))
-                .collect::<Result<_>>()?,
-        };
-        let (c, n) = (&client_name(&net.client), &client_name(&net.node));
-        // The node's client-facing veth is `n-client`, where `Mode::flags` hooks eBPF.
-        ip(&[
-            "link", "add", "c-node", "netns", c, "type", "veth", "peer", "n-client", "netns", n,
-        ])?;
-        ip(&[
-            "-n",
-            c,
-            "addr",
-            "add",
-            &format!("{PROBE_SRC}/24"),
-            "dev",
-            "c-node",
-        ])?;
-        for m in 0..Mode::ALL.len() {
-            for via_vip in [false, true] {
-                let addr = format!("{}/24", src_addr(m, via_vip));
-                ip(&["-n", c, "addr", "add", &addr, "dev", "c-node"])?;
-            }
+/// The scenario's network (`rune_harness::topology`): client, node and a backend
+/// namespace per entry of [`BACKENDS`] (backend i at 198.18.(10+i).2), no test
+/// servers (nginx serves), TX checksum offload left on (the XDP mode turns it off on
+/// the client's veth for its runs); the client also gets the probe and per-run
+/// source addresses. Deleted on drop, also when wiring fails.
+pub(super) fn topology() -> Result<Topology> {
+    let net = Topology::with_config(&TopologyConfig {
+        backends: BACKENDS.len(),
+        tcp_port: None,
+        udp_port: None,
+        client_tx_checksum_off: false,
+        ..TopologyConfig::default()
+    })?;
+    ensure!(
+        net.client_addr().v4 == PROBE_SRC
+            && net.node_client_addr().v4.to_string() == GATEWAY
+            && net.backends().iter().map(|b| b.addr().v4).eq(BACKENDS),
+        "the bench's addresses differ from the topology's"
+    );
+    for m in 0..Mode::ALL.len() {
+        for via_vip in [false, true] {
+            let addr = format!("{}/24", src_addr(m, via_vip));
+            net.client().ip(&["addr", "add", &addr, "dev", CLIENT_IF])?;
         }
-        ip(&[
-            "-n",
-            n,
-            "addr",
-            "add",
-            &format!("{GATEWAY}/24"),
-            "dev",
-            "n-client",
-        ])?;
-        ip(&["-n", c, "link", "set", "c-node", "up"])?;
-        ip(&["-n", n, "link", "set", "n-client", "up"])?;
-        ip(&["-n", c, "route", "add", "default", "via", GATEWAY])?;
-        for (i, (ns, addr)) in net.backends.iter().zip(BACKENDS).enumerate() {
-            let b = &client_name(ns);
-            let peer = format!("n-back{}", i + 1);
-            let [x, y, z, _] = addr.octets();
-            let gateway = Ipv4Addr::new(x, y, z, 1).to_string();
-            ip(&[
-                "link", "add", "b-node", "netns", b, "type", "veth", "peer", &peer, "netns", n,
-            ])?;
-            ip(&[
-                "-n",
-                b,
-                "addr",
-                "add",
-                &format!("{addr}/24"),
-                "dev",
-                "b-node",
-            ])?;
-            ip(&[
-                "-n",
-                n,
-                "addr",
-                "add",
-                &format!("{gateway}/24"),
-                "dev",
-                &peer,
-            ])?;
-            ip(&["-n", b, "link", "set", "b-node", "up"])?;
-            ip(&["-n", n, "link", "set", &peer, "up"])?;
-            ip(&["-n", b, "route", "add", "default", "via", &gateway])?;
-        }
-        sysctl(&net.node, "net.ipv4.ip_forward", "1")?;
-        Ok(net)
     }
-}
-
-/// Sets a sysctl of namespace `ns` (`ip netns exec NS sysctl`), never the host's.
-pub(super) fn sysctl(ns: &Netns, key: &str, value: &str) -> Result<()> {
-    crate::util::run_status(
-        "set a sysctl in a bench namespace",
-        Command::new("ip").args([
-            "netns",
-            "exec",
-            &client_name(ns),
-            "sysctl",
-            "-qw",
-            &format!("{key}={value}"),
-        ]),
-    )
+    Ok(net)
 }
 
 /// `program` as a command run inside namespace `ns` (and killed with the xtask).
-pub(super) fn in_netns(ns: &Netns, program: &str) -> Result<Command> {
-    let file = File::open(ns.path()).with_context(|| format!("opening {}", ns.path().display()))?;
-    let mut cmd = Command::new(program);
-    crate::util::enter_netns_on_exec(&mut cmd, file);
+pub(super) fn in_netns(ns: &NetNs, program: &str) -> Result<Command> {
+    let mut cmd = ns.command(program)?;
+    die_with_parent(&mut cmd);
     Ok(cmd)
 }
 
@@ -140,7 +67,7 @@ impl Drop for Reaped {
 /// Starts nginx in backend namespace `ns`, in the foreground as one process, with its
 /// config, temp paths, pid file and error log under `dir`: `200 ok` for every
 /// request, no access log, no keep-alive (nginx closes each connection first).
-pub(super) fn nginx(ns: &Netns, dir: &Path) -> Result<Reaped> {
+pub(super) fn nginx(ns: &NetNs, dir: &Path) -> Result<Reaped> {
     std::fs::create_dir_all(dir)?;
     let d = dir.display();
     let config = format!(
@@ -168,17 +95,15 @@ pub(super) fn nginx(ns: &Netns, dir: &Path) -> Result<Reaped> {
 
 /// Makes `src` the client's source address for new connections (its default route's
 /// `src`), since wrk cannot bind one.
-pub(super) fn route_src(client: &Netns, src: Ipv4Addr) -> Result<()> {
+pub(super) fn route_src(client: &NetNs, src: Ipv4Addr) -> Result<()> {
     let src = src.to_string();
-    let c = client_name(client);
-    ip(&[
-        "-n", &c, "route", "replace", "default", "via", GATEWAY, "src", &src,
-    ])
+    client.ip(&["route", "replace", "default", "via", GATEWAY, "src", &src])?;
+    Ok(())
 }
 
 /// Waits (up to 20 s) until every target answers `200 ok` on port 80 from the
 /// client's probe address: nginx listening, the agent's maps, rules or proxies in place.
-pub(super) fn wait_answering(client: &Netns, targets: &[Ipv4Addr]) -> Result<()> {
+pub(super) fn wait_answering(client: &NetNs, targets: &[Ipv4Addr]) -> Result<()> {
     route_src(client, PROBE_SRC)?;
     let (path, targets) = (client.path(), targets.to_vec());
     std::thread::spawn(move || -> Result<()> {

@@ -17,18 +17,18 @@
 //!   backend and without the old one. (`nft monitor` would be exact, but with
 //!   10,000 services it printed nothing within a minute.)
 //!
-//! The agent runs in a namespace of its own (`rune-bench-nft-<pid>`), so its table
+//! The agent runs in a namespace of its own (`rune-bench-nft-<pid>-<n>`), so its table
 //! is created, measured and removed there only.
 
 use super::{
-    Agent, CHANGE_LIMIT, CHANGES, CHANGES_LIMIT, Changes, ENDPOINTS, Netns, SERVICE_PORT, SERVICES,
+    Agent, CHANGE_LIMIT, CHANGES, CHANGES_LIMIT, Changes, ENDPOINTS, SERVICE_PORT, SERVICES,
     SNAPSHOT_RUNS, SYNC_LIMIT, endpoint_addr, endpoints_yaml, ensure_alive, ms, percentile,
     replacement_addr, service_name, vip,
 };
 use anyhow::{Context as _, Result, ensure};
+use rune_harness::netns::NetNs;
 use std::{
     fmt::Write as _,
-    fs::File,
     net::Ipv4Addr,
     path::Path,
     process::{Command, Stdio},
@@ -39,12 +39,10 @@ use std::{
 const TITLE: &str = "## nftables sync (production agent, --dataplane nftables, 10,000 services)";
 
 /// `nft ARGS` inside `netns` (entered with setns before exec).
-fn nft(netns: &Netns, args: &[&str]) -> Result<Command> {
-    let ns =
-        File::open(netns.path()).with_context(|| format!("opening {}", netns.path().display()))?;
-    let mut cmd = Command::new("nft");
+fn nft(netns: &NetNs, args: &[&str]) -> Result<Command> {
+    let mut cmd = netns.command("nft")?;
     cmd.args(args);
-    crate::util::enter_netns_on_exec(&mut cmd, ns);
+    rune_harness::agent::die_with_parent(&mut cmd);
     Ok(cmd)
 }
 
@@ -65,14 +63,15 @@ pub(super) fn section(
     if Command::new("nft").arg("--version").output().is_err() {
         return Ok(format!("\n{TITLE}\n\nskipped: no nft binary\n"));
     }
-    let pid = std::process::id();
-    let work = super::TempDir::new(&format!("rune-bench-nft-{pid}"))?;
+    let work = tempfile::Builder::new()
+        .prefix("rune-bench-nft-")
+        .tempdir()?;
     let mut runs = Vec::new();
     let mut changes = None;
     for run in 0..SNAPSHOT_RUNS {
         // A fresh namespace each run: no table to adopt.
-        let netns = Netns::create(&format!("rune-bench-nft-{pid}"))?;
-        let state = work.0.join(format!("state-{run}"));
+        let netns = NetNs::new("bench-nft")?;
+        let state = work.path().join(format!("state-{run}"));
         let mut apply = Command::new(bin);
         apply
             .arg("--state-dir")
@@ -181,7 +180,7 @@ pub(super) fn section(
 }
 
 /// The elements of map `map` of our table as `(key, value)` texts (`a . b . c`).
-fn map_elements(netns: &Netns, map: &str) -> Result<Vec<(String, String)>> {
+fn map_elements(netns: &NetNs, map: &str) -> Result<Vec<(String, String)>> {
     let out = nft(netns, &["-j", "list", "map", "inet", "rune", map])?.output()?;
     ensure!(out.status.success(), "nft list map {map} failed");
     let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
@@ -209,7 +208,7 @@ fn map_elements(netns: &Netns, map: &str) -> Result<Vec<(String, String)>> {
         .collect())
 }
 
-fn measure_snapshot(agent: &Agent, netns: &Netns) -> Result<Snapshot> {
+fn measure_snapshot(agent: &Agent, netns: &NetNs) -> Result<Snapshot> {
     let deadline = agent.process.started + SYNC_LIMIT;
     loop {
         if agent.applies().iter().any(|(_, n)| *n == SERVICES) {
@@ -243,7 +242,7 @@ fn measure_snapshot(agent: &Agent, netns: &Netns) -> Result<Snapshot> {
     })
 }
 
-fn measure_changes(bin: &Path, agent: &Agent, netns: &Netns, state: &Path) -> Result<Changes> {
+fn measure_changes(bin: &Path, agent: &Agent, netns: &NetNs, state: &Path) -> Result<Changes> {
     let applies_before = agent.applies().len();
     let mut c = Changes {
         after_return: Vec::new(),

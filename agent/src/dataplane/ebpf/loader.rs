@@ -1,6 +1,7 @@
 //! The agent's eBPF object, embedded in the binary, and its loading: the load
 //! balancer's maps sized and pinned ([`load_lb`]), or the object as it is
-//! ([`load_embedded`]) with the `rune_xdp_pass` counter ([`attach_xdp_pass`]).
+//! ([`load_embedded`]). Programs only tests and benches load are in a second object
+//! (`agent-ebpf-test`), never embedded here.
 //!
 //! `build.rs` compiles the `agent-ebpf` crate for the bpf target and this module
 //! embeds the object ([`EMBEDDED_OBJECT`]), so one binary carries everything it loads.
@@ -11,12 +12,7 @@
 //! reachable through [`EbpfError::verifier_log`]).
 
 use agent_common::lb;
-use agent_common::{PacketStats, XDP_PASS_PROGRAM, XDP_STATS_MAP};
-use aya::{
-    Ebpf, EbpfLoader,
-    maps::PerCpuArray,
-    programs::{ProgramError, Xdp, xdp::XdpLinkId},
-};
+use aya::{Ebpf, EbpfLoader};
 use std::path::Path;
 
 use super::{error::EbpfError, pins, stats::StatsLayout};
@@ -39,7 +35,7 @@ pub fn programs_embedded() -> bool {
 /// Parses the embedded object and creates its maps in the kernel, pinning the
 /// load balancer's maps under `pin_dir` (re-opening them when already pinned there).
 ///
-/// Programs are not loaded yet; use [`attach_xdp_pass`] (or aya directly) for that.
+/// Programs are not loaded yet (aya's `program_mut(..).load()` does that).
 /// Needs `CAP_BPF` (root in practice).
 pub fn load_embedded(pin_dir: &Path) -> Result<Ebpf, EbpfError> {
     if !programs_embedded() {
@@ -116,65 +112,6 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
     };
     legacy.carry_over(&mut ebpf);
     Ok(ebpf)
-}
-
-/// Loads `rune_xdp_pass` (once) and attaches it to `interface` in `mode`.
-///
-/// The interface name is resolved in the calling thread's network namespace. The
-/// attachment lives as long as `ebpf` (dropping it detaches), or until detached
-/// through the returned id.
-///
-/// # Minimum kernel version
-///
-/// 5.9 for link-based attachment (aya falls back to netlink on older kernels);
-/// native XDP on veth needs 4.19.
-#[doc(alias = "BPF_PROG_TYPE_XDP")]
-pub fn attach_xdp_pass(
-    ebpf: &mut Ebpf,
-    interface: &str,
-    mode: XdpMode,
-) -> Result<XdpLinkId, EbpfError> {
-    let name = XDP_PASS_PROGRAM;
-    let program: &mut Xdp = ebpf
-        .program_mut(name)
-        .ok_or(EbpfError::ProgramNotFound { name })?
-        .try_into()
-        .map_err(|source| EbpfError::ProgramType {
-            name,
-            source: Box::new(source),
-        })?;
-    match program.load() {
-        Ok(()) | Err(ProgramError::AlreadyLoaded) => {}
-        Err(source) => {
-            return Err(EbpfError::ProgramLoad {
-                name,
-                source: Box::new(source),
-            });
-        }
-    }
-    program
-        .attach(interface, mode)
-        .map_err(|source| EbpfError::Attach {
-            name,
-            interface: interface.to_owned(),
-            mode,
-            source: Box::new(source),
-        })
-}
-
-/// Reads `rune_xdp_pass`'s counters, summed over all CPUs.
-#[doc(alias = "BPF_MAP_TYPE_PERCPU_ARRAY")]
-pub fn xdp_pass_stats(ebpf: &Ebpf) -> Result<PacketStats, EbpfError> {
-    let name = XDP_STATS_MAP;
-    let map = ebpf.map(name).ok_or(EbpfError::MapNotFound { name })?;
-    let array: PerCpuArray<_, PacketStats> =
-        PerCpuArray::try_from(map).map_err(|source| EbpfError::Map { name, source })?;
-    let per_cpu = array
-        .get(&0, 0)
-        .map_err(|source| EbpfError::Map { name, source })?;
-    Ok(per_cpu
-        .iter()
-        .fold(PacketStats::default(), |sum, cpu| sum.add(*cpu)))
 }
 
 #[cfg(test)]

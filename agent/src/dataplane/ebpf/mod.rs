@@ -28,10 +28,7 @@ mod tests;
 pub use attach::{Attachment, Hooks};
 pub use collector::LbCollector;
 pub use error::{EbpfError, MapsError};
-pub use loader::{
-    EMBEDDED_OBJECT, MapSizes, XdpMode, attach_xdp_pass, load_embedded, load_lb, programs_embedded,
-    xdp_pass_stats,
-};
+pub use loader::{EMBEDDED_OBJECT, MapSizes, XdpMode, load_embedded, load_lb, programs_embedded};
 
 use super::{DataPlane, DataPlaneError, ServicePortStatus, TrafficCounters};
 use crate::{endpoints::Delta, lock::lock, maglev};

@@ -1,9 +1,11 @@
 //! Unprivileged tests of the sync engine over [`FakeMaps`] and [`FaultyMaps`]: what
 //! ends up in the maps for a set of services (golden file), that a change writes
-//! only what differs, drain, restart adoption, and repair after failed writes.
+//! only what differs, drain, restart adoption, and repair after failed writes. One
+//! privileged test holds the fake to the kernel: the golden deltas applied to both
+//! must leave the same maps ([`golden_deltas_leave_the_fake_and_the_kernel_maps_equal`]).
 
 use super::{
-    maps::{Capacity, FakeMaps, FaultyMaps, LbMaps},
+    maps::{Capacity, FakeMaps, FaultyMaps, KernelMaps, LbMaps},
     sync::{LbSync, SyncError},
 };
 use crate::{
@@ -13,6 +15,7 @@ use crate::{
 };
 use agent_common::codec::{backend_addr, backend_value, frontend_addr, frontend_key};
 use agent_common::lb::{self, BACKEND_ACTIVE, BACKEND_DRAINING, Backend};
+use aya::maps::{Array, Map, MapData};
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
@@ -93,28 +96,32 @@ fn proto(p: u8) -> &'static str {
     }
 }
 
-/// The backend address in slot `id`, or a marker that makes a dangling id visible.
-fn backend_name(maps: &FakeMaps, id: u32) -> String {
-    match maps.backends.get(id as usize).and_then(backend_addr) {
+/// The backend address of `id` in `backends`, or a marker that makes a dangling id
+/// visible.
+fn backend_name(backends: &BTreeMap<u32, Backend>, id: u32) -> String {
+    match backends.get(&id).and_then(backend_addr) {
         Some(a) => a.to_string(),
         None => format!("<no backend {id}>"),
     }
 }
 
-/// A sorted, readable dump of the maps. Without `ids`, frontends and backends are
-/// listed by address only (for comparing maps whose ids were allocated in another
-/// order); tables are always shown as backend addresses.
-fn dump(maps: &FakeMaps, ids: bool) -> String {
+/// A sorted, readable dump of the maps (any [`LbMaps`]: the fake's or the kernel's,
+/// read through the trait). Without `ids`, frontends and backends are listed by
+/// address only (for comparing maps whose ids were allocated in another order);
+/// tables are always shown as backend addresses.
+fn dump(maps: &impl LbMaps, ids: bool) -> String {
     let cap = maps.capacity();
     let mut out = String::new();
     let mut fronts: Vec<(SocketAddr, u8, lb::ServiceValue)> = maps
-        .frontends
+        .frontends()
+        .unwrap()
         .iter()
         .map(|(k, v)| {
             let (a, p) = frontend_addr(k);
             (a, p, *v)
         })
         .collect();
+    let by_id: BTreeMap<u32, Backend> = maps.backends().unwrap().into_iter().collect();
     fronts.sort_by_key(|(a, p, _)| (*a, *p));
     out.push_str("frontends:\n");
     for (a, p, v) in &fronts {
@@ -138,11 +145,9 @@ fn dump(maps: &FakeMaps, ids: bool) -> String {
         .unwrap();
     }
     out.push_str("backends:\n");
-    let mut backends: Vec<(SocketAddr, u32, Backend)> = maps
-        .backends()
-        .unwrap()
-        .into_iter()
-        .map(|(id, b)| (backend_addr(&b).unwrap(), id, b))
+    let mut backends: Vec<(SocketAddr, u32, Backend)> = by_id
+        .iter()
+        .map(|(id, b)| (backend_addr(b).unwrap(), *id, *b))
         .collect();
     backends.sort_by_key(|(a, id, _)| if ids { (*id, *a) } else { (0, *a) });
     for (a, id, b) in backends {
@@ -164,12 +169,12 @@ fn dump(maps: &FakeMaps, ids: bool) -> String {
         let table = maps.table(v.id).unwrap();
         let mut counts: BTreeMap<String, usize> = BTreeMap::new();
         for id in table {
-            *counts.entry(backend_name(maps, *id)).or_default() += 1;
+            *counts.entry(backend_name(&by_id, *id)).or_default() += 1;
         }
         let counts: Vec<String> = counts.iter().map(|(b, n)| format!("{b}×{n}")).collect();
         writeln!(out, "  {a}/{}: {}", proto(*p), counts.join(", ")).unwrap();
         for (slot, id) in table.iter().enumerate() {
-            writeln!(out, "    {slot:2} {}", backend_name(maps, *id)).unwrap();
+            writeln!(out, "    {slot:2} {}", backend_name(&by_id, *id)).unwrap();
         }
     }
     out
@@ -215,6 +220,20 @@ fn check_invariants(maps: &FakeMaps) {
     );
 }
 
+/// The lines that differ between `want` and `got`, numbered: `-want`, `+got`.
+fn line_diff(want: &str, got: &str) -> String {
+    let mut diff = String::new();
+    let (w, g): (Vec<&str>, Vec<&str>) = (want.lines().collect(), got.lines().collect());
+    for i in 0..g.len().max(w.len()) {
+        let (a, b) = (w.get(i).copied(), g.get(i).copied());
+        if a != b {
+            writeln!(diff, "line {}: -{}", i + 1, a.unwrap_or("<end>")).unwrap();
+            writeln!(diff, "line {}: +{}", i + 1, b.unwrap_or("<end>")).unwrap();
+        }
+    }
+    diff
+}
+
 fn golden_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src/dataplane/ebpf/testdata/golden_maps.txt")
 }
@@ -235,18 +254,10 @@ fn golden_maps() {
     }
     let want = std::fs::read_to_string(&path).unwrap_or_default();
     if got != want {
-        let mut diff = String::new();
-        let (g, w): (Vec<&str>, Vec<&str>) = (got.lines().collect(), want.lines().collect());
-        for i in 0..g.len().max(w.len()) {
-            let (a, b) = (w.get(i).copied(), g.get(i).copied());
-            if a != b {
-                writeln!(diff, "line {}: -{}", i + 1, a.unwrap_or("<end>")).unwrap();
-                writeln!(diff, "line {}: +{}", i + 1, b.unwrap_or("<end>")).unwrap();
-            }
-        }
+        let diff = line_diff(&want, &got);
         panic!(
             "maps differ from {} (- expected, + got); if the change is intended, rerun \
-             with RUNE_UPDATE_GOLDEN=1 and review the file:\n{diff}",
+         with RUNE_UPDATE_GOLDEN=1 and review the file:\n{diff}",
             path.display()
         );
     }
@@ -297,9 +308,9 @@ fn api(addrs: &[&str], drain: u32) -> String {
     let eps: Vec<String> = addrs.iter().map(|a| format!("{{address: {a}}}")).collect();
     format!(
         "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: api}}\n\
-         spec: {{ports: [{{port: 80}}], discovery: {{vips: [198.18.100.20]}}, drainSeconds: {drain}}}\n\
-         ---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: api}}\n\
-         spec: {{endpoints: [{}]}}\n",
+     spec: {{ports: [{{port: 80}}], discovery: {{vips: [198.18.100.20]}}, drainSeconds: {drain}}}\n\
+     ---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: api}}\n\
+     spec: {{endpoints: [{}]}}\n",
         eps.join(", ")
     )
 }
@@ -515,14 +526,14 @@ fn golden2() -> String {
         .replace(
             "- {address: 198.18.1.3, node: node-b, ports: {http: 8081}}",
             "- {address: 198.18.1.3, node: node-b, ports: {http: 8081}, terminating: true}\n    \
-             - {address: 198.18.1.6, node: node-b}",
+         - {address: 198.18.1.6, node: node-b}",
         )
         .replace("metadata: {name: prefer}", "metadata: {name: preferx}");
     y.push_str(
         "---\napiVersion: rune/v1\nkind: Service\nmetadata: {name: extra}\n\
-         spec: {ports: [{port: 443}], discovery: {vips: [198.18.100.16]}}\n\
-         ---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {name: extra}\n\
-         spec: {endpoints: [{address: 198.18.7.1}]}\n",
+     spec: {ports: [{port: 443}], discovery: {vips: [198.18.100.16]}}\n\
+     ---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {name: extra}\n\
+     spec: {endpoints: [{address: 198.18.7.1}]}\n",
     );
     y
 }
@@ -583,8 +594,8 @@ fn failed_writes_are_repaired_by_the_next_full_sync() {
 #[test]
 fn full_maps_name_the_setting_and_are_counted() {
     let yaml = "apiVersion: rune/v1\nkind: Service\nmetadata: {name: big}\n\
-                spec: {ports: [{name: a, port: 80}, {name: b, port: 81}], \
-                discovery: {vips: [198.18.100.30, \"fd00::30\"]}}\n";
+            spec: {ports: [{name: a, port: 80}, {name: b, port: 81}], \
+            discovery: {vips: [198.18.100.30, \"fd00::30\"]}}\n";
     let cap = Capacity {
         frontends: 3,
         ..small()
@@ -637,9 +648,9 @@ fn vip_moving_between_services_stays_programmed() {
     let svc = |name: &str, vip: &str| {
         format!(
             "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: {name}}}\n\
-             spec: {{ports: [{{port: 80}}], discovery: {{vips: [{vip}]}}}}\n\
-             ---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: {name}}}\n\
-             spec: {{endpoints: [{{address: 198.18.8.1}}]}}\n---\n"
+         spec: {{ports: [{{port: 80}}], discovery: {{vips: [{vip}]}}}}\n\
+         ---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: {name}}}\n\
+         spec: {{endpoints: [{{address: 198.18.8.1}}]}}\n---\n"
         )
     };
     let moved = frontend_key(ip("198.18.100.40"), 80, lb::PROTO_TCP);
@@ -736,10 +747,10 @@ fn many_services(count: u32) -> String {
         let _ = write!(
             yaml,
             "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: s{i:04}}}\n\
-             spec: {{ports: [{{port: 80, targetPort: 8080}}], discovery: {{vips: [{vip}]}}}}\n\
-             ---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: s{i:04}}}\n\
-             spec: {{endpoints: [{{address: 198.18.{a}.{b}}}, {{address: 198.18.{}.{b}}}, \
-             {{address: 198.18.{}.{}}}]}}\n---\n",
+         spec: {{ports: [{{port: 80, targetPort: 8080}}], discovery: {{vips: [{vip}]}}}}\n\
+         ---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: s{i:04}}}\n\
+         spec: {{endpoints: [{{address: 198.18.{a}.{b}}}, {{address: 198.18.{}.{b}}}, \
+         {{address: 198.18.{}.{}}}]}}\n---\n",
             a + 10,
             20 + shared / 200,
             shared % 200,
@@ -784,4 +795,88 @@ fn tables_built_on_another_thread_give_the_same_maps() {
     parallel.maps_mut().writes.clear();
     parallel.apply(&full(&yaml), now).unwrap();
     assert_eq!(parallel.maps().writes, Vec::<String>::new());
+}
+
+/// The kernel's maps as the agent opens them: the embedded object loaded with maps
+/// of `cap`'s sizes, pinned in `pins`, handed to [`KernelMaps`]; and the VIP
+/// prefilter array, opened a second time (by id) for reading.
+fn kernel_maps(pins: &std::path::Path, cap: Capacity) -> (KernelMaps, Array<MapData, u64>) {
+    let pinned = super::pins::PinnedBefore::probe(pins);
+    let sizes = super::MapSizes {
+        frontends: cap.frontends,
+        backends: cap.backends,
+        table_size: cap.table_size,
+        flows: cap.flows,
+        affinity: cap.flows,
+    };
+    let mut ebpf = super::load_lb(pins, &sizes).unwrap_or_else(|e| panic!("{e:#}"));
+    let filter_id = match ebpf.map(lb::VIP_FILTER) {
+        Some(Map::Array(data)) => data.info().unwrap().id(),
+        _ => panic!("no {} array in the object", lb::VIP_FILTER),
+    };
+    let filter = Array::try_from(Map::Array(MapData::from_id(filter_id).unwrap())).unwrap();
+    let mut taken = BTreeMap::new();
+    let names: Vec<String> = ebpf.maps().map(|(n, _)| n.to_owned()).collect();
+    for name in names {
+        if let Some(map) = ebpf.take_map(&name) {
+            taken.insert(name, map);
+        }
+    }
+    let maps = KernelMaps::new(&mut taken)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .pinned_before(pinned);
+    (maps, filter)
+}
+
+/// The sync engine's golden deltas (`testdata/golden.yaml`, a one-endpoint change,
+/// the changed state of [`golden2`], the golden state again, nothing) applied to
+/// [`FakeMaps`] and to the kernel's maps ([`KernelMaps`], the embedded object loaded
+/// in a private pin directory): after every delta both hold the same frontends,
+/// backends, tables and VIP prefilter, so the fake the unprivileged tests trust
+/// cannot drift from the kernel. Needs root (BPF) and the embedded programs.
+#[test]
+fn golden_deltas_leave_the_fake_and_the_kernel_maps_equal() {
+    rune_harness::netns::require_root().unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        super::programs_embedded(),
+        "this test loads the embedded eBPF object: build the agent with its programs \
+     (without AYA_BUILD_SKIP=1)"
+    );
+    let pins = rune_harness::bpffs::PinDir::new("maps-contract");
+    let cap = small();
+    let (kernel, filter) = kernel_maps(pins.path(), cap);
+    assert_eq!(kernel.capacity(), cap, "the kernel maps' sizes");
+    let now = Instant::now();
+    let mut in_kernel = LbSync::new(kernel, NODE);
+    let mut fake = LbSync::new(FakeMaps::new(cap), NODE);
+    let changed = GOLDEN.replace(
+        "- {address: 198.18.2.3, node: node-a}",
+        "- {address: 198.18.2.4, node: node-a}",
+    );
+    assert_ne!(changed, GOLDEN);
+    let steps = [
+        ("golden.yaml", full(GOLDEN)),
+        ("one endpoint of `local` replaced", only(&changed, "local")),
+        ("golden2", full(&golden2())),
+        ("golden.yaml again", full(GOLDEN)),
+        ("nothing", full("")),
+    ];
+    for (what, delta) in &steps {
+        in_kernel.apply(delta, now).unwrap();
+        fake.apply(delta, now).unwrap();
+        let (k, f) = (dump(in_kernel.maps(), true), dump(fake.maps(), true));
+        if k != f {
+            let diff = line_diff(&f, &k);
+            panic!(
+                "after {what}, the kernel's maps differ from the fake's (- fake, + kernel):\n{diff}"
+            );
+        }
+        let words: Vec<u64> = (0..filter.len())
+            .map(|i| filter.get(&i, 0).unwrap())
+            .collect();
+        assert!(
+            words == fake.maps().vip_filter,
+            "after {what}, the kernel's VIP prefilter differs from the fake's"
+        );
+    }
 }

@@ -1,4 +1,4 @@
-//! Benchmark drivers for `cargo xtask bench ebpf` (never attached by the agent).
+//! Benchmark drivers for `cargo xtask bench ebpf` (in the test object only).
 //!
 //! `BPF_PROG_TEST_RUN` with `repeat` runs every iteration on the same buffer, so a
 //! program that rewrites the packet would time the rewritten packet's path from the

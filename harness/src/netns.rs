@@ -1,4 +1,4 @@
-//! Network namespaces for privileged end-to-end tests.
+//! Network namespaces for privileged tests and benches.
 //!
 //! [`NetNs`] creates a uniquely named namespace (`ip netns add`), runs `ip`
 //! commands in it, runs closures inside it on a dedicated thread (via `setns`, so
@@ -6,7 +6,7 @@
 //! ([`NetNs::command`], via `setns` before `exec`, never `ip netns exec`), and deletes
 //! it on drop, also when a test panics. [`veth_pair`] wires two namespaces together.
 //!
-//! Rules for tests using this: give interfaces addresses from 198.18.0.0/15 (the
+//! Rules for tests and benches using this: give interfaces addresses from 198.18.0.0/15 (the
 //! benchmarking range) and only inside namespaces the test created; never touch the
 //! root namespace's interfaces, routes or nftables.
 
@@ -79,6 +79,51 @@ impl NetNs {
     pub fn command(&self, program: impl AsRef<OsStr>) -> anyhow::Result<Command> {
         command_at(&self.path(), program)
     }
+
+    /// Sets the sysctl `key` (`net/ipv4/ip_forward` or `net.ipv4.ip_forward`) of this
+    /// namespace, never the host's: /proc/sys/net shows the network namespace of the
+    /// thread that opens the file, so a thread inside the namespace writes it. Reads
+    /// the value back.
+    pub fn sysctl(&self, key: &str, value: &str) -> anyhow::Result<()> {
+        let path = format!("/proc/sys/{}", key.replace('.', "/"));
+        self.run(|| -> anyhow::Result<()> {
+            std::fs::write(&path, value).with_context(|| format!("writing {value} to {path}"))?;
+            let now = std::fs::read_to_string(&path)?;
+            let normal = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+            if normal(&now) != normal(value) {
+                bail!("{path} reads {now:?} after writing {value:?}");
+            }
+            Ok(())
+        })?
+    }
+
+    /// Turns TX checksum offload of `ifname` (in this namespace) on or off (`ethtool
+    /// -K IF tx on|off`, run inside it). Off makes a veth hand its peer full
+    /// checksums, which XDP programs that rewrite packets need.
+    pub fn set_tx_checksum(&self, ifname: &str, on: bool) -> anyhow::Result<()> {
+        let state = if on { "on" } else { "off" };
+        let output = match self
+            .command("ethtool")?
+            .args(["-K", ifname, "tx", state])
+            .output()
+        {
+            Ok(output) => output,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!(
+                "ethtool is missing (it sets TX checksum offload on veths for XDP): \
+                 run `cargo xtask setup` (or `apt-get install ethtool`)"
+            ),
+            Err(e) => return Err(e).context("running ethtool"),
+        };
+        if !output.status.success() {
+            bail!(
+                "`ethtool -K {ifname} tx {state}` in {} failed ({}): {}",
+                self.name,
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            );
+        }
+        Ok(())
+    }
 }
 
 /// [`NetNs::run`] for a namespace known by its file (`/run/netns/NAME`), e.g. one a
@@ -93,13 +138,7 @@ pub fn run_at<T: Send>(path: &Path, f: impl FnOnce() -> T + Send) -> anyhow::Res
         let thread = thread::Builder::new()
             .name(format!("netns-{name}"))
             .spawn_scoped(scope, move || -> anyhow::Result<T> {
-                // SAFETY: `file` is an open namespace file; setns only changes this
-                // thread's network namespace, and the thread ends after `f`.
-                let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-                if rc != 0 {
-                    return Err(std::io::Error::last_os_error())
-                        .with_context(|| format!("setns into {}", path.display()));
-                }
+                setns(&file, path)?;
                 Ok(f())
             })
             .context("spawning the namespace thread")?;
@@ -108,6 +147,25 @@ pub fn run_at<T: Send>(path: &Path, f: impl FnOnce() -> T + Send) -> anyhow::Res
             Err(panic) => std::panic::resume_unwind(panic),
         }
     })
+}
+
+/// Moves the calling thread into the namespace at `path` for good: for threads that
+/// live in one namespace (a bench's client runtime, a backend server). Prefer
+/// [`NetNs::run`], which leaves the caller where it is.
+pub fn enter(path: &Path) -> anyhow::Result<()> {
+    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    setns(&file, path)
+}
+
+/// `setns(2)` of the calling thread into the network namespace open as `file`.
+fn setns(file: &File, path: &Path) -> anyhow::Result<()> {
+    // SAFETY: `file` is an open namespace file; setns only changes this thread's
+    // network namespace.
+    if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("setns into {}", path.display()));
+    }
+    Ok(())
 }
 
 /// [`NetNs::command`] for a namespace known by its file (`/run/netns/NAME`).

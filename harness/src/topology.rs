@@ -1,4 +1,5 @@
-//! The shared network for the data-plane end-to-end tests and benchmarks:
+//! The shared network of the data-plane end-to-end tests and of the end-to-end
+//! benchmarks (`cargo xtask bench e2e | reuse`):
 //!
 //! ```text
 //! client ns ──veth── node ns ──veth── backend-1 ns
@@ -43,7 +44,7 @@
 //! them. So [`Topology::new`] turns TX checksum offload off on the client's veth
 //! (traffic towards the node's XDP), and [`TopologyConfig::backend_tx_checksum_off`]
 //! does the same on the backends' veths for tests whose data plane also rewrites
-//! replies with XDP. [`disable_tx_checksum`] does it on any interface.
+//! replies with XDP. [`NetNs::set_tx_checksum`] does it on any interface.
 //!
 //! # Servers and client helpers
 //!
@@ -247,7 +248,7 @@ impl Topology {
         add_addrs(&node, NODE_CLIENT_IF, node_client)?;
         default_routes(&client, CLIENT_IF, node_client)?;
         if config.client_tx_checksum_off {
-            disable_tx_checksum(&client, CLIENT_IF)?;
+            client.set_tx_checksum(CLIENT_IF, false)?;
         }
 
         let mut backends = Vec::with_capacity(config.backends);
@@ -268,7 +269,7 @@ impl Topology {
             add_addrs(&node, &node_if, node_addr)?;
             default_routes(&ns, BACKEND_IF, node_addr)?;
             if config.backend_tx_checksum_off {
-                disable_tx_checksum(&ns, BACKEND_IF)?;
+                ns.set_tx_checksum(BACKEND_IF, false)?;
             }
             backends.push(Backend {
                 name: format!("backend-{i}"),
@@ -496,32 +497,6 @@ impl LongLived {
     }
 }
 
-/// Turns TX checksum offload off on `ifname` in `ns` (`ethtool -K IF tx off`, run
-/// inside `ns`).
-pub fn disable_tx_checksum(ns: &NetNs, ifname: &str) -> anyhow::Result<()> {
-    let output = match ns
-        .command("ethtool")?
-        .args(["-K", ifname, "tx", "off"])
-        .output()
-    {
-        Ok(output) => output,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => bail!(
-            "ethtool is missing (it turns off TX checksum offload on veths for XDP): \
-             run `cargo xtask setup` (or `apt-get install ethtool`)"
-        ),
-        Err(e) => return Err(e).context("running ethtool"),
-    };
-    if !output.status.success() {
-        bail!(
-            "`ethtool -K {ifname} tx off` in {} failed ({}): {}",
-            ns.name(),
-            output.status,
-            String::from_utf8_lossy(&output.stderr).trim()
-        );
-    }
-    Ok(())
-}
-
 fn client_addr() -> DualStack {
     DualStack {
         v4: Ipv4Addr::new(198, 18, 1, 2),
@@ -600,21 +575,10 @@ fn default_routes(ns: &NetNs, ifname: &str, via: DualStack) -> anyhow::Result<()
     Ok(())
 }
 
-/// Turns on IPv4 and IPv6 forwarding in `ns`. /proc/sys/net shows the network
-/// namespace of the thread that opens the file, so a `setns` thread writes `ns`'s
-/// settings.
+/// Turns on IPv4 and IPv6 forwarding in `ns`.
 fn enable_forwarding(ns: &NetNs) -> anyhow::Result<()> {
-    ns.run(|| -> anyhow::Result<()> {
-        for key in ["net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"] {
-            let path = format!("/proc/sys/{key}");
-            std::fs::write(&path, "1").with_context(|| format!("writing 1 to {path}"))?;
-            let now = std::fs::read_to_string(&path)?;
-            if now.trim() != "1" {
-                bail!("{path} reads {now:?} after writing 1");
-            }
-        }
-        Ok(())
-    })?
+    ns.sysctl("net/ipv4/ip_forward", "1")?;
+    ns.sysctl("net/ipv6/conf/all/forwarding", "1")
 }
 
 /// Counters of one backend's servers.
