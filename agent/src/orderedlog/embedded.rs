@@ -1,11 +1,16 @@
 //! The embedded backend: a persistent, single-node ordered log in one redb file.
 //!
-//! `<state_dir>/store.redb` holds three tables, all written in the same transaction:
+//! `<state_dir>/store.redb` holds four tables, all written in the same transaction:
 //!
 //! * `objects`: `Kind/namespace/name` → (revision it was last written at, JSON document);
 //! * `log`: revision → the event as JSON (`{"op":"put","object":…}` or
 //!   `{"op":"delete","key":…}`), one row per revision, no gaps;
-//! * `meta`: the current revision and the oldest revision one can still watch from.
+//! * `vips`: VIP → the service that owns it ([`vips`]), so that an apply checks VIP
+//!   uniqueness by lookups: an apply costs what it writes, not what is stored;
+//! * `meta`: the current revision, the oldest revision one can still watch from, and
+//!   the revision the VIP index is current at.
+//!
+//! The state dir is created 0700 and the store file 0600 (secrets will live there).
 //!
 //! Writers ([`EmbeddedLog::apply`], [`EmbeddedLog::delete`]) are synchronous (redb is
 //! blocking; async callers use `spawn_blocking`). Every changed object gets its own
@@ -29,9 +34,14 @@ use serde::{Deserialize, Serialize};
 use std::{
     collections::{BTreeMap, HashSet, VecDeque},
     fmt,
+    ops::ControlFlow,
+    os::unix::fs::{DirBuilderExt, OpenOptionsExt},
     path::{Path, PathBuf},
     sync::{Arc, Weak},
+    time::Instant,
 };
+
+mod vips;
 use thiserror::Error;
 use tokio::sync::watch;
 
@@ -160,14 +170,32 @@ struct StoredKey {
 
 impl EmbeddedLog {
     /// Opens (creating when missing) the store `<state_dir>/store.redb`. Fails with
-    /// [`LogError::Locked`] when another process holds it open.
+    /// [`LogError::Locked`] when another process holds it open. A missing state dir
+    /// is created 0700 and a new store file 0600. Builds the VIP index when the store
+    /// was written by an older agent (one pass over the stored services).
     pub fn open(state_dir: &Path, options: EmbeddedOptions) -> Result<EmbeddedLog, LogError> {
-        std::fs::create_dir_all(state_dir).map_err(|e| LogError::Storage {
-            path: state_dir.display().to_string(),
-            message: format!("cannot create the state dir: {e}"),
-        })?;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(state_dir)
+            .map_err(|e| LogError::Storage {
+                path: state_dir.display().to_string(),
+                message: format!("cannot create the state dir: {e}"),
+            })?;
         let path = state_dir.join(STORE_FILE);
         let shown = path.display().to_string();
+        // redb creates a missing file with the process's umask (0644 as a rule) and
+        // initialises an empty one: create it 0600 first.
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+        {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(storage(&path, format!("cannot create the store file: {e}"))),
+        }
         // Integrity check on open: a damaged file fails with an error instead of
         // possibly panicking later (redb trusts a cleanly closed file otherwise).
         let db = Database::builder()
@@ -190,6 +218,7 @@ impl EmbeddedLog {
             let meta = txn.open_table(META).map_err(|e| storage(&path, e))?;
             read_meta(&meta, META_REVISION, &path)?
         };
+        vips::ensure(&txn, current, &path)?;
         txn.commit().map_err(|e| storage(&path, e))?;
         let (committed, _) = watch::channel(current);
         Ok(EmbeddedLog {
@@ -213,11 +242,18 @@ impl EmbeddedLog {
     }
 
     /// Stores `objects` all or nothing, in one transaction. Each object is checked on
-    /// its own and against every stored object plus the rest of the batch; an object
-    /// equal to the stored one is [`Change::Unchanged`]; every other one gets its own,
-    /// strictly increasing revision and a `Put` event.
+    /// its own and against the rest of the batch and the store's VIP index (a VIP
+    /// another service owns is refused); an object equal to the stored one is
+    /// [`Change::Unchanged`]; every other one gets its own, strictly increasing
+    /// revision and a `Put` event.
+    ///
+    /// Costs what the batch writes: one lookup per object and per VIP, whatever the
+    /// store holds. Events that the history limit would compact in this same
+    /// transaction are not written to the log at all.
     pub fn apply(&self, objects: Vec<Object>) -> Result<ApplyOutcome, ApplyError> {
-        let mut keys = HashSet::new();
+        let started = Instant::now();
+        let count = objects.len();
+        let mut keys = HashSet::with_capacity(count);
         for o in &objects {
             o.validate()?;
             let key = o.key();
@@ -234,40 +270,66 @@ impl EmbeddedLog {
         let txn = inner.begin_write()?;
         let (start, revision, results) = {
             let mut table = txn.open_table(OBJECTS).map_err(|e| inner.storage(e))?;
-            let stored = inner.read_objects(&table, "", |_| true)?;
-            {
-                // Check against the state the batch leaves behind.
-                let mut after: BTreeMap<ObjectKey, &Object> =
-                    stored.iter().map(|(k, (_, o))| (k.clone(), o)).collect();
-                for o in &objects {
-                    after.insert(o.key(), o);
-                }
-                crate::model::check_vips(after.values().copied(), &objects)?;
-            }
-            let mut log = txn.open_table(LOG).map_err(|e| inner.storage(e))?;
+            let mut index = txn.open_table(vips::VIPS).map_err(|e| inner.storage(e))?;
+            vips::check(&index, &objects, &keys, &inner.path).map_err(|e| match e {
+                vips::CheckError::Invalid(e) => ApplyError::Invalid(e),
+                vips::CheckError::Log(e) => ApplyError::Log(e),
+            })?;
+            drop(keys);
             let mut meta = txn.open_table(META).map_err(|e| inner.storage(e))?;
             let start = read_meta(&meta, META_REVISION, &inner.path)?;
             let mut revision = start;
-            let mut results = Vec::with_capacity(objects.len());
+            let mut results = Vec::with_capacity(count);
+            // (revision, document) of each change, for the log.
+            let mut events: Vec<(Revision, String)> = Vec::new();
             for object in objects {
                 let key = object.key();
-                let change = match stored.get(&key) {
-                    Some((_, old)) if *old == object => Change::Unchanged,
-                    Some(_) => Change::Configured,
-                    None => Change::Created,
+                let owner = key_string(&key);
+                let doc = object.to_json().to_string();
+                let old_doc = table
+                    .get(owner.as_str())
+                    .map_err(|e| inner.storage(e))?
+                    .map(|v| v.value().1.to_owned());
+                // Equal text is an equal object; other text may still parse equal
+                // (a document an older agent wrote differently).
+                let old = old_doc
+                    .as_deref()
+                    .filter(|d| *d != doc)
+                    .map(|d| (d, vips::parse_old(d)));
+                let change = match (&old_doc, &old) {
+                    (None, _) => Change::Created,
+                    (Some(_), None) => Change::Unchanged,
+                    (Some(_), Some((_, Some(o)))) if *o == object => Change::Unchanged,
+                    (Some(_), Some(_)) => Change::Configured,
                 };
                 if change != Change::Unchanged {
                     revision += 1;
-                    let json = object.to_json();
-                    let doc = json.to_string();
                     table
-                        .insert(key_string(&key).as_str(), (revision, doc.as_str()))
+                        .insert(owner.as_str(), (revision, doc.as_str()))
                         .map_err(|e| inner.storage(e))?;
-                    inner.append(&mut log, revision, &StoredEvent::Put { object: json })?;
+                    match &old {
+                        Some((_, None)) => {
+                            vips::forget_owner(&mut index, &owner, &inner.path)?;
+                            vips::update(&mut index, &owner, None, Some(&object), &inner.path)?;
+                        }
+                        Some((_, Some(o))) => {
+                            vips::update(&mut index, &owner, Some(o), Some(&object), &inner.path)?
+                        }
+                        None => vips::update(&mut index, &owner, None, Some(&object), &inner.path)?,
+                    }
+                    events.push((revision, doc));
                 }
                 results.push((key, change));
             }
             if revision != start {
+                let mut log = txn.open_table(LOG).map_err(|e| inner.storage(e))?;
+                // Only the events the history keeps: older ones would be compacted by
+                // finish_write in this same transaction, unseen by any watcher.
+                let cut = revision.saturating_sub(inner.history);
+                for (rev, doc) in events.iter().filter(|(rev, _)| *rev > cut) {
+                    log.insert(*rev, put_event(doc).as_str())
+                        .map_err(|e| inner.storage(e))?;
+                }
                 inner.finish_write(&mut meta, &mut log, revision)?;
             }
             (start, revision, results)
@@ -277,6 +339,13 @@ impl EmbeddedLog {
         } else {
             inner.commit(txn, revision)?;
         }
+        tracing::debug!(
+            objects = count,
+            changed = revision - start,
+            revision,
+            elapsed_us = started.elapsed().as_micros() as u64,
+            "store apply"
+        );
         Ok(ApplyOutcome { revision, results })
     }
 
@@ -287,11 +356,21 @@ impl EmbeddedLog {
         let txn = inner.begin_write()?;
         let revision = {
             let mut table = txn.open_table(OBJECTS).map_err(|e| inner.storage(e))?;
-            let existed = table
-                .remove(key_string(key).as_str())
+            let owner = key_string(key);
+            let removed = table
+                .remove(owner.as_str())
                 .map_err(|e| inner.storage(e))?
-                .is_some();
-            if existed {
+                .map(|v| v.value().1.to_owned());
+            if let Some(doc) = removed {
+                let mut index = txn.open_table(vips::VIPS).map_err(|e| inner.storage(e))?;
+                if key.kind == Kind::Service {
+                    match vips::parse_old(&doc) {
+                        Some(old) => {
+                            vips::update(&mut index, &owner, Some(&old), None, &inner.path)?
+                        }
+                        None => vips::forget_owner(&mut index, &owner, &inner.path)?,
+                    }
+                }
                 let mut log = txn.open_table(LOG).map_err(|e| inner.storage(e))?;
                 let mut meta = txn.open_table(META).map_err(|e| inner.storage(e))?;
                 let revision = read_meta(&meta, META_REVISION, &inner.path)? + 1;
@@ -324,17 +403,65 @@ impl EmbeddedLog {
         namespace: Option<&str>,
         name: Option<&str>,
     ) -> Result<(Revision, Vec<Object>), LogError> {
-        let prefix = match (kind, namespace) {
-            (Some(k), Some(ns)) => format!("{k}/{ns}/"),
-            (Some(k), None) => format!("{k}/"),
-            (None, _) => String::new(),
-        };
-        let keep = |k: &ObjectKey| {
-            kind.is_none_or(|x| x == k.kind)
-                && namespace.is_none_or(|x| x == k.namespace)
-                && name.is_none_or(|x| x == k.name)
-        };
-        self.inner.read(&prefix, keep)
+        let mut out = Vec::new();
+        let revision = self.scan(kind, namespace, name, |_, o| {
+            out.push(o);
+            ControlFlow::Continue(())
+        })?;
+        Ok((revision, out))
+    }
+
+    /// Passes each object matching the filters (each `None` matches all) to `each`,
+    /// in key order, with the revision of the one read transaction they come from;
+    /// stops early when `each` breaks. Returns that revision. Holds one object at a
+    /// time: how `get` streams a large store.
+    pub fn scan(
+        &self,
+        kind: Option<Kind>,
+        namespace: Option<&str>,
+        name: Option<&str>,
+        mut each: impl FnMut(Revision, Object) -> ControlFlow<()>,
+    ) -> Result<Revision, LogError> {
+        let inner = &self.inner;
+        let txn = inner.db.begin_read().map_err(|e| inner.storage(e))?;
+        let meta = txn.open_table(META).map_err(|e| inner.storage(e))?;
+        let table = txn.open_table(OBJECTS).map_err(|e| inner.storage(e))?;
+        let revision = read_meta(&meta, META_REVISION, &inner.path)?;
+        inner.scan_ordered(&table, kind, namespace, |key, object| {
+            if name.is_none_or(|x| x == key.name) {
+                each(revision, object)
+            } else {
+                ControlFlow::Continue(())
+            }
+        })?;
+        Ok(revision)
+    }
+
+    /// How many objects of each kind the store holds, and its revision: counted from
+    /// the keys, without reading a document (`status` of a large store).
+    pub fn count(&self) -> Result<(Revision, BTreeMap<Kind, usize>), LogError> {
+        let inner = &self.inner;
+        let txn = inner.db.begin_read().map_err(|e| inner.storage(e))?;
+        let meta = txn.open_table(META).map_err(|e| inner.storage(e))?;
+        let table = txn.open_table(OBJECTS).map_err(|e| inner.storage(e))?;
+        let revision = read_meta(&meta, META_REVISION, &inner.path)?;
+        let mut counts = BTreeMap::new();
+        for kind in Kind::ALL {
+            let prefix = format!("{kind}/");
+            let mut n = 0;
+            for row in table
+                .range(prefix.as_str()..)
+                .map_err(|e| inner.storage(e))?
+            {
+                let (k, _) = row.map_err(|e| inner.storage(e))?;
+                if !k.value().starts_with(&prefix) {
+                    break;
+                }
+                n += 1;
+            }
+            counts.insert(kind, n);
+        }
+        Ok((revision, counts))
     }
 }
 
@@ -391,14 +518,14 @@ impl Inner {
         Ok(())
     }
 
-    /// Stored objects whose key string starts with `prefix` and that `keep` accepts.
-    fn read_objects(
+    /// Passes each stored object whose key string starts with `prefix` to `each`
+    /// (key, revision it was written at, object), in key order, until `each` breaks.
+    fn scan_objects(
         &self,
         table: &impl ReadableTable<&'static str, (u64, &'static str)>,
         prefix: &str,
-        keep: impl Fn(&ObjectKey) -> bool,
-    ) -> Result<BTreeMap<ObjectKey, (Revision, Object)>, LogError> {
-        let mut out = BTreeMap::new();
+        mut each: impl FnMut(&ObjectKey, Revision, Object) -> ControlFlow<()>,
+    ) -> Result<(), LogError> {
         for row in table.range(prefix..).map_err(|e| self.storage(e))? {
             let (k, v) = row.map_err(|e| self.storage(e))?;
             let k = k.value();
@@ -417,25 +544,94 @@ impl Inner {
                     message: format!("the stored document is {key}"),
                 });
             }
-            if keep(&key) {
-                out.insert(key, (revision, object));
+            if each(&key, revision, object).is_break() {
+                break;
             }
         }
+        Ok(())
+    }
+
+    /// Passes the objects of `kind` (every kind when `None`) in `namespace` (every
+    /// namespace when `None`) to `each` in [`ObjectKey`] order: kinds in
+    /// [`Kind::ALL`] order, then namespace, then name, until `each` breaks.
+    ///
+    /// The table's own order is that of the key strings, where `a-b/…` sorts before
+    /// `a/…` (`-` is below `/`): each namespace's rows are contiguous, so the
+    /// namespaces are found first by one seek each and then read in their order.
+    fn scan_ordered(
+        &self,
+        table: &impl ReadableTable<&'static str, (u64, &'static str)>,
+        kind: Option<Kind>,
+        namespace: Option<&str>,
+        mut each: impl FnMut(&ObjectKey, Object) -> ControlFlow<()>,
+    ) -> Result<(), LogError> {
+        let kinds = match kind {
+            Some(k) => vec![k],
+            None => Kind::ALL.to_vec(),
+        };
+        for kind in kinds {
+            let namespaces = match namespace {
+                Some(ns) => vec![ns.to_owned()],
+                None => self.namespaces(table, kind)?,
+            };
+            for ns in namespaces {
+                let mut stop = false;
+                self.scan_objects(table, &format!("{kind}/{ns}/"), |key, _, object| {
+                    let flow = each(key, object);
+                    stop = flow.is_break();
+                    flow
+                })?;
+                if stop {
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The namespaces holding objects of `kind`, sorted: one seek per namespace.
+    fn namespaces(
+        &self,
+        table: &impl ReadableTable<&'static str, (u64, &'static str)>,
+        kind: Kind,
+    ) -> Result<Vec<String>, LogError> {
+        let prefix = format!("{kind}/");
+        let mut out = Vec::new();
+        let mut from = prefix.clone();
+        loop {
+            let mut rows = table.range(from.as_str()..).map_err(|e| self.storage(e))?;
+            let Some(row) = rows.next() else { break };
+            let (k, _) = row.map_err(|e| self.storage(e))?;
+            let Some(rest) = k.value().strip_prefix(&prefix) else {
+                break;
+            };
+            let Some((ns, _)) = rest.split_once('/') else {
+                return Err(LogError::Corrupt {
+                    what: format!("object {}", k.value()),
+                    message: "the key names no namespace".to_owned(),
+                });
+            };
+            out.push(ns.to_owned());
+            // '0' follows '/': past every key of this namespace.
+            from = format!("{prefix}{ns}0");
+        }
+        out.sort();
         Ok(out)
     }
 
-    /// The current revision and the matching objects, from one read transaction.
-    fn read(
-        &self,
-        prefix: &str,
-        keep: impl Fn(&ObjectKey) -> bool,
-    ) -> Result<(Revision, Vec<Object>), LogError> {
+    /// The current revision and every object, in key order, from one read
+    /// transaction.
+    fn read_all(&self) -> Result<(Revision, Vec<Object>), LogError> {
         let txn = self.db.begin_read().map_err(|e| self.storage(e))?;
         let meta = txn.open_table(META).map_err(|e| self.storage(e))?;
         let table = txn.open_table(OBJECTS).map_err(|e| self.storage(e))?;
         let revision = read_meta(&meta, META_REVISION, &self.path)?;
-        let objects = self.read_objects(&table, prefix, keep)?;
-        Ok((revision, objects.into_values().map(|(_, o)| o).collect()))
+        let mut objects = Vec::new();
+        self.scan_ordered(&table, None, None, |_, object| {
+            objects.push(object);
+            ControlFlow::Continue(())
+        })?;
+        Ok((revision, objects))
     }
 
     /// (current revision, oldest watchable revision).
@@ -497,6 +693,21 @@ fn storage(path: &Path, e: impl fmt::Display) -> LogError {
     }
 }
 
+/// [`storage`], for the submodules.
+fn storage_err(path: &Path, e: impl fmt::Display) -> LogError {
+    storage(path, e)
+}
+
+/// The `log` row of a put: what serializing [`StoredEvent::Put`] gives, made from
+/// the document's text without building its JSON tree again.
+fn put_event(doc: &str) -> String {
+    let mut s = String::with_capacity(doc.len() + 24);
+    s.push_str(r#"{"op":"put","object":"#);
+    s.push_str(doc);
+    s.push('}');
+    s
+}
+
 fn read_meta(
     meta: &impl ReadableTable<&'static str, u64>,
     key: &str,
@@ -511,6 +722,15 @@ fn read_meta(
 /// `Kind/namespace/name`: unambiguous, since names and namespaces are DNS labels.
 fn key_string(key: &ObjectKey) -> String {
     format!("{}/{}/{}", key.kind, key.namespace, key.name)
+}
+
+/// The key a [`key_string`] names; `None` when it is not one.
+fn parse_key_string(s: &str) -> Option<ObjectKey> {
+    let mut parts = s.splitn(3, '/');
+    let kind = Kind::from_document(parts.next()?)?;
+    let namespace = parts.next()?;
+    let name = parts.next()?;
+    Some(ObjectKey::new(kind, namespace, name))
 }
 
 fn parse_event(revision: Revision, text: &str) -> Result<Event, LogError> {
@@ -594,7 +814,7 @@ impl Cursor {
 impl OrderedLog for EmbeddedLog {
     async fn snapshot(&self) -> Result<Snapshot, LogError> {
         let inner = self.inner.clone();
-        let (revision, objects) = blocking(move || inner.read("", |_| true)).await?;
+        let (revision, objects) = blocking(move || inner.read_all()).await?;
         Ok(Snapshot { revision, objects })
     }
 

@@ -434,3 +434,191 @@ async fn closing_the_log_ends_watchers() {
     // The store is free again, although the stream still exists.
     open(dir.path());
 }
+
+#[test]
+fn put_rows_are_what_serializing_the_event_gives() {
+    let doc = svc("web", "198.18.0.1").to_json();
+    let by_serde = serde_json::to_string(&StoredEvent::Put {
+        object: doc.clone(),
+    })
+    .unwrap();
+    assert_eq!(put_event(&doc.to_string()), by_serde);
+    assert_eq!(
+        parse_key_string("Service/default/web"),
+        Some(key(Kind::Service, "web"))
+    );
+    assert_eq!(parse_key_string("Pod/default/web"), None);
+    assert_eq!(parse_key_string("Service/default"), None);
+}
+
+#[tokio::test]
+async fn the_vip_index_follows_updates_moves_and_deletes() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = open(dir.path());
+    log.apply(vec![svc("a", "198.18.0.1"), svc("b", "198.18.0.2")])
+        .unwrap();
+    // A VIP moved between two services of one batch, in both orders.
+    log.apply(vec![svc("a", "198.18.0.3"), svc("b", "198.18.0.1")])
+        .unwrap();
+    log.apply(vec![svc("b", "198.18.0.2"), svc("a", "198.18.0.1")])
+        .unwrap();
+    let err = log.apply(vec![svc("c", "198.18.0.1")]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("already used by Service default/a"),
+        "{err}"
+    );
+    // A VIP a service gave up is free; so is a deleted service's.
+    log.apply(vec![svc("a", "198.18.0.4")]).unwrap();
+    log.apply(vec![svc("c", "198.18.0.1")]).unwrap();
+    let err = log.apply(vec![svc("d", "198.18.0.2")]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("already used by Service default/b"),
+        "{err}"
+    );
+    log.delete(&key(Kind::Service, "b")).unwrap();
+    log.apply(vec![svc("d", "198.18.0.2")]).unwrap();
+    // A service keeping its own VIP is no conflict.
+    let out = log.apply(vec![svc("d", "198.18.0.2")]).unwrap();
+    assert_eq!(out.results[0].1, Change::Unchanged);
+}
+
+/// Every (VIP, owner) pair of the index.
+fn index_entries(log: &EmbeddedLog) -> Vec<(String, String)> {
+    let txn = log.inner.db.begin_read().unwrap();
+    let t = txn.open_table(vips::VIPS).unwrap();
+    t.iter()
+        .unwrap()
+        .map(|r| {
+            let (k, v) = r.unwrap();
+            (k.value().to_owned(), v.value().to_owned())
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_store_without_the_index_gets_it_rebuilt_on_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = open(dir.path());
+    log.apply(vec![
+        svc("a", "198.18.0.1"),
+        svc("b", "fd00::1"),
+        eps("a", "10.0.0.1"),
+    ])
+    .unwrap();
+    let want = vec![
+        ("198.18.0.1".to_owned(), "Service/default/a".to_owned()),
+        ("fd00::1".to_owned(), "Service/default/b".to_owned()),
+    ];
+    assert_eq!(index_entries(&log), want);
+    // What an older agent leaves: no index table, no index revision.
+    {
+        let txn = log.inner.db.begin_write().unwrap();
+        txn.delete_table(vips::VIPS).unwrap();
+        txn.open_table(META)
+            .unwrap()
+            .remove(vips::META_VIP_INDEX)
+            .unwrap();
+        txn.commit().unwrap();
+    }
+    drop(log);
+    let log = open(dir.path());
+    assert_eq!(index_entries(&log), want);
+    let err = log.apply(vec![svc("c", "198.18.0.1")]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("already used by Service default/a"),
+        "{err}"
+    );
+
+    // Objects written after the index by an older agent (the index's revision lags).
+    {
+        let txn = log.inner.db.begin_write().unwrap();
+        txn.open_table(OBJECTS)
+            .unwrap()
+            .insert(
+                "Service/default/c",
+                (4, svc("c", "198.18.0.7").to_json().to_string().as_str()),
+            )
+            .unwrap();
+        txn.open_table(META)
+            .unwrap()
+            .insert(META_REVISION, 4)
+            .unwrap();
+        txn.commit().unwrap();
+    }
+    drop(log);
+    let log = open(dir.path());
+    assert_eq!(index_entries(&log).len(), 3);
+    let err = log.apply(vec![svc("d", "198.18.0.7")]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("already used by Service default/c"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_large_apply_keeps_only_the_history_in_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = open_with_history(dir.path(), 5);
+    let objects: Vec<Object> = (0..20).map(|i| eps(&format!("e{i}"), "10.0.0.1")).collect();
+    let out = log.apply(objects.clone()).unwrap();
+    assert_eq!(out.revision, 20);
+    let err = log.watch(14).await.err().unwrap();
+    assert!(err.needs_resync(), "{err}");
+    let mut stream = log.watch(15).await.unwrap();
+    let events = take(&mut stream, 5).await;
+    assert_eq!(revisions(&events), vec![16, 17, 18, 19, 20]);
+    assert_eq!(events[4], put(20, &objects[19]));
+    assert_eq!(log.get(None, None, None).unwrap().1.len(), 20);
+}
+
+#[test]
+fn new_stores_are_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let log = open(&state);
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&state), 0o700);
+    assert_eq!(mode(log.path()), 0o600);
+}
+
+#[tokio::test]
+async fn reads_follow_key_order_where_key_strings_sort_otherwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = open(dir.path());
+    // As key strings `a-b/…` < `a/…` < `a0/…`; as keys `a` < `a-b` < `a0`.
+    let in_ns = |ns: &str, name: &str, vip: &str| {
+        let mut o = svc(name, vip);
+        if let Object::Service(s) = &mut o {
+            s.metadata.namespace = ns.into();
+        }
+        o
+    };
+    let objs = vec![
+        in_ns("a0", "x", "198.18.0.1"),
+        in_ns("a-b", "x", "198.18.0.2"),
+        in_ns("a", "y", "198.18.0.3"),
+        in_ns("a", "x", "198.18.0.4"),
+        eps("x", "10.0.0.1"),
+    ];
+    log.apply(objs.clone()).unwrap();
+    let mut sorted = objs.clone();
+    sorted.sort_by_key(Object::key);
+    assert_eq!(log.get(None, None, None).unwrap().1, sorted);
+    assert_eq!(log.snapshot().await.unwrap().objects, sorted);
+    let mut first = Vec::new();
+    log.scan(Some(Kind::Service), None, None, |_, o| {
+        first.push(o);
+        ControlFlow::Break(())
+    })
+    .unwrap();
+    assert_eq!(first, vec![sorted[0].clone()]);
+    let (rev, counts) = log.count().unwrap();
+    assert_eq!(rev, 5);
+    assert_eq!(counts[&Kind::Service], 4);
+    assert_eq!(counts[&Kind::Endpoints], 1);
+}
