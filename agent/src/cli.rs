@@ -4,17 +4,26 @@
 //! Commands other than `run` reach a running agent through its socket
 //! (`<state-dir>/agent.sock`); when no agent runs they open the store directly, so a
 //! node can be prepared before its agent starts.
+//!
+//! Answers of any size stream to standard output as they arrive (`get`,
+//! `status --all`; see [`output`]); a reader that closes the pipe early ends the
+//! command quietly with exit status 141 ([`StdoutClosed`]).
+
+mod output;
+
+pub use output::{StdoutClosed, render_objects};
 
 use crate::{
     config::{Config, ConfigError, FileConfig},
-    localapi::{self, Client},
-    model::{Kind, Object, ObjectKey, parse_documents},
+    localapi::{self, Client, LocalApiError, StatusPart, StatusQuery},
+    model::{Kind, ObjectKey, parse_documents},
     orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
-    status::AgentStatus,
+    status::{StatusSource, StoreStatus},
 };
 use anyhow::{Context, Result, bail};
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
-use std::{io::Read, path::PathBuf};
+use output::{ObjectsOut, Out, StatusOut, StatusShape, output_error};
+use std::{io::Read, ops::ControlFlow, path::PathBuf};
 
 /// The Rune node agent.
 #[derive(Debug, Parser)]
@@ -66,12 +75,10 @@ pub enum Command {
         #[arg(short = 'n', long, default_value = crate::model::DEFAULT_NAMESPACE)]
         namespace: String,
     },
-    /// Show the agent's mode, identity, readiness, revision and services.
-    Status {
-        /// Output format; text when omitted.
-        #[arg(short = 'o', long, value_enum)]
-        output: Option<Format>,
-    },
+    /// Show the agent's mode, identity, readiness, revision and object counts, and
+    /// the services with their ports and backends when there are at most 20 (more
+    /// are counted only: `--all` lists them, SERVICE shows one).
+    Status(StatusArgs),
     /// Remove the kernel state a stopped agent left behind: detach the eBPF programs
     /// and unpin their maps (established flows through the VIPs end).
     Cleanup {
@@ -96,6 +103,23 @@ pub enum Command {
     },
     /// Print the version.
     Version,
+}
+
+/// Arguments of `status`.
+#[derive(Debug, Default, Args)]
+pub struct StatusArgs {
+    /// One service, `NAME` (namespace from -n, else `default`) or `NAMESPACE/NAME`.
+    #[arg(conflicts_with = "all")]
+    pub service: Option<String>,
+    /// Namespace of SERVICE.
+    #[arg(short = 'n', long, requires = "service")]
+    pub namespace: Option<String>,
+    /// Every service and orphan endpoints object, streamed.
+    #[arg(long)]
+    pub all: bool,
+    /// Output format; text when omitted.
+    #[arg(short = 'o', long, value_enum)]
+    pub output: Option<Format>,
 }
 
 /// Output formats of `get` and `status`.
@@ -266,6 +290,15 @@ fn parse_kind(kind: &str) -> Result<Kind> {
         .with_context(|| format!("unknown kind {kind:?} (known: service/svc, endpoints/ep)"))
 }
 
+/// The error of a call to the agent, with [`StdoutClosed`] when it stopped because
+/// standard output was closed.
+fn call_error(e: LocalApiError) -> anyhow::Error {
+    match e {
+        LocalApiError::Output(e) => output_error(e),
+        other => other.into(),
+    }
+}
+
 /// `rune-agent apply -f FILE|-`.
 pub async fn apply(config: &Config, file: &str) -> Result<()> {
     let text = if file == "-" {
@@ -278,11 +311,12 @@ pub async fn apply(config: &Config, file: &str) -> Result<()> {
         std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?
     };
     let objects = parse_documents(&text).with_context(|| format!("in {file}"))?;
+    drop(text);
     if objects.is_empty() {
         bail!("{file}: no objects found");
     }
     let lines = match target(config).await? {
-        Target::Agent(mut c) => c.apply(&objects).await?.0,
+        Target::Agent(mut c) => c.apply(&objects).await.map_err(call_error)?.0,
         Target::Store(store) => {
             let outcome = tokio::task::spawn_blocking(move || store.apply(objects)).await??;
             outcome
@@ -292,13 +326,16 @@ pub async fn apply(config: &Config, file: &str) -> Result<()> {
                 .collect()
         }
     };
+    let mut out = Out::default();
     for line in lines {
-        println!("{line}");
+        out.write(&line).map_err(output_error)?;
+        out.write("\n").map_err(output_error)?;
     }
-    Ok(())
+    out.flush().map_err(output_error)
 }
 
-/// `rune-agent get [KIND] [NAME]`.
+/// `rune-agent get [KIND] [NAME]`: objects are printed as they arrive (a table
+/// once all have: its columns fit the widest).
 pub async fn get(
     config: &Config,
     kind: Option<&str>,
@@ -316,11 +353,31 @@ pub async fn get(
         (Some(_), None) => Some(crate::model::DEFAULT_NAMESPACE),
         _ => namespace,
     };
-    let (_, objects) = match target(config).await? {
-        Target::Agent(mut c) => c.get(kind, namespace, name).await?,
-        Target::Store(store) => store.get(kind, namespace, name)?,
-    };
-    if objects.is_empty() && name.is_some() {
+    let mut out = Out::default();
+    let mut printer = ObjectsOut::new(output, name.is_some()).map_err(output_error)?;
+    match target(config).await? {
+        Target::Agent(mut c) => {
+            c.list(kind, namespace, name, |o| printer.push(&mut out, o))
+                .await
+                .map_err(call_error)?;
+        }
+        Target::Store(store) => {
+            let mut failed = None;
+            store.scan(kind, namespace, name, |_, o| {
+                match printer.push(&mut out, o) {
+                    Ok(()) => ControlFlow::Continue(()),
+                    Err(e) => {
+                        failed = Some(e);
+                        ControlFlow::Break(())
+                    }
+                }
+            })?;
+            if let Some(e) = failed {
+                return Err(output_error(e));
+            }
+        }
+    }
+    if printer.count() == 0 && name.is_some() {
         bail!(
             "{} {}/{} not found",
             kind.map(Kind::as_str).unwrap_or_default(),
@@ -328,100 +385,7 @@ pub async fn get(
             name.unwrap_or_default()
         );
     }
-    print!("{}", render_objects(&objects, output, name.is_some())?);
-    Ok(())
-}
-
-/// Renders objects as a table, YAML documents or JSON.
-pub fn render_objects(objects: &[Object], output: Option<Format>, single: bool) -> Result<String> {
-    let docs: Vec<serde_json::Value> = objects.iter().map(Object::to_json).collect();
-    Ok(match output {
-        Some(Format::Json) if single && docs.len() == 1 => {
-            serde_json::to_string_pretty(&docs[0])? + "\n"
-        }
-        Some(Format::Json) => {
-            let list = serde_json::json!({"apiVersion": crate::model::API_VERSION, "kind": "List", "items": docs});
-            serde_json::to_string_pretty(&list)? + "\n"
-        }
-        Some(Format::Yaml) => {
-            let mut out = String::new();
-            for (i, d) in docs.iter().enumerate() {
-                if i > 0 {
-                    out.push_str("---\n");
-                }
-                out.push_str(&serde_yaml_ng::to_string(d)?);
-            }
-            out
-        }
-        None => table(objects),
-    })
-}
-
-fn table(objects: &[Object]) -> String {
-    let mut rows = vec![[
-        "KIND".to_owned(),
-        "NAMESPACE".to_owned(),
-        "NAME".to_owned(),
-        "DETAILS".to_owned(),
-    ]];
-    for o in objects {
-        let m = o.metadata();
-        let details = match o {
-            Object::Service(s) => {
-                let ports: Vec<String> = s
-                    .spec
-                    .ports
-                    .iter()
-                    .map(|p| format!("{}/{}->{}", p.port, p.protocol, p.target()))
-                    .collect();
-                let vips: Vec<String> = s
-                    .spec
-                    .discovery
-                    .vips
-                    .iter()
-                    .map(|v| v.to_string())
-                    .collect();
-                let vips = if s.spec.discovery.headless {
-                    "headless".to_owned()
-                } else if vips.is_empty() {
-                    "no VIP".to_owned()
-                } else {
-                    vips.join(",")
-                };
-                format!("{vips} {}", ports.join(","))
-            }
-            Object::Endpoints(e) => {
-                let total = e.spec.endpoints.len();
-                let ready = e.spec.endpoints.iter().filter(|x| x.accepts_new()).count();
-                format!("{total} endpoints, {ready} accepting")
-            }
-        };
-        rows.push([
-            o.kind().to_string(),
-            m.namespace.clone(),
-            m.name.clone(),
-            details,
-        ]);
-    }
-    let widths: Vec<usize> = (0..4)
-        .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    for r in rows {
-        let line = format!(
-            "{:w0$}  {:w1$}  {:w2$}  {}",
-            r[0],
-            r[1],
-            r[2],
-            r[3],
-            w0 = widths[0],
-            w1 = widths[1],
-            w2 = widths[2]
-        );
-        out.push_str(line.trim_end());
-        out.push('\n');
-    }
-    out
+    printer.finish(&mut out).map_err(output_error)
 }
 
 /// `rune-agent delete KIND NAME`.
@@ -434,28 +398,92 @@ pub async fn delete(config: &Config, kind: &str, name: &str, namespace: &str) ->
     let shown = localapi::object_path(&key);
     match deleted {
         Some(_) => {
-            println!("{shown} deleted");
-            Ok(())
+            let mut out = Out::default();
+            out.write(&format!("{shown} deleted\n"))
+                .and_then(|()| out.flush())
+                .map_err(output_error)
         }
         None => bail!("{shown} not found"),
     }
 }
 
-/// `rune-agent status`.
-pub async fn status(config: &Config, output: Option<Format>) -> Result<()> {
-    let status = match target(config).await? {
-        Target::Agent(mut c) => {
-            let v = c.status().await?;
-            serde_json::from_value::<AgentStatus>(v).context("reading the agent's status")?
-        }
-        Target::Store(store) => AgentStatus::from_store(&config.state_dir, &store)?,
+/// `rune-agent status [SERVICE | --all]`: the summary, one service, or every
+/// service as they arrive.
+pub async fn status(config: &Config, args: &StatusArgs) -> Result<()> {
+    let query = match (&args.service, args.all) {
+        (Some(s), _) => StatusQuery::Service(match (&args.namespace, s.split_once('/')) {
+            (Some(ns), _) => crate::model::ServiceKey::new(ns, s),
+            (None, Some(_)) => localapi::service_key(s),
+            (None, None) => crate::model::ServiceKey::new(crate::model::DEFAULT_NAMESPACE, s),
+        }),
+        (None, true) => StatusQuery::All,
+        (None, false) => StatusQuery::Summary,
     };
-    match output {
-        Some(Format::Json) => println!("{}", serde_json::to_string_pretty(&status)?),
-        Some(Format::Yaml) => print!("{}", serde_yaml_ng::to_string(&status)?),
-        None => print!("{}", status.render()),
+    let shape = match query {
+        StatusQuery::Summary => StatusShape::Summary,
+        StatusQuery::Service(_) => StatusShape::One,
+        StatusQuery::All => StatusShape::All,
+    };
+    let mut out = Out::default();
+    let mut printer = StatusOut::new(args.output, shape);
+    match target(config).await? {
+        Target::Agent(mut c) => {
+            c.status(&query, |part| printer.push(&mut out, part))
+                .await
+                .map_err(call_error)?;
+        }
+        Target::Store(store) => {
+            let source = StoreStatus {
+                state_dir: &config.state_dir,
+                store: &store,
+            };
+            store_status(&source, &query, |part| printer.push(&mut out, part))?;
+        }
     }
-    Ok(())
+    printer.finish(&mut out).map_err(output_error)
+}
+
+/// [`Client::status`]'s parts, read from the store (no agent running).
+fn store_status(
+    source: &StoreStatus<'_>,
+    query: &StatusQuery,
+    mut each: impl FnMut(StatusPart) -> std::io::Result<()>,
+) -> Result<()> {
+    let only = match query {
+        StatusQuery::Summary => {
+            let summary = crate::status::summarize(source)?;
+            return each(StatusPart::Summary(summary)).map_err(output_error);
+        }
+        StatusQuery::Service(key) => Some(key),
+        StatusQuery::All => {
+            each(StatusPart::Summary(source.summary()?)).map_err(output_error)?;
+            None
+        }
+    };
+    let (mut found, mut failed) = (false, None);
+    source.services(only, &mut |s| {
+        found = true;
+        match each(StatusPart::Service(s)) {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(e) => {
+                failed = Some(e);
+                ControlFlow::Break(())
+            }
+        }
+    })?;
+    if let Some(e) = failed {
+        return Err(output_error(e));
+    }
+    match only {
+        Some(key) if !found => bail!("service {key} not found"),
+        Some(_) => Ok(()),
+        None => {
+            for o in source.orphans()? {
+                each(StatusPart::Orphan(o)).map_err(output_error)?;
+            }
+            Ok(())
+        }
+    }
 }
 
 /// `rune-agent cleanup`: refuses while an agent runs on this state dir (it would
@@ -471,14 +499,18 @@ pub async fn cleanup(config: &Config, pin_dir: Option<&std::path::Path>) -> Resu
     let dir = pin_dir.unwrap_or(&config.bpf_pin_dir);
     let removed =
         crate::dataplane::leftovers::remove(&crate::preflight::DataplaneMode::ALL, dir).await?;
-    println!("removed {} eBPF pins under {}", removed.pins, dir.display());
+    let mut text = format!(
+        "removed {} eBPF pins under {}\n",
+        removed.pins,
+        dir.display()
+    );
     for ip in &removed.vips {
-        println!("removed VIP address {ip} from lo");
+        text.push_str(&format!("removed VIP address {ip} from lo\n"));
     }
     if removed.nft_table {
-        println!("removed the nftables table inet rune");
+        text.push_str("removed the nftables table inet rune\n");
     }
-    Ok(())
+    print_all(&text)
 }
 
 /// `rune-agent preflight [--json]`: every check, then the data plane `requested`
@@ -498,12 +530,20 @@ pub fn preflight(
     let report = preflight::run(&Options::with_cgroup(cgroup))?;
     let outcome = Outcome::new(&report, requested.unwrap_or(config.dataplane));
     if json {
-        println!("{}", serde_json::to_string_pretty(&outcome)?);
+        print_all(&(serde_json::to_string_pretty(&outcome)? + "\n"))?;
     } else {
-        print!("{}", outcome.render());
+        print_all(&outcome.render())?;
     }
     if outcome.mode.is_none() {
         bail!("{}", outcome.reason);
     }
     Ok(())
+}
+
+/// Writes `text` to standard output ([`StdoutClosed`] when its reader is gone).
+pub fn print_all(text: &str) -> Result<()> {
+    let mut out = Out::default();
+    out.write(text)
+        .and_then(|()| out.flush())
+        .map_err(output_error)
 }

@@ -4,31 +4,74 @@
 //! agent's own user (root on a node) may change the desired state. Objects travel as
 //! JSON documents and are parsed and validated by the agent with the same code as
 //! files, so a client can never slip an unchecked object into the store.
+//!
+//! Requests and answers of any size stream: `ApplyStream`, `List` and `StatusStream`
+//! carry newline-separated JSON documents in byte chunks of [`CHUNK_BYTES`] (the
+//! transport refuses messages over 4 MiB). The one limit left is
+//! [`MAX_APPLY_BYTES`] per apply, which the agent holds in memory to apply it as
+//! one transaction. The unary `Apply`, `Get` and `Status` of earlier CLIs are still
+//! served, with the transport's 4 MiB ceiling. The client is in [`client`].
+
+mod client;
+
+pub use client::{Client, StatusPart, StatusQuery};
 
 use crate::{
-    model::{Kind, ModelError, Object, ObjectKey, parse_json},
+    model::{Kind, ModelError, ObjectKey, ServiceKey, parse_json},
     orderedlog::{
-        LogError, Revision,
+        LogError,
         embedded::{ApplyError, Change, EmbeddedLog},
     },
+    status::{AgentStatus, ServiceStatus, StatusError, StatusSource},
 };
-use hyper_util::rt::TokioIo;
+use futures::Stream;
 use rune_proto::v1::{
     self as pb,
-    local_api_client::LocalApiClient,
     local_api_server::{LocalApi as LocalApiService, LocalApiServer as GrpcServer},
 };
 use std::{
     io,
+    ops::ControlFlow,
     os::unix::fs::{FileTypeExt, PermissionsExt},
     path::{Path, PathBuf},
+    pin::Pin,
     sync::Arc,
 };
 use thiserror::Error;
-use tokio::net::{UnixListener, UnixStream};
-use tokio_stream::wrappers::UnixListenerStream;
+use tokio::{
+    net::{UnixListener, UnixStream},
+    sync::mpsc,
+};
+use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status, transport::Channel};
+use tonic::{Request, Response, Status, Streaming};
+
+/// Size of the byte chunks the streaming calls send: well under the transport's
+/// 4 MiB message limit, large enough that a message's overhead does not count.
+pub const CHUNK_BYTES: usize = 1 << 20;
+
+/// The most JSON one apply may carry through the agent (256 MiB: about five times
+/// 100,000 services with 10 endpoints each). The agent holds an apply in memory to
+/// validate it as a whole and store it in one transaction; a larger one is refused
+/// with an error naming this limit (split it: each apply is all or nothing).
+pub const MAX_APPLY_BYTES: usize = 256 << 20;
+
+/// Result lines per message of `ApplyStream`'s answer (~40 bytes each).
+const RESULTS_PER_MESSAGE: usize = 10_000;
+
+/// Messages a streaming answer may have queued before its producer waits for the
+/// client: bounds the agent's memory per call, whatever the client's pace.
+const QUEUED_MESSAGES: usize = 4;
+
+/// The error for an apply over [`MAX_APPLY_BYTES`].
+pub fn too_large(bytes: usize) -> String {
+    format!(
+        "the apply is {} MiB of JSON, more than the local API's limit of {} MiB per apply \
+         (MAX_APPLY_BYTES): split the objects into several applies (each one is all or nothing)",
+        bytes.div_ceil(1 << 20),
+        MAX_APPLY_BYTES >> 20
+    )
+}
 
 /// File name of the socket inside the state dir.
 pub const SOCKET_NAME: &str = "agent.sock";
@@ -62,6 +105,20 @@ pub enum LocalApiError {
     /// The agent's answer could not be read.
     #[error("bad answer from the agent: {0}")]
     BadAnswer(String),
+    /// The agent did not answer in time.
+    #[error("waited {after:?} for {what}: giving up (is the agent stuck?)")]
+    Timeout {
+        /// What was waited for.
+        what: String,
+        /// How long.
+        after: std::time::Duration,
+    },
+    /// The request is over a limit of the local API (the message names it).
+    #[error("{0}")]
+    TooLarge(String),
+    /// Writing what the agent answered failed (the CLI's standard output).
+    #[error("writing the output: {0}")]
+    Output(#[source] io::Error),
 }
 
 impl From<Status> for LocalApiError {
@@ -106,18 +163,52 @@ pub async fn bind(path: &Path) -> Result<UnixListener, LocalApiError> {
     Ok(listener)
 }
 
-/// Builds the agent's status document on request.
+/// The status document of an agent whose status is one closure (every service
+/// included). Also a [`StatusSource`]: each call builds the whole document and takes
+/// what it needs from it, so it is only as fast as the closure; the running agent
+/// passes a [`crate::status::LiveStatus`] instead.
 pub type StatusFn = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+
+fn whole_document(f: &StatusFn) -> Result<AgentStatus, StatusError> {
+    serde_json::from_value(f()).map_err(|e| StatusError::Document(e.to_string()))
+}
+
+impl StatusSource for StatusFn {
+    fn summary(&self) -> Result<AgentStatus, StatusError> {
+        let mut st = whole_document(self)?;
+        st.services.clear();
+        st.orphan_endpoints.clear();
+        Ok(st)
+    }
+
+    fn services(
+        &self,
+        only: Option<&ServiceKey>,
+        each: &mut dyn FnMut(ServiceStatus) -> ControlFlow<()>,
+    ) -> Result<(), StatusError> {
+        let wanted = only.map(ToString::to_string);
+        for s in whole_document(self)?.services {
+            if wanted.as_ref().is_none_or(|w| *w == s.service) && each(s).is_break() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn orphans(&self) -> Result<Vec<String>, StatusError> {
+        Ok(whole_document(self)?.orphan_endpoints)
+    }
+}
 
 /// The server side: the store writer and the status source.
 pub struct LocalApi {
     store: Arc<EmbeddedLog>,
-    status: StatusFn,
+    status: Arc<dyn StatusSource>,
 }
 
 impl LocalApi {
-    /// A server over `store`, answering `status` with `status()`.
-    pub fn new(store: Arc<EmbeddedLog>, status: StatusFn) -> Self {
+    /// A server over `store`, answering `status` from `status`.
+    pub fn new(store: Arc<EmbeddedLog>, status: Arc<dyn StatusSource>) -> Self {
         Self { store, status }
     }
 
@@ -134,6 +225,38 @@ impl LocalApi {
                 cancel.cancelled_owned(),
             )
             .await
+    }
+
+    /// Parses, validates and stores one apply's documents; the answer's lines.
+    async fn apply_documents(&self, documents: Vec<String>) -> Result<(Vec<String>, u64), Status> {
+        let store = self.store.clone();
+        blocking(move || {
+            let objects = documents
+                .iter()
+                .map(|j| parse_json(j))
+                .collect::<Result<Vec<_>, ModelError>>()
+                .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            drop(documents);
+            let count = objects.len();
+            let started = std::time::Instant::now();
+            let outcome = store.apply(objects).map_err(|e| match e {
+                ApplyError::Invalid(e) => Status::invalid_argument(e.to_string()),
+                ApplyError::Log(e) => log_status(e),
+            })?;
+            tracing::info!(
+                objects = count,
+                revision = outcome.revision,
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "applied through the local API"
+            );
+            let lines = outcome
+                .results
+                .iter()
+                .map(|(key, change)| format_change(key, *change))
+                .collect();
+            Ok((lines, outcome.revision))
+        })
+        .await
     }
 }
 
@@ -154,6 +277,10 @@ fn log_status(e: LogError) -> Status {
     Status::internal(e.to_string())
 }
 
+fn status_error(e: StatusError) -> Status {
+    Status::internal(e.to_string())
+}
+
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, Status> + Send + 'static,
 ) -> Result<T, Status> {
@@ -162,35 +289,82 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| Status::internal(format!("store task failed: {e}")))?
 }
 
+/// Splits newline-separated documents into strings; a document must be UTF-8.
+fn split_documents(bytes: &[u8]) -> Result<Vec<String>, Status> {
+    bytes
+        .split(|b| *b == b'\n')
+        .filter(|line| !line.is_empty())
+        .enumerate()
+        .map(|(i, line)| {
+            String::from_utf8(line.to_vec()).map_err(|_| {
+                Status::invalid_argument(format!("document {} of the apply is not UTF-8", i + 1))
+            })
+        })
+        .collect()
+}
+
+/// Cuts newline-terminated documents into chunks of exactly [`CHUNK_BYTES`] (the
+/// last one shorter), splitting documents wherever a chunk ends.
+#[derive(Default)]
+pub(crate) struct Chunker {
+    buf: Vec<u8>,
+}
+
+impl Chunker {
+    /// Adds one document; returns the chunks it completed.
+    pub(crate) fn push(&mut self, document: &[u8]) -> Vec<Vec<u8>> {
+        self.buf.extend_from_slice(document);
+        self.buf.push(b'\n');
+        let mut full = Vec::new();
+        while self.buf.len() >= CHUNK_BYTES {
+            let rest = self.buf.split_off(CHUNK_BYTES);
+            full.push(std::mem::replace(&mut self.buf, rest));
+        }
+        full
+    }
+
+    /// The last, partial chunk (empty when nothing is left).
+    pub(crate) fn finish(self) -> Vec<u8> {
+        self.buf
+    }
+}
+
+/// A stream of answers fed by a blocking producer through a bounded channel.
+type Answers<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// Runs `produce` on the blocking pool with a sender of at most
+/// [`QUEUED_MESSAGES`] queued answers; an error it returns ends the stream. The
+/// producer stops when the client goes away (a send fails).
+fn produce<T: Send + 'static>(
+    produce: impl FnOnce(&mpsc::Sender<Result<T, Status>>) -> Result<(), Status> + Send + 'static,
+) -> Answers<T> {
+    let (tx, rx) = mpsc::channel(QUEUED_MESSAGES);
+    tokio::task::spawn_blocking(move || {
+        if let Err(e) = produce(&tx) {
+            let _ = tx.blocking_send(Err(e));
+        }
+    });
+    Box::pin(ReceiverStream::new(rx))
+}
+
+/// Parses `namespace/name` (or `name`, in `default`).
+pub fn service_key(s: &str) -> ServiceKey {
+    match s.split_once('/') {
+        Some((ns, name)) => ServiceKey::new(ns, name),
+        None => ServiceKey::new(crate::model::DEFAULT_NAMESPACE, s),
+    }
+}
+
 #[tonic::async_trait]
 impl LocalApiService for LocalApi {
     async fn apply(
         &self,
         request: Request<pb::ApplyRequest>,
     ) -> Result<Response<pb::ApplyResponse>, Status> {
-        let objects = request
-            .into_inner()
-            .objects_json
-            .iter()
-            .map(|j| parse_json(j))
-            .collect::<Result<Vec<_>, ModelError>>()
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let store = self.store.clone();
-        let outcome = blocking(move || {
-            store.apply(objects).map_err(|e| match e {
-                ApplyError::Invalid(e) => Status::invalid_argument(e.to_string()),
-                ApplyError::Log(e) => log_status(e),
-            })
-        })
-        .await?;
-        Ok(Response::new(pb::ApplyResponse {
-            results: outcome
-                .results
-                .iter()
-                .map(|(key, change)| format_change(key, *change))
-                .collect(),
-            revision: outcome.revision,
-        }))
+        let (results, revision) = self
+            .apply_documents(request.into_inner().objects_json)
+            .await?;
+        Ok(Response::new(pb::ApplyResponse { results, revision }))
     }
 
     async fn get(
@@ -233,10 +407,187 @@ impl LocalApiService for LocalApi {
         &self,
         _request: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusResponse>, Status> {
+        let source = self.status.clone();
+        let st =
+            blocking(move || crate::status::whole(source.as_ref()).map_err(status_error)).await?;
         Ok(Response::new(pb::StatusResponse {
-            status_json: (self.status)().to_string(),
+            status_json: serde_json::to_string(&st).map_err(|e| Status::internal(e.to_string()))?,
         }))
     }
+
+    type ApplyStreamStream = Answers<pb::ApplyResponse>;
+
+    async fn apply_stream(
+        &self,
+        request: Request<Streaming<pb::ApplyChunk>>,
+    ) -> Result<Response<Self::ApplyStreamStream>, Status> {
+        let mut chunks = request.into_inner();
+        let mut bytes = Vec::new();
+        while let Some(chunk) = chunks.message().await? {
+            if bytes.len() + chunk.json_lines.len() > MAX_APPLY_BYTES {
+                return Err(Status::resource_exhausted(too_large(
+                    bytes.len() + chunk.json_lines.len(),
+                )));
+            }
+            bytes.extend_from_slice(&chunk.json_lines);
+        }
+        let documents = split_documents(&bytes)?;
+        drop(bytes);
+        let (results, revision) = self.apply_documents(documents).await?;
+        let mut messages: Vec<Result<pb::ApplyResponse, Status>> = results
+            .chunks(RESULTS_PER_MESSAGE)
+            .map(|lines| {
+                Ok(pb::ApplyResponse {
+                    results: lines.to_vec(),
+                    revision,
+                })
+            })
+            .collect();
+        if messages.is_empty() {
+            messages.push(Ok(pb::ApplyResponse {
+                results: Vec::new(),
+                revision,
+            }));
+        }
+        Ok(Response::new(Box::pin(futures::stream::iter(messages))))
+    }
+
+    type ListStream = Answers<pb::ListChunk>;
+
+    async fn list(
+        &self,
+        request: Request<pb::GetRequest>,
+    ) -> Result<Response<Self::ListStream>, Status> {
+        let r = request.into_inner();
+        let kind = kind_arg(&r.kind)?;
+        let store = self.store.clone();
+        Ok(Response::new(produce(move |tx| {
+            let mut chunker = Chunker::default();
+            let mut gone = false;
+            let revision = store
+                .scan(
+                    kind,
+                    non_empty(&r.namespace),
+                    non_empty(&r.name),
+                    |revision, object| {
+                        for json_lines in chunker.push(object.to_json().to_string().as_bytes()) {
+                            let chunk = pb::ListChunk {
+                                json_lines,
+                                revision,
+                            };
+                            if tx.blocking_send(Ok(chunk)).is_err() {
+                                gone = true;
+                                return ControlFlow::Break(());
+                            }
+                        }
+                        ControlFlow::Continue(())
+                    },
+                )
+                .map_err(log_status)?;
+            if !gone {
+                // The last chunk, possibly empty: it also carries the revision of an
+                // empty answer.
+                let _ = tx.blocking_send(Ok(pb::ListChunk {
+                    json_lines: chunker.finish(),
+                    revision,
+                }));
+            }
+            Ok(())
+        })))
+    }
+
+    type StatusStreamStream = Answers<pb::StatusChunk>;
+
+    async fn status_stream(
+        &self,
+        request: Request<pb::StatusStreamRequest>,
+    ) -> Result<Response<Self::StatusStreamStream>, Status> {
+        let r = request.into_inner();
+        let source = self.status.clone();
+        Ok(Response::new(produce(move |tx| {
+            stream_status(source.as_ref(), &r, tx)
+        })))
+    }
+}
+
+/// `StatusStream`'s answer: the summary, then the services and orphans asked for.
+fn stream_status(
+    source: &dyn StatusSource,
+    r: &pb::StatusStreamRequest,
+    tx: &mpsc::Sender<Result<pb::StatusChunk, Status>>,
+) -> Result<(), Status> {
+    use pb::status_chunk::Part;
+    let send = |part: Part| {
+        tx.blocking_send(Ok(pb::StatusChunk { part: Some(part) }))
+            .is_ok()
+    };
+    let only = non_empty(&r.service).map(service_key);
+    let summary = if r.all || only.is_some() {
+        source.summary()
+    } else {
+        crate::status::summarize(source)
+    }
+    .map_err(status_error)?;
+    if !send(Part::SummaryJson(json(&summary)?)) || !(r.all || only.is_some()) {
+        return Ok(());
+    }
+    let mut chunker = Chunker::default();
+    let (mut found, mut gone) = (false, false);
+    let mut failed = None;
+    source
+        .services(only.as_ref(), &mut |s| {
+            found = true;
+            let doc = match json(&s) {
+                Ok(d) => d,
+                Err(e) => {
+                    failed = Some(e);
+                    return ControlFlow::Break(());
+                }
+            };
+            for chunk in chunker.push(doc.as_bytes()) {
+                if !send(Part::ServicesJsonLines(chunk)) {
+                    gone = true;
+                    return ControlFlow::Break(());
+                }
+            }
+            ControlFlow::Continue(())
+        })
+        .map_err(status_error)?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    if gone {
+        return Ok(());
+    }
+    if let Some(key) = &only
+        && !found
+    {
+        return Err(Status::not_found(format!("service {key} not found")));
+    }
+    let last = chunker.finish();
+    if !last.is_empty() && !send(Part::ServicesJsonLines(last)) {
+        return Ok(());
+    }
+    if r.all {
+        let mut chunker = Chunker::default();
+        for orphan in source.orphans().map_err(status_error)? {
+            for chunk in chunker.push(json(&orphan)?.as_bytes()) {
+                if !send(Part::OrphansJsonLines(chunk)) {
+                    return Ok(());
+                }
+            }
+        }
+        let last = chunker.finish();
+        if !last.is_empty() {
+            send(Part::OrphansJsonLines(last));
+        }
+    }
+    Ok(())
+}
+
+/// Compact JSON of a status part.
+fn json<T: serde::Serialize>(v: &T) -> Result<String, Status> {
+    serde_json::to_string(v).map_err(|e| Status::internal(e.to_string()))
 }
 
 /// `service/default/web created`, as `apply` prints it.
@@ -254,117 +605,29 @@ pub fn object_path(key: &ObjectKey) -> String {
     )
 }
 
-/// How long the CLI waits for the agent before giving up (a stuck agent must not
-/// hang `rune-agent status`).
-pub const CLIENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// A connection to a running agent.
-pub struct Client {
-    inner: LocalApiClient<Channel>,
-}
-
-impl Client {
-    /// Connects to the agent on `path`; `Ok(None)` when no agent listens there (no
-    /// socket, or a stale one), so the caller can work on the store directly.
-    pub async fn connect(path: &Path) -> Result<Option<Client>, LocalApiError> {
-        if UnixStream::connect(path).await.is_err() {
-            return Ok(None);
-        }
-        let path = path.to_owned();
-        // The URI is required by tonic but unused: the connector dials the socket.
-        let endpoint = tonic::transport::Endpoint::from_static("http://agent.sock")
-            .connect_timeout(CLIENT_TIMEOUT)
-            .timeout(CLIENT_TIMEOUT);
-        let channel = endpoint
-            .connect_with_connector(tower::service_fn(move |_| {
-                let path = path.clone();
-                async move { UnixStream::connect(path).await.map(TokioIo::new) }
-            }))
-            .await
-            .map_err(|e| LocalApiError::Call(format!("connecting to the agent: {e}")))?;
-        Ok(Some(Client {
-            inner: LocalApiClient::new(channel),
-        }))
-    }
-
-    /// Applies objects; returns one result line per object and the new revision.
-    pub async fn apply(
-        &mut self,
-        objects: &[Object],
-    ) -> Result<(Vec<String>, Revision), LocalApiError> {
-        let r = self
-            .inner
-            .apply(pb::ApplyRequest {
-                objects_json: objects.iter().map(|o| o.to_json().to_string()).collect(),
-            })
-            .await?
-            .into_inner();
-        Ok((r.results, r.revision))
-    }
-
-    /// Lists objects.
-    pub async fn get(
-        &mut self,
-        kind: Option<Kind>,
-        namespace: Option<&str>,
-        name: Option<&str>,
-    ) -> Result<(Revision, Vec<Object>), LocalApiError> {
-        let r = self
-            .inner
-            .get(pb::GetRequest {
-                kind: kind.map(|k| k.as_str().to_owned()).unwrap_or_default(),
-                namespace: namespace.unwrap_or_default().to_owned(),
-                name: name.unwrap_or_default().to_owned(),
-            })
-            .await?
-            .into_inner();
-        let objects = r
-            .objects_json
-            .iter()
-            .map(|j| parse_json(j).map_err(|e| LocalApiError::BadAnswer(e.to_string())))
-            .collect::<Result<_, _>>()?;
-        Ok((r.revision, objects))
-    }
-
-    /// Deletes one object; `None` when it did not exist.
-    pub async fn delete(&mut self, key: &ObjectKey) -> Result<Option<Revision>, LocalApiError> {
-        let r = self
-            .inner
-            .delete(pb::DeleteRequest {
-                kind: key.kind.as_str().to_owned(),
-                namespace: key.namespace.clone(),
-                name: key.name.clone(),
-            })
-            .await?
-            .into_inner();
-        Ok(r.deleted.then_some(r.revision))
-    }
-
-    /// The agent's status document.
-    pub async fn status(&mut self) -> Result<serde_json::Value, LocalApiError> {
-        let r = self.inner.status(pb::StatusRequest {}).await?.into_inner();
-        serde_json::from_str(&r.status_json).map_err(|e| LocalApiError::BadAnswer(e.to_string()))
-    }
-}
-
 /// The `localapi` subsystem: binds `<state-dir>/agent.sock` at start and serves the
 /// local API until stopped; removes the socket on stop.
 pub struct LocalApiServer {
     path: PathBuf,
     store: Arc<EmbeddedLog>,
-    status: StatusFn,
+    status: Arc<dyn StatusSource>,
     tasks: tokio_util::task::TaskTracker,
     /// Whether this server bound the socket (and so may remove it on stop).
     bound: std::sync::atomic::AtomicBool,
 }
 
 impl LocalApiServer {
-    /// A server on `path` over `store`.
-    pub fn new(path: PathBuf, store: Arc<EmbeddedLog>, status: StatusFn) -> Self {
+    /// A server on `path` over `store`, answering `status` from `status` (the
+    /// running agent's [`crate::status::LiveStatus`]).
+    pub fn new(
+        path: PathBuf,
+        store: Arc<EmbeddedLog>,
+        status: impl StatusSource + 'static,
+    ) -> Self {
         Self {
             path,
             store,
-            status,
+            status: Arc::new(status),
             tasks: tokio_util::task::TaskTracker::new(),
             bound: std::sync::atomic::AtomicBool::new(false),
         }

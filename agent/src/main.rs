@@ -1,5 +1,7 @@
 //! `rune-agent`: parse the command line, check the settings before anything is
-//! bound, then run the command. Bad settings exit with status 2.
+//! bound, then run the command. Bad settings exit with status 2; a command whose
+//! standard output was closed by its reader (`rune-agent get | head -1`) stops
+//! quietly with status 141 (128 + SIGPIPE, as a shell reports `yes | head -1`).
 
 use clap::Parser;
 use rune_agent::cli::{self, Cli, Command};
@@ -14,8 +16,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // The version needs no settings: a bad config must not hide it.
     if let Command::Version = cli.command {
-        println!("rune-agent {}", env!("CARGO_PKG_VERSION"));
-        return ExitCode::SUCCESS;
+        return exit_code(cli::print_all(&format!(
+            "rune-agent {}\n",
+            env!("CARGO_PKG_VERSION")
+        )));
     }
     let run_args = match &cli.command {
         Command::Run(args) => Some(args.as_ref()),
@@ -66,7 +70,7 @@ fn main() -> ExitCode {
                 name,
                 namespace,
             } => cli::delete(&config, kind, name, namespace).await,
-            Command::Status { output } => cli::status(&config, *output).await,
+            Command::Status(args) => cli::status(&config, args).await,
             Command::Cleanup { bpf_pin_dir } => cli::cleanup(&config, bpf_pin_dir.as_deref()).await,
             Command::Preflight {
                 json,
@@ -76,8 +80,18 @@ fn main() -> ExitCode {
             Command::Version => Ok(()),
         }
     });
+    exit_code(result)
+}
+
+/// Exit status 141 (128 + SIGPIPE), without a message: what a shell reports for a
+/// command whose output pipe was closed.
+const STDOUT_CLOSED: u8 = 141;
+
+/// The command's exit status; prints its error.
+fn exit_code(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.chain().any(|c| c.is::<cli::StdoutClosed>()) => ExitCode::from(STDOUT_CLOSED),
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

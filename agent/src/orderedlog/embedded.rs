@@ -437,6 +437,37 @@ impl EmbeddedLog {
         Ok(revision)
     }
 
+    /// Endpoints objects whose service does not exist, in key order: from the keys,
+    /// without reading a document.
+    pub fn orphan_endpoints(&self) -> Result<Vec<ObjectKey>, LogError> {
+        let inner = &self.inner;
+        let txn = inner.db.begin_read().map_err(|e| inner.storage(e))?;
+        let table = txn.open_table(OBJECTS).map_err(|e| inner.storage(e))?;
+        let names = |kind: Kind| -> Result<Vec<String>, LogError> {
+            let prefix = format!("{kind}/");
+            let mut out = Vec::new();
+            for row in table
+                .range(prefix.as_str()..)
+                .map_err(|e| inner.storage(e))?
+            {
+                let (k, _) = row.map_err(|e| inner.storage(e))?;
+                match k.value().strip_prefix(&prefix) {
+                    Some(rest) => out.push(rest.to_owned()),
+                    None => break,
+                }
+            }
+            Ok(out)
+        };
+        let services: HashSet<String> = names(Kind::Service)?.into_iter().collect();
+        let mut orphans: Vec<ObjectKey> = names(Kind::Endpoints)?
+            .into_iter()
+            .filter(|n| !services.contains(n))
+            .filter_map(|n| parse_key_string(&format!("{}/{n}", Kind::Endpoints)))
+            .collect();
+        orphans.sort();
+        Ok(orphans)
+    }
+
     /// How many objects of each kind the store holds, and its revision: counted from
     /// the keys, without reading a document (`status` of a large store).
     pub fn count(&self) -> Result<(Revision, BTreeMap<Kind, usize>), LogError> {
@@ -499,7 +530,8 @@ impl Inner {
         Ok(())
     }
 
-    /// Records the new revision and drops history beyond `self.history` events.
+    /// Records the new revision (also as the VIP index's) and drops history beyond
+    /// `self.history` events.
     fn finish_write(
         &self,
         meta: &mut Table<&str, u64>,
@@ -507,6 +539,9 @@ impl Inner {
         revision: Revision,
     ) -> Result<(), LogError> {
         meta.insert(META_REVISION, revision)
+            .map_err(|e| self.storage(e))?;
+        // Every writer keeps the VIP index in the same transaction.
+        meta.insert(vips::META_VIP_INDEX, revision)
             .map_err(|e| self.storage(e))?;
         let oldest = read_meta(meta, META_OLDEST, &self.path)?;
         let cut = revision.saturating_sub(self.history);
