@@ -3,12 +3,16 @@
 //!
 //! A file that exists but cannot be read as an identity is an error for the operator
 //! to resolve; it is never regenerated or overwritten.
+//!
+//! Loading the identity is the agent's first step at start, so it also makes the
+//! state dir private ([`secure_state_dir`]): secrets will be stored there, next to
+//! the store and the socket.
 
 use std::{
     collections::BTreeMap,
-    fs::{self, File, OpenOptions},
+    fs::{self, DirBuilder, File, OpenOptions},
     io::{self, Write},
-    os::unix::fs::OpenOptionsExt,
+    os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt},
     path::{Path, PathBuf},
 };
 
@@ -86,17 +90,108 @@ pub enum IdentityError {
         #[source]
         source: io::Error,
     },
+    /// The permissions of the state dir or of a file in it could not be read or
+    /// tightened.
+    #[error("cannot make {} private to the agent's user", .path.display())]
+    Permissions {
+        /// The state dir or the file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// The state dir is writable by everybody (e.g. `/tmp`): not a directory the
+    /// agent may make private, nor one to keep secrets in.
+    #[error(
+        "state dir {} is writable by every user (mode {mode:o}): use a directory of its own (--state-dir)",
+        .path.display()
+    )]
+    SharedDir {
+        /// The state dir.
+        path: PathBuf,
+        /// Its mode.
+        mode: u32,
+    },
+}
+
+/// A permission change [`secure_state_dir`] made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tightened {
+    /// The state dir, or an entry directly in it.
+    pub path: PathBuf,
+    /// Its permission bits before.
+    pub from: u32,
+    /// And after.
+    pub to: u32,
+}
+
+/// Makes the state dir private to the agent's user: creates it 0700 when missing;
+/// for an existing one, removes every group and other permission from the dir
+/// (0755 becomes 0700) and from each entry directly in it (a 0644 store becomes
+/// 0600), and logs each change. Symbolic links are left alone (a chmod would
+/// follow them out of the dir). Refuses a dir every user may write to ([`IdentityError::SharedDir`]):
+/// making `/tmp` 0700 would break the host.
+pub fn secure_state_dir(state_dir: &Path) -> Result<Vec<Tightened>, IdentityError> {
+    let perm_err = |path: &Path| {
+        let path = path.to_owned();
+        move |source| IdentityError::Permissions { path, source }
+    };
+    DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(state_dir)
+        .map_err(|source| IdentityError::CreateDir {
+            path: state_dir.to_owned(),
+            source,
+        })?;
+    let mode = fs::metadata(state_dir).map_err(perm_err(state_dir))?.mode();
+    if mode & 0o002 != 0 {
+        return Err(IdentityError::SharedDir {
+            path: state_dir.to_owned(),
+            mode: mode & 0o7777,
+        });
+    }
+    let mut changed = Vec::new();
+    let mut tighten = |path: &Path, mode: u32| -> Result<(), IdentityError> {
+        let bits = mode & 0o7777;
+        let private = bits & !0o077;
+        if private != bits {
+            fs::set_permissions(path, fs::Permissions::from_mode(private))
+                .map_err(perm_err(path))?;
+            tracing::warn!(
+                path = %path.display(),
+                from = format!("{bits:04o}"),
+                to = format!("{private:04o}"),
+                "tightened permissions in the state dir (it will hold secrets)"
+            );
+            changed.push(Tightened {
+                path: path.to_owned(),
+                from: bits,
+                to: private,
+            });
+        }
+        Ok(())
+    };
+    tighten(state_dir, mode)?;
+    for entry in fs::read_dir(state_dir).map_err(perm_err(state_dir))? {
+        let entry = entry.map_err(perm_err(state_dir))?;
+        let path = entry.path();
+        let meta = fs::symlink_metadata(&path).map_err(perm_err(&path))?;
+        if meta.file_type().is_symlink() {
+            continue;
+        }
+        tighten(&path, meta.mode())?;
+    }
+    Ok(changed)
 }
 
 impl Identity {
     /// Reads the identity from `<state_dir>/node-identity.json`, or creates a new one
     /// (random node ID, this host's name, no labels) and persists it atomically.
-    /// Creates `state_dir` when missing.
+    /// First makes `state_dir` private ([`secure_state_dir`]: created 0700 when
+    /// missing, group and other permissions removed from it and its files).
     pub fn load_or_create(state_dir: &Path) -> Result<Identity, IdentityError> {
-        fs::create_dir_all(state_dir).map_err(|source| IdentityError::CreateDir {
-            path: state_dir.to_owned(),
-            source,
-        })?;
+        secure_state_dir(state_dir)?;
         let path = state_dir.join(IDENTITY_FILE);
         match fs::read(&path) {
             Ok(bytes) => Self::parse(&path, &bytes),
@@ -302,6 +397,41 @@ mod tests {
             .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777)
             .unwrap();
         assert_eq!(mode, 0o600);
+    }
+
+    #[test]
+    fn the_state_dir_is_made_private() {
+        let root = tempfile::tempdir().unwrap();
+        let mode = |p: &Path| fs::symlink_metadata(p).unwrap().mode() & 0o7777;
+        // A new one is created 0700.
+        let fresh = root.path().join("new/rune");
+        Identity::load_or_create(&fresh).unwrap();
+        assert_eq!(mode(&fresh), 0o700);
+        // An existing one loses group and other permissions, its files too.
+        let dir = root.path().join("old");
+        fs::create_dir(&dir).unwrap();
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
+        let store = dir.join("store.redb");
+        fs::write(&store, b"").unwrap();
+        fs::set_permissions(&store, fs::Permissions::from_mode(0o644)).unwrap();
+        let outside = root.path().join("outside");
+        fs::write(&outside, b"").unwrap();
+        fs::set_permissions(&outside, fs::Permissions::from_mode(0o644)).unwrap();
+        std::os::unix::fs::symlink(&outside, dir.join("link")).unwrap();
+        Identity::load_or_create(&dir).unwrap();
+        assert_eq!(mode(&dir), 0o700);
+        assert_eq!(mode(&store), 0o600);
+        assert_eq!(mode(&dir.join(IDENTITY_FILE)), 0o600);
+        assert_eq!(mode(&outside), 0o644, "a link's target is not touched");
+        // Nothing left to change.
+        assert_eq!(secure_state_dir(&dir).unwrap(), vec![]);
+        // A dir everybody may write to is refused, and left as it is.
+        let shared = root.path().join("shared");
+        fs::create_dir(&shared).unwrap();
+        fs::set_permissions(&shared, fs::Permissions::from_mode(0o1777)).unwrap();
+        let err = Identity::load_or_create(&shared).unwrap_err();
+        assert!(matches!(err, IdentityError::SharedDir { .. }), "{err}");
+        assert_eq!(mode(&shared), 0o1777);
     }
 
     #[test]
