@@ -57,6 +57,7 @@ pub fn run() -> Result<()> {
     report.push_str(&crate::bench_ebpf::section()?);
     report.push_str(&crate::bench_sync::section(&bin)?);
     report.push_str(&crate::bench_e2e::section(&bin)?);
+    report.push_str(&crate::bench_apply::section(&bin)?);
     println!("{report}");
     let out = crate::util::target_dir().join("bench.md");
     std::fs::write(&out, &report)?;

@@ -4,6 +4,7 @@
 //! `mod` line, an enum variant and a match arm.
 
 mod bench;
+mod bench_apply;
 mod bench_dns;
 mod bench_e2e;
 mod bench_ebpf;
@@ -42,8 +43,9 @@ enum Command {
     /// embedded DNS server against dnsmasq, the agent's memory (side by side in one
     /// run), the eBPF load balancer's per-packet cost and the eBPF map sync of
     /// 10,000 services, and TCP and short HTTP connections end to end through the
-    /// VIPs per data plane mode; prints a table. `bench ebpf`, `bench sync`, `bench
-    /// e2e` and `bench reuse` run one section alone (they need root).
+    /// VIPs per data plane mode, and applies into the store; prints a table. `bench
+    /// ebpf`, `bench sync`, `bench e2e`, `bench reuse` (they need root), `bench dns`
+    /// and `bench apply` run one section alone.
     Bench {
         /// Only this section.
         #[arg(value_enum)]
@@ -67,6 +69,9 @@ enum BenchSection {
     Reuse,
     /// The embedded DNS server against dnsmasq, and its memory at 10,000 services.
     Dns,
+    /// Applies into the embedded store up to 100,000 services: one object, and large
+    /// applies' objects per second.
+    Apply,
 }
 
 fn main() -> ExitCode {
@@ -91,6 +96,9 @@ fn main() -> ExitCode {
         Command::Bench {
             section: Some(BenchSection::Dns),
         } => setup::run().and_then(|()| bench_dns::run_alone()),
+        Command::Bench {
+            section: Some(BenchSection::Apply),
+        } => setup::run().and_then(|()| bench_apply::run_alone()),
     };
     // One line per cause, no backtrace: the failing step's own output is above.
     match result {
