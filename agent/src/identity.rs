@@ -160,8 +160,8 @@ pub fn secure_state_dir(state_dir: &Path) -> Result<Vec<Tightened>, IdentityErro
                 .map_err(perm_err(path))?;
             tracing::warn!(
                 path = %path.display(),
-                from = format!("{bits:04o}"),
-                to = format!("{private:04o}"),
+                from = %format!("{bits:04o}"),
+                to = %format!("{private:04o}"),
                 "tightened permissions in the state dir (it will hold secrets)"
             );
             changed.push(Tightened {
