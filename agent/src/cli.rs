@@ -11,7 +11,7 @@
 
 mod output;
 
-pub use output::{StdoutClosed, render_objects};
+pub use output::StdoutClosed;
 
 use crate::{
     config::{Config, ConfigError, FileConfig},
@@ -452,11 +452,11 @@ fn store_status(
     let only = match query {
         StatusQuery::Summary => {
             let summary = crate::status::summarize(source)?;
-            return each(StatusPart::Summary(summary)).map_err(output_error);
+            return each(StatusPart::Summary(Box::new(summary))).map_err(output_error);
         }
         StatusQuery::Service(key) => Some(key),
         StatusQuery::All => {
-            each(StatusPart::Summary(source.summary()?)).map_err(output_error)?;
+            each(StatusPart::Summary(Box::new(source.summary()?))).map_err(output_error)?;
             None
         }
     };

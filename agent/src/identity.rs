@@ -394,7 +394,7 @@ mod tests {
         assert_eq!(value["node_id"], identity.node_id.as_str());
         assert_eq!(value["hostname"], identity.hostname.as_str());
         let mode = fs::metadata(dir.path().join(IDENTITY_FILE))
-            .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777)
+            .map(|m| m.permissions().mode() & 0o777)
             .unwrap();
         assert_eq!(mode, 0o600);
     }

@@ -252,32 +252,6 @@ impl ObjectsOut {
     }
 }
 
-/// Renders objects as a table, YAML documents or JSON, all at once.
-pub fn render_objects(objects: &[Object], output: Option<Format>, single: bool) -> String {
-    let mut rows = Vec::new();
-    let text = match output {
-        None => {
-            rows.extend(objects.iter().map(row));
-            return table(rows);
-        }
-        Some(Format::Json) if single && objects.len() == 1 => {
-            serde_json::to_string_pretty(&objects[0].to_json()).unwrap_or_default() + "\n"
-        }
-        Some(Format::Json) => {
-            let docs: Vec<serde_json::Value> = objects.iter().map(Object::to_json).collect();
-            let list =
-                serde_json::json!({"apiVersion": API_VERSION, "kind": "List", "items": docs});
-            serde_json::to_string_pretty(&list).unwrap_or_default() + "\n"
-        }
-        Some(Format::Yaml) => objects
-            .iter()
-            .map(|o| serde_yaml_ng::to_string(&o.to_json()).unwrap_or_default())
-            .collect::<Vec<_>>()
-            .join("---\n"),
-    };
-    text
-}
-
 fn row(o: &Object) -> [String; 4] {
     let m = o.metadata();
     let details = match o {
@@ -348,7 +322,8 @@ fn table(objects: Vec<[String; 4]>) -> String {
 pub struct StatusOut {
     format: Option<Format>,
     shape: StatusShape,
-    summary: Option<AgentStatus>,
+    /// The summary of `--all` came (and its head was printed).
+    started: bool,
     json: Option<JsonList>,
     yaml_tail: String,
     orphans: Vec<String>,
@@ -372,7 +347,7 @@ impl StatusOut {
         StatusOut {
             format,
             shape,
-            summary: None,
+            started: false,
             json: None,
             yaml_tail: String::new(),
             orphans: Vec::new(),
@@ -388,7 +363,7 @@ impl StatusOut {
                 StatusShape::One => {}
                 StatusShape::All => {
                     self.start_all(out, &st)?;
-                    self.summary = Some(st);
+                    self.started = true;
                 }
             },
             StatusPart::Service(s) if self.shape == StatusShape::All => {
@@ -439,7 +414,7 @@ impl StatusOut {
     /// Prints what comes after the services of `--all`: the orphan endpoints and
     /// the document's end.
     pub fn finish(self, out: &mut Out) -> io::Result<()> {
-        if self.summary.is_none() {
+        if !self.started {
             return out.flush();
         }
         match self.format {
@@ -535,6 +510,27 @@ mod tests {
         parse_documents(&yaml).unwrap()
     }
 
+    /// Objects as `get` printed them before it streamed: all at once.
+    fn render_objects(objects: &[Object], output: Option<Format>, single: bool) -> String {
+        match output {
+            None => table(objects.iter().map(row).collect()),
+            Some(Format::Json) if single && objects.len() == 1 => {
+                serde_json::to_string_pretty(&objects[0].to_json()).unwrap_or_default() + "\n"
+            }
+            Some(Format::Json) => {
+                let docs: Vec<serde_json::Value> = objects.iter().map(Object::to_json).collect();
+                let list =
+                    serde_json::json!({"apiVersion": API_VERSION, "kind": "List", "items": docs});
+                serde_json::to_string_pretty(&list).unwrap_or_default() + "\n"
+            }
+            Some(Format::Yaml) => objects
+                .iter()
+                .map(|o| serde_yaml_ng::to_string(&o.to_json()).unwrap_or_default())
+                .collect::<Vec<_>>()
+                .join("---\n"),
+        }
+    }
+
     fn streamed(objects: &[Object], format: Option<Format>, single: bool) -> String {
         let mut out = Out::memory();
         let mut printer = ObjectsOut::new(format, single).unwrap();
@@ -611,7 +607,9 @@ mod tests {
                 let mut head = whole.clone();
                 head.services.clear();
                 head.orphan_endpoints.clear();
-                printer.push(&mut out, StatusPart::Summary(head)).unwrap();
+                printer
+                    .push(&mut out, StatusPart::Summary(Box::new(head)))
+                    .unwrap();
                 for s in &whole.services {
                     printer
                         .push(&mut out, StatusPart::Service(s.clone()))

@@ -46,7 +46,7 @@ pub enum StatusQuery {
 #[derive(Clone, Debug, PartialEq)]
 pub enum StatusPart {
     /// The summary (first, always).
-    Summary(AgentStatus),
+    Summary(Box<AgentStatus>),
     /// A service (`Service` and `All`).
     Service(ServiceStatus),
     /// An Endpoints object without a service (`All`), as `Endpoints ns/name`.
@@ -329,9 +329,9 @@ impl Client {
             use pb::status_chunk::Part;
             match chunk.part {
                 Some(Part::SummaryJson(doc)) => {
-                    output(StatusPart::Summary(
+                    output(StatusPart::Summary(Box::new(
                         serde_json::from_str(&doc).map_err(bad_answer)?,
-                    ))?;
+                    )))?;
                 }
                 Some(Part::ServicesJsonLines(bytes)) => services.feed(&bytes, |doc| {
                     output(StatusPart::Service(
@@ -380,10 +380,10 @@ impl Client {
                 } else {
                     whole.orphan_endpoints = orphans;
                 }
-                output(StatusPart::Summary(whole))
+                output(StatusPart::Summary(Box::new(whole)))
             }
             StatusQuery::Service(key) => {
-                output(StatusPart::Summary(whole))?;
+                output(StatusPart::Summary(Box::new(whole)))?;
                 let wanted = key.to_string();
                 let one = services.into_iter().find(|s| s.service == wanted);
                 let one = one.ok_or_else(|| {
@@ -392,7 +392,7 @@ impl Client {
                 output(StatusPart::Service(one))
             }
             StatusQuery::All => {
-                output(StatusPart::Summary(whole))?;
+                output(StatusPart::Summary(Box::new(whole)))?;
                 for s in services {
                     output(StatusPart::Service(s))?;
                 }
