@@ -243,7 +243,7 @@ impl LocalApi {
                 ApplyError::Invalid(e) => Status::invalid_argument(e.to_string()),
                 ApplyError::Log(e) => log_status(e),
             })?;
-            tracing::info!(
+            tracing::debug!(
                 objects = count,
                 revision = outcome.revision,
                 elapsed_ms = started.elapsed().as_millis() as u64,
@@ -332,15 +332,15 @@ impl Chunker {
 /// A stream of answers fed by a blocking producer through a bounded channel.
 type Answers<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
-/// Runs `produce` on the blocking pool with a sender of at most
+/// Runs `f` on the blocking pool with a sender of at most
 /// [`QUEUED_MESSAGES`] queued answers; an error it returns ends the stream. The
 /// producer stops when the client goes away (a send fails).
 fn produce<T: Send + 'static>(
-    produce: impl FnOnce(&mpsc::Sender<Result<T, Status>>) -> Result<(), Status> + Send + 'static,
+    f: impl FnOnce(&mpsc::Sender<Result<T, Status>>) -> Result<(), Status> + Send + 'static,
 ) -> Answers<T> {
     let (tx, rx) = mpsc::channel(QUEUED_MESSAGES);
     tokio::task::spawn_blocking(move || {
-        if let Err(e) = produce(&tx) {
+        if let Err(e) = f(&tx) {
             let _ = tx.blocking_send(Err(e));
         }
     });

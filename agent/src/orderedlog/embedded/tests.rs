@@ -1,7 +1,7 @@
 use super::*;
 use crate::model::parse_documents;
 use futures::StreamExt;
-use std::time::Duration;
+use std::{collections::BTreeMap, time::Duration};
 use tokio::time::timeout;
 
 /// How long a watcher may take to see an event before the test fails.
