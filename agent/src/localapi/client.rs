@@ -84,8 +84,8 @@ async fn next<T>(stream: &mut Streaming<T>, what: &str) -> Result<Option<T>, Loc
 fn call_error(s: Status) -> LocalApiError {
     if s.message().contains("message length too large") {
         return LocalApiError::Call(format!(
-            "{} (the running agent is older than this CLI and answers at most 4 MiB \
-             at once: restart it with this version)",
+            "{} (the running agent is older than this CLI and takes and answers at most \
+             4 MiB per call: restart it with this version)",
             s.message()
         ));
     }
