@@ -29,8 +29,6 @@ use std::{
 
 use anyhow::{Context as _, Result, bail, ensure};
 
-use crate::bench_sync::TempDir;
-
 /// Services in the full store.
 const SERVICES: usize = 100_000;
 /// Endpoints per service.
@@ -147,12 +145,14 @@ fn ms(d: Duration) -> String {
 
 /// The section of the report.
 pub fn section(bin: &Path) -> Result<String> {
-    let work = TempDir::new(&format!("rune-bench-apply-{}", std::process::id()))?;
-    let state = work.0.join("state");
+    let work = tempfile::Builder::new()
+        .prefix("rune-bench-apply-")
+        .tempdir()?;
+    let state = work.path().join("state");
     let per_batch = SERVICES / BATCHES;
     let mut batches = Vec::new();
     for b in 0..BATCHES {
-        let file = work.0.join(format!("batch-{b}.yaml"));
+        let file = work.path().join(format!("batch-{b}.yaml"));
         let yaml: String = (b * per_batch..(b + 1) * per_batch)
             .map(service_yaml)
             .collect();
@@ -167,7 +167,7 @@ pub fn section(bin: &Path) -> Result<String> {
 
     let mut ones = Vec::new();
     for r in 0..ONE_RUNS {
-        let file = work.0.join(format!("one-{r}.yaml"));
+        let file = work.path().join(format!("one-{r}.yaml"));
         std::fs::write(&file, service_yaml(SERVICES + r))?;
         ones.push(apply(bin, &state, &file)?);
     }
@@ -228,15 +228,4 @@ pub fn section(bin: &Path) -> Result<String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_store_time_is_read_from_its_debug_line() {
-        let colored = "\u{1b}[2m2026\u{1b}[0m DEBUG store apply \u{1b}[3mobjects\u{1b}[0m\u{1b}[2m=\u{1b}[0m1 \u{1b}[3melapsed_us\u{1b}[0m\u{1b}[2m=\u{1b}[0m2775\n";
-        assert_eq!(store_time(colored), Some(Duration::from_micros(2775)));
-        let plain = "DEBUG rune_agent::orderedlog::embedded: store apply objects=1 elapsed_us=12";
-        assert_eq!(store_time(plain), Some(Duration::from_micros(12)));
-        assert_eq!(store_time("nothing"), None);
-    }
-}
+mod tests;
