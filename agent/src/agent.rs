@@ -22,12 +22,8 @@ use crate::{
     identity::Identity,
     metrics::{Metrics, SubsystemLabels},
     outbox::Outbox,
+    subsystem::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
 };
-
-/// The subsystem contract under the path it had before it moved to
-/// [`crate::subsystem`], for the modules that still name it so (the local API and
-/// the data plane's reconciler).
-pub use crate::subsystem::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError};
 
 /// How long [`Agent::start`] waits for every subsystem to report ready, unless
 /// configured.

@@ -95,7 +95,7 @@ pub enum Command {
         json: bool,
         /// The data plane to decide for [default: auto, or the config file's].
         #[arg(long, env = "RUNE_DATAPLANE", value_enum)]
-        dataplane: Option<crate::config::DataplaneChoice>,
+        dataplane: Option<crate::config::DataplaneRequest>,
         /// cgroup v2 directory of the socket-LB hooks, or `none` [default: the
         /// cgroup v2 root]; the attach probe uses an empty child it removes again.
         #[arg(long, env = "RUNE_CGROUP", value_name = "PATH")]
@@ -194,7 +194,7 @@ pub struct RunArgs {
     /// Production data plane: auto (preflight picks ebpf, else nftables, else
     /// userspace), or one of them forced (the start fails when its checks fail) [default: auto].
     #[arg(long, env = "RUNE_DATAPLANE", value_enum)]
-    pub dataplane: Option<crate::config::DataplaneChoice>,
+    pub dataplane: Option<crate::config::DataplaneRequest>,
     /// bpffs directory for the eBPF pins [default: /sys/fs/bpf/rune].
     #[arg(long, env = "RUNE_BPF_PIN_DIR", value_name = "DIR")]
     pub bpf_pin_dir: Option<PathBuf>,
@@ -498,7 +498,7 @@ pub async fn cleanup(config: &Config, pin_dir: Option<&std::path::Path>) -> Resu
     }
     let dir = pin_dir.unwrap_or(&config.bpf_pin_dir);
     let removed =
-        crate::dataplane::leftovers::remove(&crate::preflight::DataplaneMode::ALL, dir).await?;
+        crate::dataplane::leftovers::remove(&crate::config::DataplaneMode::ALL, dir).await?;
     let mut text = format!(
         "removed {} eBPF pins under {}\n",
         removed.pins,
@@ -518,7 +518,7 @@ pub async fn cleanup(config: &Config, pin_dir: Option<&std::path::Path>) -> Resu
 pub fn preflight(
     config: &Config,
     json: bool,
-    requested: Option<crate::config::DataplaneChoice>,
+    requested: Option<crate::config::DataplaneRequest>,
     cgroup: Option<&str>,
 ) -> Result<()> {
     use crate::preflight::{self, Options, Outcome};

@@ -120,9 +120,6 @@ pub enum DataplaneRequest {
     Forced(DataplaneMode),
 }
 
-/// The former name of [`DataplaneRequest`], still used by `cli.rs`.
-pub type DataplaneChoice = DataplaneRequest;
-
 impl DataplaneRequest {
     /// Every request, in the order `--help` lists them: `auto`, then each mode forced.
     pub const ALL: [DataplaneRequest; 4] = [

@@ -635,18 +635,18 @@ impl LocalApiServer {
 }
 
 #[async_trait::async_trait]
-impl crate::agent::Subsystem for LocalApiServer {
+impl crate::subsystem::Subsystem for LocalApiServer {
     fn name(&self) -> &str {
         "localapi"
     }
 
     async fn start(
         &self,
-        ctx: &crate::agent::StartContext,
-    ) -> Result<(), crate::agent::SubsystemError> {
+        ctx: &crate::subsystem::StartContext,
+    ) -> Result<(), crate::subsystem::SubsystemError> {
         let listener = bind(&self.path)
             .await
-            .map_err(|e| crate::agent::SubsystemError::failed("local API", e))?;
+            .map_err(|e| crate::subsystem::SubsystemError::failed("local API", e))?;
         self.bound.store(true, std::sync::atomic::Ordering::SeqCst);
         let api = LocalApi::new(self.store.clone(), self.status.clone());
         let cancel = ctx.cancel.clone();
@@ -659,11 +659,11 @@ impl crate::agent::Subsystem for LocalApiServer {
         Ok(())
     }
 
-    fn ready(&self) -> crate::agent::Readiness {
-        crate::agent::Readiness::ready()
+    fn ready(&self) -> crate::subsystem::Readiness {
+        crate::subsystem::Readiness::ready()
     }
 
-    async fn stop(&self) -> Result<(), crate::agent::SubsystemError> {
+    async fn stop(&self) -> Result<(), crate::subsystem::SubsystemError> {
         self.tasks.close();
         self.tasks.wait().await;
         // Never remove a socket another agent bound (our bind may have failed on it).
@@ -673,7 +673,7 @@ impl crate::agent::Subsystem for LocalApiServer {
         match std::fs::remove_file(&self.path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(crate::agent::SubsystemError::io(
+            Err(e) => Err(crate::subsystem::SubsystemError::io(
                 format!("remove {}", self.path.display()),
                 e,
             )),

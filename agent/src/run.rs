@@ -8,28 +8,25 @@ use crate::{
     agent::{Agent, AgentConfig},
     config::{Config, DataplaneMode, Mode},
     dataplane::{
-        DataPlane, DataPlaneError, PortState,
+        DataPlane, DataPlaneError,
         ebpf::{EbpfConfig, EbpfDataPlane, Hooks, MapSizes, attach},
         leftovers,
         nftables::{NftablesConfig, NftablesDataPlane},
         proxy::{ListenOn, ProxyConfig, UserspaceProxy},
         reconciler::Reconciler,
     },
-    dns::{DnsConfig, DnsServer, DnsState, ForwardConfig, ZoneConfig},
+    dns::{DnsConfig, DnsServer, ForwardConfig, ZoneConfig},
     endpoints::{CacheFeed, EndpointCache, read_first_snapshot},
     identity::Identity,
-    localapi::{self, LocalApiServer, StatusFn},
+    localapi::{self, LocalApiServer},
     metrics::{Metrics, server::MetricsServer},
     orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
     outbox::Outbox,
     preflight,
-    status::{AgentStatus, NodeStatus, SubsystemLine},
+    status::LiveStatus,
 };
 use anyhow::{Context, Result};
-use std::{
-    path::PathBuf,
-    sync::{Arc, Weak},
-};
+use std::sync::Arc;
 
 /// Runs the agent until SIGINT or SIGTERM, then stops every subsystem.
 pub async fn run(config: Config) -> Result<()> {
@@ -98,14 +95,15 @@ pub async fn run(config: Config) -> Result<()> {
     if mode == Mode::Dev {
         metrics.set_dataplane(plane.mode(), &[]);
     }
-    let status = status_fn(
-        Arc::downgrade(&agent),
-        cache.clone(),
-        plane.clone(),
-        Arc::new(dns.state_handle()),
-        config.state_dir.clone(),
-        selected.map(Arc::new),
-    );
+    let status = LiveStatus {
+        agent: Arc::downgrade(&agent),
+        cache: cache.clone(),
+        plane: plane.clone(),
+        dns: Arc::new(dns.state_handle()),
+        state_dir: config.state_dir.clone(),
+        dataplane_reason: selected.as_ref().map(|s| s.reason.clone()),
+        preflight: selected.map(|s| s.checks).unwrap_or_default(),
+    };
     agent.register(Arc::new(MetricsServer::new(
         config.metrics_addr,
         metrics.clone(),
@@ -403,72 +401,5 @@ fn shutdown_signal() -> Result<impl Future<Output = ()>> {
             _ = term.recv() => {}
             _ = int.recv() => {}
         }
-    })
-}
-
-/// The status document of the running agent.
-fn status_fn(
-    agent: Weak<Agent>,
-    cache: Arc<EndpointCache>,
-    plane: Arc<dyn DataPlane>,
-    dns: Arc<dyn Fn() -> DnsState + Send + Sync>,
-    state_dir: PathBuf,
-    preflight: Option<Arc<SelectedDataplane>>,
-) -> StatusFn {
-    Arc::new(move || {
-        let mut st = AgentStatus::from_cache(&state_dir, &cache);
-        st.running = true;
-        st.dataplane = Some(plane.mode().to_owned());
-        if let Some(p) = &preflight {
-            st.dataplane_reason = Some(p.reason.clone());
-            st.preflight = p.checks.clone();
-        }
-        st.programs = plane.programs();
-        st.dns = Some(dns().to_string());
-        let ports = plane.status();
-        for s in &mut st.services {
-            for p in &mut s.ports {
-                if let Some(dp) = ports.iter().find(|d| {
-                    d.service == s.service && d.port == p.port && d.protocol.as_str() == p.protocol
-                }) {
-                    p.listen = dp.listen.map(|a| a.to_string());
-                    p.state = Some(match &dp.state {
-                        PortState::Listening => "listening".to_owned(),
-                        PortState::Failed { reason } => format!("failed: {reason}"),
-                    });
-                    p.counters = dp.counters.map(|c| c.to_string());
-                }
-            }
-            // A backend's counters (shared by the ports that reach it).
-            for b in &mut s.backends {
-                b.counters = ports
-                    .iter()
-                    .filter(|d| d.service == s.service)
-                    .flat_map(|d| d.backends.iter())
-                    .find(|db| db.address.to_string() == b.address)
-                    .and_then(|db| db.counters)
-                    .map(|c| c.to_string());
-            }
-        }
-        if let Some(agent) = agent.upgrade() {
-            let id = agent.identity();
-            st.mode = Some(agent.mode().to_string());
-            st.node = Some(NodeStatus {
-                node_id: id.node_id.clone(),
-                hostname: id.hostname.clone(),
-                labels: id.labels.clone(),
-            });
-            st.ready = Some(agent.readiness().is_ready());
-            st.ready_error = agent.ready_err().map(|e| e.to_string());
-            st.subsystems = agent
-                .subsystems()
-                .into_iter()
-                .map(|s| SubsystemLine {
-                    name: s.name,
-                    state: s.state.to_string(),
-                })
-                .collect();
-        }
-        serde_json::to_value(&st).unwrap_or_default()
     })
 }

@@ -16,10 +16,7 @@ pub mod probes;
 
 pub use decide::{DecideError, Selection, decide};
 
-/// The modes preflight decides among, which each check names as needing it.
-pub use crate::config::DataplaneMode;
-
-use crate::config::DataplaneRequest;
+use crate::config::{DataplaneMode, DataplaneRequest};
 use serde::{Deserialize, Serialize};
 use std::{fmt::Write as _, path::PathBuf};
 

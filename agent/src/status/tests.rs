@@ -1,5 +1,5 @@
 use super::*;
-use crate::preflight::{Check, DataplaneMode};
+use crate::{config::DataplaneMode, preflight::Check};
 
 #[test]
 fn render_shows_the_data_plane_reason_and_failed_preflight_checks() {
