@@ -4,12 +4,6 @@
 //! `mod` line, an enum variant and a match arm.
 
 mod bench;
-mod bench_apply;
-mod bench_dns;
-mod bench_e2e;
-mod bench_ebpf;
-mod bench_reuse;
-mod bench_sync;
 mod build_ebpf;
 mod run;
 mod setup;
@@ -49,29 +43,8 @@ enum Command {
     Bench {
         /// Only this section.
         #[arg(value_enum)]
-        section: Option<BenchSection>,
+        section: Option<bench::Section>,
     },
-}
-
-/// A section of `cargo xtask bench` that can run alone.
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum BenchSection {
-    /// The eBPF load balancer per packet (BPF_PROG_TEST_RUN).
-    Ebpf,
-    /// The production agent's eBPF map sync: 10,000 services snapshot to maps, and
-    /// one endpoint change from the ordered log to the maps.
-    Sync,
-    /// TCP end to end through the VIP vs straight to the backend per data plane
-    /// mode, then the `reuse` scenario (netns).
-    E2e,
-    /// Short HTTP connections (nginx, wrk) with quick source port reuse through two
-    /// VIPs sharing one backend, per data plane mode vs direct (netns).
-    Reuse,
-    /// The embedded DNS server against dnsmasq, and its memory at 10,000 services.
-    Dns,
-    /// Applies into the embedded store up to 100,000 services: one object, and large
-    /// applies' objects per second.
-    Apply,
 }
 
 fn main() -> ExitCode {
@@ -80,25 +53,7 @@ fn main() -> ExitCode {
         Command::BuildEbpf => build_ebpf::run(),
         Command::Test => test::run(),
         Command::Run(args) => run::run(args),
-        Command::Bench { section: None } => setup::run().and_then(|()| bench::run()),
-        Command::Bench {
-            section: Some(BenchSection::Ebpf),
-        } => setup::run().and_then(|()| bench_ebpf::run_alone()),
-        Command::Bench {
-            section: Some(BenchSection::Sync),
-        } => setup::run().and_then(|()| bench_sync::run_alone()),
-        Command::Bench {
-            section: Some(BenchSection::E2e),
-        } => setup::run().and_then(|()| bench_e2e::run_alone()),
-        Command::Bench {
-            section: Some(BenchSection::Reuse),
-        } => setup::run().and_then(|()| bench_reuse::run_alone()),
-        Command::Bench {
-            section: Some(BenchSection::Dns),
-        } => setup::run().and_then(|()| bench_dns::run_alone()),
-        Command::Bench {
-            section: Some(BenchSection::Apply),
-        } => setup::run().and_then(|()| bench_apply::run_alone()),
+        Command::Bench { section } => setup::run().and_then(|()| bench::run(section)),
     };
     // One line per cause, no backtrace: the failing step's own output is above.
     match result {

@@ -18,16 +18,16 @@
 //! transaction of the bench process (client and backend) and of the agent, a figure
 //! other load disturbs less than the rates. Traffic stays in 198.18.0.0/15 inside the
 //! bench's own namespaces, which are deleted on drop; every run is bounded in time.
-//!
-//! Then the short-connection scenario with source port reuse through two VIPs
-//! ([`crate::bench_reuse`], also `cargo xtask bench reuse` alone).
 
-use crate::bench::{RUN, Scenario, load, median, start_backend_on};
+use super::{
+    common::{RUN, Scenario, load, median, start_backend_on},
+    modes::{Mode, apply_offline, topology},
+};
 use anyhow::{Context as _, Result, bail};
 use rune_harness::{
     bpffs::PinDir,
     netns::{NetNs, enter},
-    topology::{CLIENT_IF, NODE_CLIENT_IF, Topology, TopologyConfig},
+    topology::CLIENT_IF,
 };
 use std::{
     fmt::Write as _,
@@ -47,111 +47,13 @@ const BACKEND: Ipv4Addr = Ipv4Addr::new(198, 18, 11, 2);
 /// Client source addresses per mode (198.18.1.x blocks; see [`src_addr`]).
 const ADDRS_PER_MODE: u8 = 4 * ROUNDS + 2;
 
-/// A production data plane measured through the VIP. Add a mode here (its label,
-/// its agent flags, its targets) and to [`Mode::ALL`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Mode {
-    /// eBPF: tc DNAT on the node's client-facing veth.
-    Ebpf,
-    /// eBPF: XDP DNAT on that veth (reverse NAT still in tc egress). The client's
-    /// veth sends full checksums in this mode (`ethtool -K c-node tx off` for its
-    /// direct and VIP runs alike), as a NIC delivers them: XDP sees no skb and
-    /// cannot fix a partial one.
-    EbpfXdp,
-    /// nftables DNAT in the node's table `inet rune`.
-    Nftables,
-    /// Userspace proxies listening on the VIPs themselves (added to the node's lo).
-    Userspace,
-}
-
-impl Mode {
-    /// Every mode, in the order they run.
-    pub(crate) const ALL: [Mode; 4] = [Mode::Ebpf, Mode::EbpfXdp, Mode::Nftables, Mode::Userspace];
-
-    /// The modes to run: those named in `RUNE_BENCH_MODES` (comma-separated
-    /// [`Mode::name`]s, to iterate on one mode alone), else [`Mode::ALL`].
-    pub(crate) fn selected() -> Result<Vec<(usize, Mode)>> {
-        let all = Mode::ALL.into_iter().enumerate();
-        let Ok(list) = std::env::var("RUNE_BENCH_MODES") else {
-            return Ok(all.collect());
-        };
-        let wanted: Vec<&str> = list.split(',').map(str::trim).collect();
-        if let Some(unknown) = wanted
-            .iter()
-            .find(|w| !Mode::ALL.iter().any(|m| m.name() == **w))
-        {
-            bail!(
-                "RUNE_BENCH_MODES: unknown mode {unknown:?} (ebpf, ebpf-xdp, nftables, userspace)"
-            );
-        }
-        Ok(all.filter(|(_, m)| wanted.contains(&m.name())).collect())
-    }
-
-    /// Its name in `RUNE_BENCH_MODES`.
-    fn name(self) -> &'static str {
-        match self {
-            Mode::EbpfXdp => "ebpf-xdp",
-            _ => self.dataplane(),
-        }
-    }
-
-    /// The `--dataplane` value.
-    fn dataplane(self) -> &'static str {
-        match self {
-            Mode::Ebpf | Mode::EbpfXdp => "ebpf",
-            Mode::Nftables => "nftables",
-            Mode::Userspace => "userspace",
-        }
-    }
-
-    /// Its name in the report's tables.
-    pub(crate) fn label(self) -> &'static str {
-        match self {
-            Mode::Ebpf => "eBPF (tc)",
-            Mode::EbpfXdp => "eBPF (XDP)",
-            Mode::Nftables => "nftables DNAT",
-            Mode::Userspace => "userspace proxy on the VIP",
-        }
-    }
-
-    /// `rune-agent run` flags beyond the state dir, metrics and DNS addresses.
-    pub(crate) fn flags(self, pins: &Path) -> Vec<String> {
-        match self {
-            Mode::Ebpf | Mode::EbpfXdp => {
-                let mut flags: Vec<String> = vec![
-                    "--dataplane".into(),
-                    self.dataplane().into(),
-                    "--cgroup".into(),
-                    "none".into(),
-                    "--interfaces".into(),
-                    NODE_CLIENT_IF.into(),
-                    "--bpf-pin-dir".into(),
-                    pins.display().to_string(),
-                ];
-                if self == Mode::EbpfXdp {
-                    flags.extend(["--xdp-interfaces".into(), NODE_CLIENT_IF.into()]);
-                }
-                flags
-            }
-            // A start removes what other modes left: the bench's own pin dir, never
-            // the default one.
-            Mode::Nftables | Mode::Userspace => vec![
-                "--dataplane".into(),
-                self.dataplane().into(),
-                "--bpf-pin-dir".into(),
-                pins.display().to_string(),
-            ],
-        }
-    }
-
-    /// The target ratio for `scenario` (issues #3 and #4), if any.
-    fn target(self, scenario: Scenario) -> &'static str {
-        match (self, scenario) {
-            (Mode::Ebpf | Mode::EbpfXdp, _) => ">= 0.95x",
-            (Mode::Nftables, _) => ">= 0.85x",
-            (Mode::Userspace, Scenario::RoundTrips) => ">= 0.6x",
-            (Mode::Userspace, Scenario::Connections) => "",
-        }
+/// The target ratio of `mode` for `scenario`, if any.
+fn target(mode: Mode, scenario: Scenario) -> &'static str {
+    match (mode, scenario) {
+        (Mode::Ebpf | Mode::EbpfXdp, _) => ">= 0.95x",
+        (Mode::Nftables, _) => ">= 0.85x",
+        (Mode::Userspace, Scenario::RoundTrips) => ">= 0.6x",
+        (Mode::Userspace, Scenario::Connections) => "",
     }
 }
 
@@ -172,24 +74,9 @@ fn src_addr(mode: usize, scenario: Scenario, via_vip: bool, run: u8) -> Ipv4Addr
     Ipv4Addr::new(198, 18, 1, 10 + ADDRS_PER_MODE * mode as u8 + offset)
 }
 
-/// Runs the section alone: with the release agent built from this tree, or with the
-/// binary named by `RUNE_BENCH_AGENT` (to compare two builds under the same load).
-pub fn run_alone() -> Result<()> {
-    let bin = crate::util::bench_agent()?;
-    println!("{}", section(&bin)?);
-    Ok(())
-}
-
-/// The section of the report: TCP through one VIP, then short HTTP connections with
-/// port reuse through two VIPs ([`crate::bench_reuse`]); a note when not root.
-pub fn section(bin: &Path) -> Result<String> {
-    let mut t = one_vip(bin)?;
-    t.push_str(&crate::bench_reuse::section(bin)?);
-    Ok(t)
-}
-
-/// TCP through one VIP vs straight to its backend, per mode (a note when not root).
-fn one_vip(bin: &Path) -> Result<String> {
+/// The section: TCP through one VIP vs straight to its backend, per mode (a note
+/// when not root).
+pub(crate) fn section(bin: &Path) -> Result<String> {
     const TITLE: &str = "## End to end through the VIP per data plane mode (netns)";
     if !crate::util::is_root() {
         return Ok(format!("\n{TITLE}\n\nskipped: needs root\n"));
@@ -285,7 +172,7 @@ fn one_vip(bin: &Path) -> Result<String> {
             row.direct.rate,
             row.via.rate,
             row.via.rate / row.direct.rate,
-            mode.target(row.scenario)
+            target(*mode, row.scenario)
         )?;
     }
     writeln!(
@@ -310,12 +197,6 @@ fn one_vip(bin: &Path) -> Result<String> {
         )?;
     }
     Ok(t)
-}
-
-/// Writes the bench service into the store of a stopped agent (the CLI writes the
-/// store directly), so that agent and CLI never race for it.
-pub(crate) fn apply_offline(bin: &Path, state: &Path, yaml: &str) -> Result<()> {
-    crate::util::rune_apply(bin, state, yaml).context("applying the bench service")
 }
 
 /// One scenario's medians in one mode.
@@ -439,17 +320,4 @@ async fn load_once(target: SocketAddr) -> Result<()> {
     let mut b = [0u8; 1];
     tokio::time::timeout(Duration::from_secs(1), s.read_exact(&mut b)).await??;
     Ok(())
-}
-
-/// The bench's network (`rune_harness::topology`): client, node and one backend
-/// namespace, no test servers (the bench runs its own), TX checksum offload left on
-/// (the XDP mode turns it off on the client's veth for its runs).
-pub(crate) fn topology() -> Result<Topology> {
-    Topology::with_config(&TopologyConfig {
-        backends: 1,
-        tcp_port: None,
-        udp_port: None,
-        client_tx_checksum_off: false,
-        ..TopologyConfig::default()
-    })
 }

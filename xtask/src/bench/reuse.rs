@@ -30,8 +30,10 @@
 mod client;
 mod net;
 
-use crate::bench::median;
-use crate::bench_e2e::{Mode, apply_offline};
+use super::{
+    common::median,
+    modes::{Mode, apply_offline},
+};
 use anyhow::{Context as _, Result};
 use client::{Errors, counters, wrk_pair};
 use net::{nginx, route_src, topology, wait_answering};

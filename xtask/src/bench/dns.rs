@@ -13,7 +13,7 @@
 //!
 //! Every load loop is bounded in time; all traffic stays on 127.0.0.0/8.
 
-use crate::bench::{apply, dev_agent, free_port, median, wait_ready};
+use super::common::{apply, dev_agent, free_port, median, wait_ready};
 use anyhow::{Context, Result, bail, ensure};
 use hickory_proto::{
     op::{Message, MessageType, OpCode, Query, ResponseCode},

@@ -665,7 +665,7 @@ impl Bench {
             );
             ns.push(f64::from(out.duration_ns));
         }
-        Ok(crate::bench::median(&mut ns))
+        Ok(super::common::median(&mut ns))
     }
 }
 

@@ -2,7 +2,7 @@
 //! the backend namespaces, the client's source address and readiness probes.
 
 use super::{BACKENDS, GATEWAY, PROBE_SRC, src_addr};
-use crate::bench_e2e::Mode;
+use crate::bench::modes::Mode;
 use anyhow::{Context as _, Result, anyhow, ensure};
 use rune_harness::{
     agent::die_with_parent,
