@@ -37,8 +37,8 @@ pub static RUNE_MAGLEV: Array<[u32; 2]> = Array::pinned(1, BPF_F_MMAPABLE);
 /// common LRU, as Cilium's conntrack, not per-CPU lists (`BPF_F_NO_COMMON_LRU`):
 /// those split the entries over the *possible* CPUs and a CPU evicts from its own
 /// share only, so a node whose NIC queues feed a few of its CPUs could keep a
-/// fraction of the table's flows; and new flows measured ~30 % dearer with them
-/// (`cargo xtask bench ebpf`, 262,144 entries; docs/modes/ebpf.md).
+/// fraction of the table's flows; and new flows cost more with them
+/// (docs/modes/ebpf.md).
 #[map]
 pub static RUNE_CT_V4: LruHashMap<CtKeyV4, CtValue> = LruHashMap::pinned(262_144, 0);
 
@@ -66,8 +66,7 @@ pub static RUNE_SOCK_REV: LruHashMap<SockRevKey, SockRevValue> = LruHashMap::pin
 
 /// Per-frontend counters (`agent_common::lb::SERVICE_STATS`): one region of
 /// [`RUNE_SVC_STATS_PER_CPU`] entries per possible CPU, CPU-major. A plain array
-/// is one allocation; a per-CPU array makes one per entry (~165 ms at start for
-/// 141,312 entries).
+/// is one allocation; a per-CPU array makes one per entry, which slows the start.
 #[map]
 pub static RUNE_SVC_STATS: Array<TrafficStats> = Array::pinned(65536, 0);
 

@@ -2,9 +2,9 @@
 //! mostly a few large structures built at start (the cache, the data plane's state,
 //! the DNS zone) and small changes after.
 //!
-//! Measured at 10,000 services × 10 endpoints (eBPF mode): glibc's default of up to
-//! 8 arenas per core left the agent at 86 MB anonymous memory for about 45 MB of live
-//! heap; one arena and a trim after the initial sync bring it to about 61 MB.
+//! glibc's default of up to 8 arenas per core keeps the memory freed after the start
+//! scattered over arenas it never returns; one arena and a trim after the initial
+//! sync give most of it back (docs/performance.md, the sync section).
 
 /// Limits glibc to one malloc arena unless `MALLOC_ARENA_MAX` says otherwise. Call
 /// before any thread starts. Per-thread caches (tcache) still serve small

@@ -26,8 +26,8 @@ use tonic::{Code, Status, Streaming, transport::Channel};
 pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What an apply may take per object on top of [`CLIENT_TIMEOUT`]: the agent
-/// answers once it has validated and stored the whole apply (200,000 objects:
-/// ~10 s at the store's rate; the deadline is then 230 s).
+/// answers once it has validated and stored the whole apply, which grows with the
+/// objects.
 const APPLY_TIME_PER_OBJECT: Duration = Duration::from_millis(1);
 
 /// What `status` asks for.

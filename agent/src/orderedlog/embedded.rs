@@ -57,8 +57,7 @@ const WATCH_BATCH: usize = 256;
 
 /// redb's cache; the store is small, and redb's default (1 GiB) is meant for big ones.
 /// The agent reads the whole store once at start and then only the log's tail, so
-/// a cache that could hold the store would keep pages nobody reads again (4 MiB
-/// held ~4 MB of them at 10,000 services).
+/// a cache that could hold the store would keep pages nobody reads again.
 const CACHE_BYTES: usize = 1024 * 1024;
 
 const OBJECTS: TableDefinition<&str, (u64, &str)> = TableDefinition::new("objects");

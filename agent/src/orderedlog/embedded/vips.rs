@@ -1,9 +1,8 @@
 //! The store's VIP index: VIP → the service that owns it (table `vips`).
 //!
 //! Every apply must refuse a VIP another service already uses. Reading and parsing
-//! the whole store for that made an apply cost what is stored (one object into a
-//! store of 100,000 services took ~1 s and 220 MB); with the index it costs one
-//! lookup per VIP of the batch. The index is written in the same transaction as the
+//! the whole store for that would make an apply cost what is stored; with the
+//! index it costs one lookup per VIP of the batch. The index is written in the same transaction as the
 //! objects, so it can never disagree with them after a commit.
 //!
 //! `meta.vipIndex` records the revision the index is current at. A store written by
