@@ -294,6 +294,25 @@ fn endpoints_share_an_address_on_different_ports() {
     assert_eq!(ports, [8081, 8082, 8083, 8080]);
 }
 
+/// The examples users start from are valid: `local.yaml`'s three endpoints are
+/// three backends on 127.0.0.1.
+#[test]
+fn the_examples_parse() {
+    parse_documents(include_str!("../../../examples/web.yaml")).unwrap();
+    let local = parse_documents(include_str!("../../../examples/local.yaml")).unwrap();
+    check_endpoint_ports(&local, &local).unwrap();
+    let (Object::Service(s), Object::Endpoints(e)) = (&local[0], &local[1]) else {
+        panic!("a service and its endpoints")
+    };
+    let ports: Vec<u16> = e
+        .spec
+        .endpoints
+        .iter()
+        .map(|e| e.port_for(&s.spec.ports[0]))
+        .collect();
+    assert_eq!(ports, [8081, 8082, 8083]);
+}
+
 /// With its Service known, two endpoints are the same backend when every service
 /// port resolves to the same address and port, whichever way it was written; the
 /// error names the object, the entry and every address:port that repeats.
