@@ -1,6 +1,8 @@
 //! `kind: Endpoints`: the backends of the service with the same namespace and name.
 
-use super::{Metadata, ModelError, Object, ObjectKey, ServicePort, check_dns_label};
+use super::{
+    Kind, Metadata, ModelError, Object, Service, ServiceKey, ServicePort, check_dns_label,
+};
 use serde::{Deserialize, Serialize};
 use std::{
     collections::{BTreeMap, HashMap},
@@ -221,16 +223,23 @@ pub fn check_endpoint_ports<'a>(
     state: impl IntoIterator<Item = &'a Object>,
     batch: &[Object],
 ) -> Result<(), ModelError> {
-    let mut services = HashMap::new();
+    // Only the services of the batch's Endpoints are looked at.
+    let mut services: HashMap<ServiceKey, Option<&Service>> = batch
+        .iter()
+        .filter(|o| o.kind() == Kind::Endpoints)
+        .map(|o| (o.key().service(), None))
+        .collect();
     for o in state {
-        if let Object::Service(s) = o {
-            services.insert(o.key().service(), s);
+        if let Object::Service(s) = o
+            && let Some(slot) = services.get_mut(&o.key().service())
+        {
+            *slot = Some(s);
         }
     }
     for o in batch {
         let Object::Endpoints(eps) = o else { continue };
-        let key: ObjectKey = o.key();
-        let Some(service) = services.get(&key.service()) else {
+        let key = o.key();
+        let Some(Some(service)) = services.get(&key.service()) else {
             continue;
         };
         let ports = &service.spec.ports;
