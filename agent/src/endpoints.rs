@@ -10,13 +10,14 @@
 use crate::{
     lock::lock,
     metrics::{KindLabels, Metrics},
-    model::{Endpoints, Kind, Object, ObjectKey, Service, ServiceKey},
+    model::{Endpoint, Endpoints, Kind, Object, ObjectKey, Service, ServiceKey, ServicePort},
     orderedlog::{Event, LogError, OrderedLog, Revision, Snapshot},
     subsystem::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
 };
 use futures::{FutureExt, StreamExt};
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashMap, hash_map::Entry as Slot},
+    net::SocketAddr,
     sync::{Arc, Mutex, Weak},
     time::Duration,
 };
@@ -33,10 +34,56 @@ pub struct ServiceView {
     pub endpoints: Option<Arc<Endpoints>>,
 }
 
+/// One backend of a service port: where connections go, and the endpoint behind it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PortBackend<'v> {
+    /// The endpoint's address and its port for the service port.
+    pub addr: SocketAddr,
+    /// The endpoint (its state and node).
+    pub endpoint: &'v Endpoint,
+}
+
 impl ServiceView {
     /// The service's key.
     pub fn key(&self) -> ServiceKey {
         self.service.key()
+    }
+
+    /// The endpoints listed, none when the Endpoints object is missing.
+    pub fn endpoint_list(&self) -> &[Endpoint] {
+        self.endpoints
+            .as_ref()
+            .map(|e| &e.spec.endpoints[..])
+            .unwrap_or_default()
+    }
+
+    /// The backends of service port `port`, in list order: each endpoint at its
+    /// address and its port for `port` ([`Endpoint::port_for`]). A backend is a
+    /// socket address: endpoints sharing an address are separate backends when
+    /// their ports differ, and endpoints resolving to the same one count once, as
+    /// the first of them that takes new connections (else the first). Validation
+    /// refuses such a pair within one object, but two endpoints that differ on
+    /// another port meet on this one, and a later Service change can make two meet.
+    pub fn port_backends(&self, port: &ServicePort) -> Vec<PortBackend<'_>> {
+        let list = self.endpoint_list();
+        let mut out: Vec<PortBackend<'_>> = Vec::with_capacity(list.len());
+        let mut at: HashMap<SocketAddr, usize> = HashMap::with_capacity(list.len());
+        for endpoint in list {
+            let addr = SocketAddr::new(endpoint.address, endpoint.port_for(port));
+            match at.entry(addr) {
+                Slot::Vacant(v) => {
+                    v.insert(out.len());
+                    out.push(PortBackend { addr, endpoint });
+                }
+                Slot::Occupied(o) => {
+                    let first = &mut out[*o.get()];
+                    if !first.endpoint.accepts_new() && endpoint.accepts_new() {
+                        first.endpoint = endpoint;
+                    }
+                }
+            }
+        }
+        out
     }
 }
 

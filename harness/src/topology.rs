@@ -52,8 +52,10 @@
 //! received line answered with `"<backend-name> <line>\n"`, as long as the
 //! connection stays open, or with [`TopologyConfig::tcp_close_after_reply`] only
 //! the first, the server then closing) and UDP on [`Topology::udp_port`] (each
-//! datagram answered with `"<backend-name> <payload>"`), from threads of the test
-//! process whose sockets live in the backend's namespace.
+//! datagram answered with `"<backend-name> <payload>"`), and TCP on each of
+//! [`TopologyConfig::extra_tcp_ports`] answering as `"<backend-name>:<port>"`
+//! (several backends on one address, counted with their namespace's), from
+//! threads of the test process whose sockets live in the backend's namespace.
 //! [`Topology::backend_counts`] tells what each one served. The client helpers
 //! ([`Topology::tcp_request`], [`Topology::tcp_open`], [`Topology::udp_request`]
 //! and their `_from` forms) open their sockets in the client namespace.
@@ -138,6 +140,11 @@ pub struct TopologyConfig {
     /// so the backend, not the client, holds the connection's TIME_WAIT. For clients
     /// that send one line: a line still unread at the close would make it a reset.
     pub tcp_close_after_reply: bool,
+    /// More TCP ports each backend serves (default none), as on `tcp_port` but
+    /// answering as `<backend-name>:<port>`: one namespace holds several backends
+    /// (one address, several ports), told apart by their replies (their counts go
+    /// to their namespace's [`BackendCounts`]).
+    pub extra_tcp_ports: Vec<u16>,
 }
 
 impl Default for TopologyConfig {
@@ -149,6 +156,7 @@ impl Default for TopologyConfig {
             client_tx_checksum_off: true,
             backend_tx_checksum_off: false,
             tcp_close_after_reply: false,
+            extra_tcp_ports: Vec::new(),
         }
     }
 }
@@ -612,7 +620,14 @@ impl Servers {
             IpAddr::V4(Ipv4Addr::UNSPECIFIED),
             IpAddr::V6(Ipv6Addr::UNSPECIFIED),
         ];
-        if let Some(port) = tcp_port {
+        // The main port answers as the backend, extra ones as `<backend>:<port>`.
+        let tcp_servers = tcp_port.map(|p| (p, name.clone())).into_iter().chain(
+            config
+                .extra_tcp_ports
+                .iter()
+                .map(|p| (*p, Arc::from(format!("{}:{p}", backend.name)))),
+        );
+        for (port, name) in tcp_servers {
             for ip in wildcards {
                 let addr = SocketAddr::new(ip, port);
                 let listener = backend

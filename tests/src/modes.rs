@@ -148,6 +148,9 @@ pub struct Ep {
     pub address: IpAddr,
     /// Whether it is terminating (no new flows; established ones drain for 30 s).
     pub terminating: bool,
+    /// Its port for `http` ([`TCP_PORT`]), overriding the target port
+    /// [`BACKEND_PORT`]; `None`: the target port.
+    pub http_port: Option<u16>,
 }
 
 /// Every backend of `topo`, both families, ready and not terminating.
@@ -158,17 +161,22 @@ pub fn all_ready(topo: &Topology) -> Vec<Ep> {
         .map(|address| Ep {
             address,
             terminating: false,
+            http_port: None,
         })
         .collect()
 }
 
 /// Service `name` on `vips` (TCP [`TCP_PORT`] and UDP [`UDP_PORT`] to the
-/// backends' [`BACKEND_PORT`], 30 s drain) with `endpoints`.
+/// backends' [`BACKEND_PORT`] unless an endpoint overrides `http`, 30 s drain) with
+/// `endpoints`.
 pub fn service_yaml(name: &str, vips: &[&str], endpoints: &[Ep]) -> String {
     let mut eps = String::new();
     for e in endpoints {
+        let ports = e
+            .http_port
+            .map_or(String::new(), |p| format!(", ports: {{http: {p}}}"));
         eps.push_str(&format!(
-            "    - {{address: \"{}\", node: node-b, ready: true, terminating: {}}}\n",
+            "    - {{address: \"{}\", node: node-b, ready: true, terminating: {}{ports}}}\n",
             e.address, e.terminating
         ));
     }

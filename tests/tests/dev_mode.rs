@@ -337,3 +337,151 @@ fn dev_mode_end_to_end() {
 
     assert_eq!(agent.terminate(PATIENCE), Some(0), "clean exit on SIGTERM");
 }
+
+/// A backend process of [`dev_mode_three_backends_on_one_address`]
+/// (`rune-test-server`), killed on drop.
+struct ServerProcess(std::process::Child);
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `rune-test-server` on 127.0.0.1:`port`; `None` when it cannot bind.
+fn start_server_process(port: u16) -> Option<ServerProcess> {
+    use std::process::{Command, Stdio};
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_rune-test-server"));
+    cmd.arg(format!("127.0.0.1:{port}"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    rune_harness::agent::die_with_parent(&mut cmd);
+    let mut child = ServerProcess(cmd.spawn().unwrap());
+    let stdout = child.0.stdout.take().unwrap();
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).unwrap();
+    line.starts_with("listening ").then_some(child)
+}
+
+/// The first use on a laptop: three processes of one backend on 127.0.0.1, ports
+/// P1–P3, balanced through the dev proxy. One endpoint takes the target port, two
+/// override it; a true duplicate is refused naming the address and port; one of
+/// the three terminating stops getting new connections while its neighbours on the
+/// same address go on.
+#[test]
+fn dev_mode_three_backends_on_one_address() {
+    let state = tempfile::tempdir().unwrap();
+    let mut servers = Vec::new();
+    let mut ports = Vec::new();
+    while ports.len() < 3 {
+        let port = free_port();
+        if let Some(server) = start_server_process(port) {
+            servers.push(server);
+            ports.push(port);
+        }
+    }
+    let http_port = free_port() - OFFSET;
+    let mut agent = Agent::start(
+        state.path(),
+        &["--dev", "--dev-port-offset", &OFFSET.to_string()],
+    );
+    agent.wait_ready(PATIENCE);
+    let manifest = |endpoints: &str| {
+        format!(
+            "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: web}}\n\
+             spec: {{ports: [{{name: http, port: {http_port}, targetPort: {}}}]}}\n---\n\
+             apiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: web}}\n\
+             spec:\n  endpoints:\n{endpoints}",
+            ports[0]
+        )
+    };
+    let endpoint = |port: u16, terminating: bool| {
+        if port == ports[0] {
+            format!("    - {{address: 127.0.0.1, terminating: {terminating}}}\n")
+        } else {
+            format!(
+                "    - {{address: 127.0.0.1, ports: {{http: {port}}}, terminating: {terminating}}}\n"
+            )
+        }
+    };
+    let apply = |endpoints: &str| agent.cli(&["apply", "-f", "-"], Some(&manifest(endpoints)));
+
+    // The same address and port twice: refused, naming where and what.
+    let twice = format!("{}{}", endpoint(ports[1], false), endpoint(ports[1], false));
+    let out = apply(&twice);
+    assert!(!out.status.success(), "a true duplicate must be refused");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "Endpoints default/web: spec.endpoints[1]: duplicate endpoint 127.0.0.1:{} (http)",
+            ports[1]
+        )),
+        "{err}"
+    );
+
+    let all: String = ports.iter().map(|p| endpoint(*p, false)).collect();
+    let out = apply(&all);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let proxy: SocketAddr = format!("127.0.0.1:{}", http_port + OFFSET).parse().unwrap();
+    eventually(PATIENCE, "proxy listening", || {
+        TcpStream::connect(proxy).ok()
+    });
+    let by = spread(proxy, 300);
+    assert_eq!(by.values().sum::<usize>(), 300, "{by:?}");
+    for port in &ports {
+        let n = by.get(&format!("127.0.0.1:{port}")).copied().unwrap_or(0);
+        assert!(
+            (60..=141).contains(&n),
+            "127.0.0.1:{port} got {n} of 300: {by:?}"
+        );
+    }
+    // `status` lists the three backends.
+    let out = agent.cli(&["status", "-o", "json"], None);
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let web = status["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["service"] == "default/web")
+        .unwrap();
+    assert_eq!(web["backends"].as_array().map(Vec::len), Some(3), "{web}");
+
+    // The second process terminates: no new connections; the other two on the
+    // same address keep getting them, and its open connection keeps working.
+    let leaving = format!("127.0.0.1:{}", ports[1]);
+    let mut held = loop {
+        let mut c = connect(proxy);
+        if ask(&mut c) == leaving {
+            break c;
+        }
+    };
+    let draining: String = ports.iter().map(|p| endpoint(*p, *p == ports[1])).collect();
+    let out = apply(&draining);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eventually(
+        PATIENCE,
+        "the terminating backend gets no new connections",
+        || (!spread(proxy, 30).contains_key(&leaving)).then_some(()),
+    );
+    let by = spread(proxy, 100);
+    assert_eq!(
+        by.len(),
+        2,
+        "the other two keep getting connections: {by:?}"
+    );
+    assert!(!by.contains_key(&leaving), "{by:?}");
+    assert_eq!(ask(&mut held), leaving, "the open connection keeps working");
+
+    assert_eq!(agent.terminate(PATIENCE), Some(0), "clean exit on SIGTERM");
+    drop(servers);
+}

@@ -209,6 +209,7 @@ fn table_holds_exactly_the_services_and_changes_touch_only_their_service() {
         .map(|b| Ep {
             address: b.addr().v4.into(),
             terminating: false,
+            http_port: None,
         })
         .collect();
     apply(&agent, &service_yaml("other", &[OTHER_VIP4], &other_eps));

@@ -1,7 +1,8 @@
 //! The end-to-end VIP scenarios, run over every production data plane mode (eBPF
 //! with tc and with XDP, nftables, the userspace proxies): a production agent in
 //! the node namespace of a [`Topology`] carries service `web` from the client
-//! namespace to three backends in their own namespaces.
+//! namespace to three backends in their own namespaces (in
+//! [`backends_sharing_an_address`], two of them in one namespace on two ports).
 //!
 //! Where a mode cannot do what the others do, the scenario checks the documented
 //! behaviour instead (see [`Mode`]): the userspace proxy accepts and closes the
@@ -15,7 +16,7 @@
 //! run one at a time (they share the CPU with the agent they start).
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     net::SocketAddr,
     sync::Mutex,
     time::{Duration, Instant},
@@ -32,7 +33,11 @@ use rune_agent_tests::{
         topology, wait_reachable,
     },
 };
-use rune_harness::{agent::eventually, netns::require_root, topology::Topology};
+use rune_harness::{
+    agent::{eventually, metric},
+    netns::require_root,
+    topology::{Topology, TopologyConfig},
+};
 
 /// One test at a time: each starts a privileged agent and its own topology.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -63,6 +68,12 @@ per_mode!(direct_after_vip_from_the_same_port:
 );
 per_mode!(terminating_then_deleted_then_empty:
     ebpf => super::Mode::Ebpf,
+    nftables => super::Mode::Nftables,
+    userspace => super::Mode::Userspace,
+);
+per_mode!(backends_sharing_an_address:
+    ebpf_tc => super::Mode::Ebpf,
+    ebpf_xdp => super::Mode::EbpfXdp,
     nftables => super::Mode::Nftables,
     userspace => super::Mode::Userspace,
 );
@@ -143,6 +154,81 @@ fn balanced_for_tcp_udp_and_ipv6(mode: Mode) {
     }
 
     assert_empty_service_refuses(&m);
+}
+
+/// The second port backend-1 serves in [`backends_sharing_an_address`].
+const SECOND_PORT: u16 = 8081;
+
+/// Two backends in one namespace on two ports (backend-1 on [`BACKEND_PORT`] and
+/// [`SECOND_PORT`], its second endpoint overriding `http`) and a third in another
+/// (backend-2): TCP over both VIPs spreads 20–47 % over all three; UDP, where the
+/// two meet on one port, reaches both namespaces; eBPF counts each in its own
+/// `backend` series; the second one terminating gets no new flows while its
+/// neighbour on the same address still does, and every held flow stays.
+fn backends_sharing_an_address(mode: Mode) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    require_root().unwrap();
+    let topo = Topology::with_config(&TopologyConfig {
+        backends: 2,
+        tcp_port: Some(BACKEND_PORT),
+        udp_port: Some(BACKEND_PORT),
+        extra_tcp_ports: vec![SECOND_PORT],
+        ..TopologyConfig::default()
+    })
+    .unwrap();
+    let m = ModeAgent::start(mode, &topo);
+    let endpoints = |second_terminating: bool| -> Vec<Ep> {
+        let mut eps = all_ready(&topo);
+        for address in topo.backends()[0].addr().both() {
+            eps.push(Ep {
+                address,
+                terminating: second_terminating,
+                http_port: Some(SECOND_PORT),
+            });
+        }
+        eps
+    };
+    m.apply(&web_yaml(&endpoints(false)));
+    let first = topo.backends()[0].name().to_owned();
+    let second = format!("{first}:{SECOND_PORT}");
+    for vip in [VIP4, VIP6] {
+        let vip = SocketAddr::new(vip.parse().unwrap(), TCP_PORT);
+        wait_reachable(&topo, vip);
+        let per = tcp_spread(&topo, vip, 300);
+        assert_balanced(&per, 300, 3);
+        assert!(per.contains_key(&second), "{per:?}");
+    }
+    let udp_vip = SocketAddr::new(VIP4.parse().unwrap(), UDP_PORT);
+    let mut udp_served = BTreeSet::new();
+    for i in 0..60 {
+        let (reply, _) = topo
+            .udp_request(udp_vip, format!("q{i}").as_bytes())
+            .unwrap_or_else(|e| panic!("UDP request {i}: {e:#}"));
+        udp_served.insert(backend_name(&String::from_utf8_lossy(&reply)));
+    }
+    let namespaces: BTreeSet<String> = topo.backends().iter().map(|b| b.name().into()).collect();
+    assert_eq!(udp_served, namespaces);
+    if matches!(mode, Mode::Ebpf | Mode::EbpfXdp) {
+        let text = m.agent().metrics_text();
+        for port in [BACKEND_PORT, SECOND_PORT] {
+            let series = format!(
+                "rune_dataplane_backend_flows_total{{backend=\"{}:{port}\"}}",
+                topo.backends()[0].addr().v4
+            );
+            let flows = metric(&text, &series).unwrap_or(0.0);
+            assert!(flows >= 1.0, "{series} = {flows}: {text}");
+        }
+    }
+
+    let vip = SocketAddr::new(VIP4.parse().unwrap(), TCP_PORT);
+    let mut long = hold_one_per_backend(&topo, vip, 3);
+    m.apply(&web_yaml(&endpoints(true)));
+    assert_terminating_gets_no_new_flows(&topo, vip, &second, &mut long);
+    let per = tcp_spread(&topo, vip, 60);
+    assert!(
+        per.contains_key(&first),
+        "its neighbour on the same address still gets new flows: {per:?}"
+    );
 }
 
 /// A client connects to the VIP from a fixed address and port and closes; then

@@ -1,6 +1,6 @@
 //! What the kernel data planes (eBPF, nftables) derive alike from a service: the
-//! backends that get new flows, the port each endpoint serves a service port on, and
-//! the `status` rows.
+//! backends that get new flows (socket addresses: an endpoint's address and its
+//! port for the service port) and the `status` rows.
 
 use crate::{
     dataplane::{BackendState, BackendStatus, PortState, ServicePortStatus},
@@ -9,25 +9,18 @@ use crate::{
 };
 use std::net::{IpAddr, SocketAddr};
 
-/// The endpoint port of `e` for service port `port`.
-pub fn endpoint_port(e: &Endpoint, port: &ServicePort) -> u16 {
-    e.ports.get(&port.name).copied().unwrap_or(port.target())
-}
-
 /// Backends of `view`'s port `port` for VIP `vip` that get new flows: ready,
-/// non-terminating, same family, filtered by locality preference as seen from `node`.
+/// non-terminating, same family, filtered by locality preference as seen from
+/// `node`; sorted, each socket address once (endpoints on one address are as many
+/// backends as they have distinct ports).
 pub fn eligible(
     view: &ServiceView,
     port: &ServicePort,
     vip: IpAddr,
     node: &str,
 ) -> Vec<SocketAddr> {
-    let endpoints: &[Endpoint] = view
-        .endpoints
-        .as_ref()
-        .map(|e| &e.spec.endpoints[..])
-        .unwrap_or_default();
-    let ready: Vec<&Endpoint> = endpoints
+    let ready: Vec<&Endpoint> = view
+        .endpoint_list()
         .iter()
         .filter(|e| e.address.is_ipv4() == vip.is_ipv4() && e.accepts_new())
         .collect();
@@ -40,7 +33,7 @@ pub fn eligible(
     };
     let mut out: Vec<SocketAddr> = chosen
         .iter()
-        .map(|e| SocketAddr::new(e.address, endpoint_port(e, port)))
+        .map(|e| SocketAddr::new(e.address, e.port_for(port)))
         .collect();
     out.sort_unstable();
     out.dedup();
@@ -51,11 +44,6 @@ pub fn eligible(
 /// address, backends), without counters: each plane adds its own.
 pub fn port_status(view: &ServiceView) -> Vec<ServicePortStatus> {
     let spec = &view.service.spec;
-    let endpoints: &[Endpoint] = view
-        .endpoints
-        .as_ref()
-        .map(|e| &e.spec.endpoints[..])
-        .unwrap_or_default();
     let mut out = Vec::new();
     for port in &spec.ports {
         // `desired` gives every non-headless service a frontend per VIP × port.
@@ -71,13 +59,14 @@ pub fn port_status(view: &ServiceView) -> Vec<ServicePortStatus> {
         } else {
             PortState::Listening
         };
-        let backends = endpoints
-            .iter()
-            .map(|e| BackendStatus {
-                address: e.address,
-                port: endpoint_port(e, port),
-                node: e.node.to_string(),
-                state: BackendState::of(e),
+        let backends = view
+            .port_backends(port)
+            .into_iter()
+            .map(|b| BackendStatus {
+                address: b.addr.ip(),
+                port: b.addr.port(),
+                node: b.endpoint.node.to_string(),
+                state: BackendState::of(b.endpoint),
                 counters: None,
             })
             .collect();

@@ -222,6 +222,62 @@ fn headless_answers_ready_endpoints_only() {
     assert_eq!(ptr.rcode, ResponseCode::Refused);
 }
 
+/// Ready backends of a headless service, several on one address: each address
+/// answers once, each backend has an SRV record with its own port naming its
+/// address's record.
+#[test]
+fn headless_srv_names_each_backend_and_addresses_answer_once() {
+    let shared = view(
+        "apiVersion: rune/v1\nkind: Service\nmetadata: {name: db}\n\
+         spec: {ports: [{name: pg, port: 5432, targetPort: 5000}], discovery: {headless: true}}\n",
+        Some(
+            "apiVersion: rune/v1\nkind: Endpoints\nmetadata: {name: db}\nspec:\n  endpoints:\n\
+             \x20   - {address: 127.0.0.1, ports: {pg: 5001}}\n\
+             \x20   - {address: 127.0.0.1, ports: {pg: 5002}}\n\
+             \x20   - {address: 127.0.0.1, ports: {pg: 5003}, terminating: true}\n\
+             \x20   - {address: 198.18.1.9}\n\
+             \x20   - {address: 'fd00::1:5'}\n",
+        ),
+    );
+    let z = zone(Mode::Production, &[shared]);
+    let a = z.lookup(&name("db.default.rune."), RecordType::A);
+    assert_eq!(ips(&a), [ip("127.0.0.1"), ip("198.18.1.9")]);
+    let srv = z.lookup(&name("_pg._tcp.db.default.rune."), RecordType::SRV);
+    let mut got: Vec<(u16, String)> = srv
+        .answers
+        .iter()
+        .map(|r| match &r.data {
+            RData::SRV(s) => (s.port, s.target.to_string()),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            (5000, "198-18-1-9.db.default.rune.".to_owned()),
+            (5000, "fd00-0-0-0-0-0-1-5.db.default.rune.".to_owned()),
+            (5001, "127-0-0-1.db.default.rune.".to_owned()),
+            (5002, "127-0-0-1.db.default.rune.".to_owned()),
+        ]
+    );
+    for (target, qtype, want) in [
+        ("127-0-0-1.db.default.rune.", RecordType::A, "127.0.0.1"),
+        ("198-18-1-9.db.default.rune.", RecordType::A, "198.18.1.9"),
+        (
+            "fd00-0-0-0-0-0-1-5.db.default.rune.",
+            RecordType::AAAA,
+            "fd00::1:5",
+        ),
+    ] {
+        assert_eq!(ips(&z.lookup(&name(target), qtype)), [ip(want)], "{target}");
+    }
+    // A VIP service's SRV record still names the service and its port.
+    let z = zone(Mode::Production, &[web()]);
+    let srv = z.lookup(&name("_http._tcp.web.shop.rune."), RecordType::SRV);
+    assert_eq!(srv.answers.len(), 1);
+}
+
 #[test]
 fn a_service_without_addresses_exists_with_no_answer() {
     let no_eps = view(
@@ -456,6 +512,8 @@ fn answers_of(z: &Zone) -> Vec<(String, RecordType, Answer)> {
         "_dns._udp.web.shop.rune.",
         "db.default.rune.",
         "_pg._tcp.db.default.rune.",
+        "198-18-1-2.db.default.rune.",
+        "fd00-0-0-0-0-0-1-5.db.default.rune.",
         "10.100.18.198.in-addr.arpa.",
         "11.100.18.198.in-addr.arpa.",
     ];
@@ -524,6 +582,28 @@ fn per_delta_updates_answer_as_a_zone_built_whole() {
         answers_of(&before),
         answers_of(&zone(Mode::Production, &[web(), headless()]))
     );
+    // A headless endpoint that stops being ready takes its name and SRV record.
+    let fewer = view(
+        "apiVersion: rune/v1\nkind: Service\nmetadata: {name: db}\n\
+         spec: {ports: [{name: pg, port: 5432}], discovery: {headless: true}}\n",
+        Some(
+            "apiVersion: rune/v1\nkind: Endpoints\nmetadata: {name: db}\nspec:\n  endpoints:\n\
+             \x20   - {address: 198.18.1.2, ready: false}\n\
+             \x20   - {address: 'fd00::1:5', ready: true}\n",
+        ),
+    );
+    writer.apply(delta(vec![fewer.clone()], vec![]));
+    let gone = writer.publish(7);
+    assert_eq!(
+        answers_of(&gone),
+        answers_of(&zone(Mode::Production, &[moved.clone(), fewer]))
+    );
+    assert_eq!(
+        gone.lookup(&name("198-18-1-2.db.default.rune."), RecordType::A)
+            .rcode,
+        ResponseCode::NXDomain
+    );
+    writer.apply(delta(vec![headless()], vec![]));
     // The last service of a namespace goes: so does the namespace's name.
     writer.apply(delta(vec![], vec![moved]));
     let last = writer.publish(7);

@@ -24,7 +24,7 @@ use hickory_proto::{
     serialize::binary::{BinDecodable, BinDecoder, BinEncodable, BinEncoder, NameEncoding},
 };
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     net::{IpAddr, Ipv4Addr},
     sync::Arc,
 };
@@ -538,17 +538,24 @@ impl ZoneWriter {
                 .push((owner.into(), record.record_type(), record_bytes(&record)));
         };
         let dev = config.mode == Mode::Dev;
+        // A headless service's SRV records name each endpoint (production only: in
+        // dev mode clients go through the proxies).
+        let headless = svc.spec.discovery.headless && !dev;
         if dev {
             let record = Record::from_rdata(name.clone(), ttl, RData::A(A(Ipv4Addr::LOCALHOST)));
             push(&mut out, &name_wire, record);
         } else {
-            let addresses: Vec<IpAddr> = if svc.spec.discovery.headless {
-                view.endpoints
+            let addresses: Vec<IpAddr> = if headless {
+                // Each address once, however many endpoints (ports) it has.
+                let mut ready: Vec<IpAddr> = view
+                    .endpoint_list()
                     .iter()
-                    .flat_map(|e| e.spec.endpoints.iter())
                     .filter(|e| e.accepts_new())
                     .map(|e| e.address)
-                    .collect()
+                    .collect();
+                let mut seen = HashSet::with_capacity(ready.len());
+                ready.retain(|ip| seen.insert(*ip));
+                ready
             } else {
                 svc.spec.discovery.vips.clone()
             };
@@ -566,6 +573,8 @@ impl ZoneWriter {
                 }
             }
         }
+        // The endpoint names made so far (headless SRV targets).
+        let mut named: HashSet<IpAddr> = HashSet::new();
         for port in svc.spec.ports.iter().filter(|p| !p.name.is_empty()) {
             let proto = match port.protocol {
                 Protocol::Tcp => "_tcp",
@@ -590,12 +599,41 @@ impl ZoneWriter {
             };
             let srv_wire = wire(&srv_name);
             out.names.push(srv_wire.clone());
-            let record = Record::from_rdata(
-                srv_name,
-                ttl,
-                RData::SRV(SRV::new(0, 0, number, name.clone())),
-            );
-            push(&mut out, &srv_wire, record);
+            if !headless {
+                let record = Record::from_rdata(
+                    srv_name,
+                    ttl,
+                    RData::SRV(SRV::new(0, 0, number, name.clone())),
+                );
+                push(&mut out, &srv_wire, record);
+                continue;
+            }
+            // One record per ready backend (address and port), naming the
+            // endpoint's own address record: endpoints sharing an address differ
+            // by port.
+            for backend in view.port_backends(port) {
+                if !backend.endpoint.accepts_new() {
+                    continue;
+                }
+                let ip = backend.addr.ip();
+                let target = match Name::from_ascii(endpoint_label(ip))
+                    .and_then(|l| l.append_domain(&name))
+                {
+                    Ok(n) => n,
+                    Err(error) => {
+                        tracing::warn!(service = %view.key(), %ip, %error, "endpoint name too long; no SRV record");
+                        continue;
+                    }
+                };
+                if named.insert(ip) {
+                    let target_wire = wire(&target);
+                    out.names.push(target_wire.clone());
+                    push(&mut out, &target_wire, address_record(&target, ttl, ip));
+                }
+                let srv = SRV::new(0, 0, backend.addr.port(), target);
+                let record = Record::from_rdata(srv_name.clone(), ttl, RData::SRV(srv));
+                push(&mut out, &srv_wire, record);
+            }
         }
         out
     }
@@ -746,6 +784,16 @@ pub(crate) fn is_subdomain_wire(name: &[u8], apex: &[u8]) -> bool {
         at += 1 + usize::from(name[at]);
     }
     false
+}
+
+/// The label of an endpoint's name below its headless service's (the target of its
+/// SRV records): the address with `-` between its parts, `198-18-1-2`, or every
+/// IPv6 group written out, `fd00-1-0-0-0-0-0-2` (no `::`, so never a leading `-`).
+fn endpoint_label(ip: IpAddr) -> String {
+    match ip {
+        IpAddr::V4(v4) => v4.octets().map(|o| o.to_string()).join("-"),
+        IpAddr::V6(v6) => v6.segments().map(|g| format!("{g:x}")).join("-"),
+    }
 }
 
 fn address_record(name: &Name, ttl: u32, ip: IpAddr) -> Record {

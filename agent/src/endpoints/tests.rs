@@ -310,3 +310,66 @@ fn events_applied_together_reach_subscribers_together() {
     assert!(d.upserted[0].endpoints.is_some(), "{d:?}");
     assert!(sub.try_next().is_none());
 }
+
+/// The backends of each port of a view: endpoints sharing an address stay apart
+/// where their ports differ and meet (once, as the one taking new connections)
+/// where they resolve alike, also after a Service change made them meet.
+#[test]
+fn port_backends_keep_endpoints_sharing_an_address_apart() {
+    let svc = |target: u16| {
+        objs(&format!(
+            "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: web}}\n\
+             spec: {{ports: [{{name: http, port: 80, targetPort: {target}}}, {{name: dns, port: 53, protocol: UDP}}]}}\n"
+        ))
+        .remove(0)
+    };
+    let eps = objs(
+        "apiVersion: rune/v1\nkind: Endpoints\nmetadata: {name: web}\nspec:\n  endpoints:\n\
+         \x20   - {address: 127.0.0.1, ports: {http: 8081}, terminating: true}\n\
+         \x20   - {address: 127.0.0.1, ports: {http: 8082}}\n\
+         \x20   - {address: 127.0.0.1, ports: {http: 8083}}\n\
+         \x20   - {address: 127.0.0.1}\n",
+    )
+    .remove(0);
+    let cache = Arc::new(EndpointCache::loaded());
+    cache.apply_events(&[put(1, svc(8080)), put(2, eps)]);
+    let mut sub = cache.subscribe();
+    let view = sub.try_next().unwrap().upserted.remove(0);
+    let ports = &view.service.spec.ports;
+    let backends = |port| -> Vec<(String, bool)> {
+        view.port_backends(port)
+            .iter()
+            .map(|b| (b.addr.to_string(), b.endpoint.accepts_new()))
+            .collect()
+    };
+    let s = |a: &str, ready| (a.to_owned(), ready);
+    assert_eq!(
+        backends(&ports[0]),
+        [
+            s("127.0.0.1:8081", false),
+            s("127.0.0.1:8082", true),
+            s("127.0.0.1:8083", true),
+            s("127.0.0.1:8080", true),
+        ]
+    );
+    // On `dns` none overrides: one backend, shown as one taking new connections.
+    assert_eq!(backends(&ports[1]), [s("127.0.0.1:53", true)]);
+
+    // The target port becomes 8081: the terminating endpoint and the defaulted one
+    // meet there, in the first one's place, as the one taking new connections.
+    cache.apply_event(&put(3, svc(8081)));
+    let view = sub.try_next().unwrap().upserted.remove(0);
+    let http: Vec<(String, bool)> = view
+        .port_backends(&view.service.spec.ports[0])
+        .iter()
+        .map(|b| (b.addr.to_string(), b.endpoint.accepts_new()))
+        .collect();
+    assert_eq!(
+        http,
+        [
+            s("127.0.0.1:8081", true),
+            s("127.0.0.1:8082", true),
+            s("127.0.0.1:8083", true),
+        ]
+    );
+}

@@ -145,3 +145,17 @@ fn wide_backend_sets_keep_every_index() {
             .all(|&c| c >= DEFAULT_TABLE_SIZE as usize / n)
     );
 }
+
+/// Two backends on one address with different ports are two identities: each its
+/// own permutation and its share of the slots, and the port alone changes the table.
+#[test]
+fn backends_on_one_address_are_told_apart_by_port() {
+    let key = |port| BackendKey(SocketAddr::from(([127, 0, 0, 1], port)));
+    let pair = [key(8081), key(8082)];
+    let t = Maglev::new(&pair, DEFAULT_TABLE_SIZE).unwrap();
+    let m = DEFAULT_TABLE_SIZE as usize;
+    assert_eq!(counts(&t, 2), [m.div_ceil(2), m / 2]);
+    let moved = Maglev::new(&[key(8081), key(8083)], DEFAULT_TABLE_SIZE).unwrap();
+    assert_ne!(table(&t), table(&moved), "the port is part of the hash");
+    assert_ne!(pair[0].words(), pair[1].words());
+}

@@ -1,10 +1,12 @@
 //! `kind: Endpoints`: the backends of the service with the same namespace and name.
 
-use super::{Metadata, ModelError, check_dns_label};
+use super::{
+    Kind, Metadata, ModelError, Object, Service, ServiceKey, ServicePort, check_dns_label,
+};
 use serde::{Deserialize, Serialize};
 use std::{
-    collections::{BTreeMap, HashSet},
-    net::IpAddr,
+    collections::{BTreeMap, HashMap},
+    net::{IpAddr, SocketAddr},
 };
 
 /// The backends of one service. An empty list means "known, no backends": the service
@@ -23,7 +25,8 @@ pub struct Endpoints {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EndpointsSpec {
-    /// One entry per backend address.
+    /// One entry per backend: an address and its ports. Several entries may share
+    /// an address when their ports differ (several processes on one host).
     #[serde(default, deserialize_with = "super::exact_vec")]
     pub endpoints: Vec<Endpoint>,
 }
@@ -56,7 +59,7 @@ pub struct Endpoint {
 /// An endpoint's target-port overrides by service port name: none (nearly always)
 /// in 8 bytes, else a boxed map (a `BTreeMap` field took 24 B in every endpoint,
 /// 2.4 MB at 100,000 endpoints). (De)serialized as the map.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct PortOverrides(
     #[expect(
         clippy::box_collection,
@@ -134,11 +137,17 @@ impl Endpoint {
     pub fn is_serving(&self) -> bool {
         self.serving.unwrap_or(self.ready)
     }
+
+    /// The port this endpoint serves service port `port` on: its override by the
+    /// port's name, else the port's target port.
+    pub fn port_for(&self, port: &ServicePort) -> u16 {
+        self.ports.get(&port.name).copied().unwrap_or(port.target())
+    }
 }
 
 impl Endpoints {
     pub(super) fn validate(&self, object: &str) -> Result<(), ModelError> {
-        let mut seen = HashSet::new();
+        let mut seen: HashMap<(IpAddr, &PortOverrides), usize> = HashMap::new();
         for (i, e) in self.spec.endpoints.iter().enumerate() {
             let field = |f: &str| format!("spec.endpoints[{i}].{f}");
             let a = e.address;
@@ -150,12 +159,22 @@ impl Endpoints {
                     format!("{a} cannot be an endpoint (unspecified or multicast)"),
                 ));
             }
-            if !seen.insert(a) {
-                return Err(ModelError::invalid(
-                    object,
-                    field("address"),
-                    format!("duplicate endpoint address {a}"),
-                ));
+            // The same address with the same overrides is the same backend on every
+            // service port, whatever the Service says; with other overrides it may
+            // be another process on that host (`check_endpoint_ports` resolves the
+            // ports once the Service is known).
+            if let Some(first) = seen.insert((a, &e.ports), i) {
+                let ports: Vec<String> = e
+                    .ports
+                    .iter()
+                    .map(|(name, port)| format!("{} ({name})", SocketAddr::new(a, *port)))
+                    .collect();
+                let what = if ports.is_empty() {
+                    format!("{a} (on the service's target ports)")
+                } else {
+                    ports.join(", ")
+                };
+                return Err(duplicate(object, i, &what, first));
             }
             if !e.node.is_empty() && !is_node_name(&e.node) {
                 return Err(ModelError::invalid(
@@ -177,6 +196,78 @@ impl Endpoints {
         }
         Ok(())
     }
+}
+
+/// The error for `spec.endpoints[i]`, the same backend (`what`: its address and
+/// ports) as `spec.endpoints[first]`.
+fn duplicate(object: &str, i: usize, what: &str, first: usize) -> ModelError {
+    ModelError::invalid(
+        object,
+        format!("spec.endpoints[{i}]"),
+        format!(
+            "duplicate endpoint {what}: spec.endpoints[{first}] has the same address and \
+             ports (endpoints on one address need different ports)"
+        ),
+    )
+}
+
+/// Checks what an Endpoints object cannot check alone: that no two of its endpoints
+/// reach the same address and port for every port of their Service (an override
+/// equal to the target port, or one for a port the Service lacks, makes two
+/// endpoints with different overrides the same backend). `state` is every object
+/// as it will be stored, the batch included; only the Endpoints objects of `batch`
+/// with a Service in `state` are checked. A later change of the Service that makes
+/// two endpoints meet is not refused: the data planes count them as one backend
+/// (`ServiceView::port_backends`).
+pub fn check_endpoint_ports<'a>(
+    state: impl IntoIterator<Item = &'a Object>,
+    batch: &[Object],
+) -> Result<(), ModelError> {
+    // Only the services of the batch's Endpoints are looked at.
+    let mut services: HashMap<ServiceKey, Option<&Service>> = batch
+        .iter()
+        .filter(|o| o.kind() == Kind::Endpoints)
+        .map(|o| (o.key().service(), None))
+        .collect();
+    for o in state {
+        if let Object::Service(s) = o
+            && let Some(slot) = services.get_mut(&o.key().service())
+        {
+            *slot = Some(s);
+        }
+    }
+    for o in batch {
+        let Object::Endpoints(eps) = o else { continue };
+        let key = o.key();
+        let Some(Some(service)) = services.get(&key.service()) else {
+            continue;
+        };
+        let ports = &service.spec.ports;
+        let mut seen: HashMap<(IpAddr, Vec<u16>), usize> = HashMap::new();
+        for (i, e) in eps.spec.endpoints.iter().enumerate() {
+            let resolved: Vec<u16> = ports.iter().map(|p| e.port_for(p)).collect();
+            if let Some(first) = seen.insert((e.address, resolved), i) {
+                let what: Vec<String> = ports
+                    .iter()
+                    .map(|p| {
+                        let addr = SocketAddr::new(e.address, e.port_for(p));
+                        if p.name.is_empty() {
+                            addr.to_string()
+                        } else {
+                            format!("{addr} ({})", p.name)
+                        }
+                    })
+                    .collect();
+                let what = if what.is_empty() {
+                    e.address.to_string()
+                } else {
+                    what.join(", ")
+                };
+                return Err(duplicate(&key.to_string(), i, &what, first));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Node names are hostnames: dot-separated DNS labels, 253 characters at most.

@@ -12,7 +12,7 @@ mod error;
 mod service;
 
 pub use document::{parse_documents, parse_json, parse_stored};
-pub use endpoints::{Endpoint, Endpoints, EndpointsSpec, PortOverrides};
+pub use endpoints::{Endpoint, Endpoints, EndpointsSpec, PortOverrides, check_endpoint_ports};
 pub use error::ModelError;
 pub use service::{
     Discovery, LocalityPreference, Protocol, Service, ServicePort, ServiceSpec, SessionAffinity,

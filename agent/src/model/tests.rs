@@ -132,7 +132,9 @@ fn bad_inputs_are_refused_with_object_field_and_value() {
         (svc("{ports: []}"), "Service default/web", "spec.ports", "at least one port"),
         (svc("{ports: [{port: 80, tragetPort: 8080}]}"), "Service default/web", "spec.ports[0].tragetPort", "unknown field `tragetPort`"),
         (eps("{endpoints: [{address: 198.18.1.300}]}"), "Endpoints default/web", "spec.endpoints[0].address", "198.18.1.300"),
-        (eps("{endpoints: [{address: 198.18.1.2}, {address: 198.18.1.2}]}"), "Endpoints default/web", "spec.endpoints[1].address", "duplicate endpoint address 198.18.1.2"),
+        (eps("{endpoints: [{address: 198.18.1.2}, {address: 198.18.1.2}]}"), "Endpoints default/web", "spec.endpoints[1]", "duplicate endpoint 198.18.1.2 (on the service's target ports): spec.endpoints[0] has the same address and ports"),
+        (eps("{endpoints: [{address: 127.0.0.1, ports: {http: 8081}}, {address: 127.0.0.1, ports: {http: 8082}}, {address: 127.0.0.1, ports: {http: 8081}}]}"), "Endpoints default/web", "spec.endpoints[2]", "duplicate endpoint 127.0.0.1:8081 (http): spec.endpoints[0]"),
+        (eps("{endpoints: [{address: \"fd00::1\", ports: {a: 81, b: 82}}, {address: \"fd00::1\", ports: {b: 82, a: 81}}]}"), "Endpoints default/web", "spec.endpoints[1]", "[fd00::1]:81 (a), [fd00::1]:82 (b)"),
         (eps("{endpoints: [{address: 198.18.1.2, ports: {http: 0}}]}"), "Endpoints default/web", "spec.endpoints[0].ports.http", "port 0"),
         (eps("{endpoints: [{address: 198.18.1.2, node: Node_A}]}"), "Endpoints default/web", "spec.endpoints[0].node", "Node_A"),
         (eps("{endpoints: [{address: 224.0.0.1}]}"), "Endpoints default/web", "spec.endpoints[0].address", "multicast"),
@@ -268,6 +270,98 @@ fn a_vip_used_by_two_services_is_refused() {
     // The error lands on the object being written, whichever order the state has.
     let err = check_vips([b, a], std::slice::from_ref(a)).unwrap_err();
     assert!(err.to_string().starts_with("Service default/web:"), "{err}");
+}
+
+/// Endpoints on one address are different backends when their ports differ: three
+/// processes on 127.0.0.1, or a default and an overriding one.
+#[test]
+fn endpoints_share_an_address_on_different_ports() {
+    let objs = parse_documents(&eps(
+        "{endpoints: [{address: 127.0.0.1, ports: {http: 8081}}, {address: 127.0.0.1, ports: {http: 8082}}, \
+         {address: 127.0.0.1, ports: {http: 8083}}, {address: 127.0.0.1}]}",
+    ))
+    .unwrap();
+    let Object::Endpoints(e) = &objs[0] else {
+        panic!("not endpoints")
+    };
+    let http = ServicePort {
+        name: "http".into(),
+        port: 80,
+        protocol: Protocol::Tcp,
+        target_port: Some(8080),
+    };
+    let ports: Vec<u16> = e.spec.endpoints.iter().map(|e| e.port_for(&http)).collect();
+    assert_eq!(ports, [8081, 8082, 8083, 8080]);
+}
+
+/// The examples users start from are valid: `local.yaml`'s three endpoints are
+/// three backends on 127.0.0.1.
+#[test]
+fn the_examples_parse() {
+    parse_documents(include_str!("../../../examples/web.yaml")).unwrap();
+    let local = parse_documents(include_str!("../../../examples/local.yaml")).unwrap();
+    check_endpoint_ports(&local, &local).unwrap();
+    let (Object::Service(s), Object::Endpoints(e)) = (&local[0], &local[1]) else {
+        panic!("a service and its endpoints")
+    };
+    let ports: Vec<u16> = e
+        .spec
+        .endpoints
+        .iter()
+        .map(|e| e.port_for(&s.spec.ports[0]))
+        .collect();
+    assert_eq!(ports, [8081, 8082, 8083]);
+}
+
+/// With its Service known, two endpoints are the same backend when every service
+/// port resolves to the same address and port, whichever way it was written; the
+/// error names the object, the entry and every address:port that repeats.
+#[test]
+fn endpoints_resolving_to_the_same_ports_are_refused_against_their_service() {
+    let service = &parse_documents(&svc(
+        "{ports: [{name: http, port: 80, targetPort: 8080}, {name: dns, port: 53, protocol: UDP}]}",
+    ))
+    .unwrap()[0];
+    let check = |endpoints: &str| {
+        let e = parse_documents(&eps(endpoints)).unwrap();
+        check_endpoint_ports([service, &e[0]], &e)
+    };
+    // An override equal to the target port, or for a port the service lacks.
+    for same in [
+        "{endpoints: [{address: 127.0.0.1}, {address: 127.0.0.1, ports: {http: 8080}}]}",
+        "{endpoints: [{address: 127.0.0.1}, {address: 127.0.0.1, ports: {metrics: 9090}}]}",
+    ] {
+        let err = check(same).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "Endpoints default/web: spec.endpoints[1]: duplicate endpoint 127.0.0.1:8080 (http), \
+             127.0.0.1:53 (dns): spec.endpoints[0] has the same address and ports (endpoints on \
+             one address need different ports)",
+            "{same}"
+        );
+    }
+    // One port differs: two backends (they share 127.0.0.1:53 for dns, one backend
+    // there).
+    check("{endpoints: [{address: 127.0.0.1}, {address: 127.0.0.1, ports: {http: 8081}}]}")
+        .unwrap();
+    // Without its Service nothing is resolved, and nothing is refused.
+    let e = parse_documents(&eps(
+        "{endpoints: [{address: 127.0.0.1}, {address: 127.0.0.1, ports: {http: 8080}}]}",
+    ))
+    .unwrap();
+    check_endpoint_ports(&e, &e).unwrap();
+    // A Service with no ports: the address alone is the backend.
+    let bare = &parse_documents(&svc("{discovery: {headless: true}}")).unwrap()[0];
+    let e = parse_documents(&eps(
+        "{endpoints: [{address: 127.0.0.1}, {address: 127.0.0.1, ports: {http: 8081}}]}",
+    ))
+    .unwrap();
+    let err = check_endpoint_ports([bare, &e[0]], &e).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("spec.endpoints[1]: duplicate endpoint 127.0.0.1: spec.endpoints[0]"),
+        "{err}"
+    );
 }
 
 #[test]

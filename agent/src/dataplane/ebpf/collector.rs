@@ -51,6 +51,8 @@ impl<M: LbMaps + 'static> Collector for LbCollector<M> {
         let per_backend: Vec<(Labels, lb::TrafficStats)> = backends
             .into_iter()
             .zip(backend_stats)
+            // The socket address (`ADDR:PORT`, `[ADDR]:PORT`): endpoints sharing an
+            // address are separate backends, and separate series.
             .map(|((addr, _), stats)| (vec![("backend", addr.to_string())], stats))
             .collect();
         for (name, help, pick) in [
@@ -148,3 +150,6 @@ fn scraped(read: Result<Vec<lb::TrafficStats>, MapsError>) -> Vec<lb::TrafficSta
         Vec::new()
     })
 }
+
+#[cfg(test)]
+mod tests;

@@ -218,6 +218,70 @@ fn client_ip_affinity_gives_each_endpoint_a_timed_set_of_clients() {
     );
 }
 
+/// Service `shared` (port `http` 80 → 8080 on 198.18.100.10, `extra` spec fields)
+/// with two endpoints on 198.18.1.2 (ports 8081 and 8082) and one on 198.18.1.3.
+fn shared_address(extra: &str) -> ServiceView {
+    let yaml = format!(
+        "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: shared}}\nspec: {{ports: [{{name: http, port: 80, targetPort: 8080}}], discovery: {{vips: [198.18.100.10]}}{extra}}}\n---\n\
+         apiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: shared}}\nspec: {{endpoints: [{{address: 198.18.1.2, ports: {{http: 8081}}}}, {{address: 198.18.1.2, ports: {{http: 8082}}}}, {{address: 198.18.1.3}}]}}\n"
+    );
+    let mut objects = parse_documents(&yaml).expect("valid objects").into_iter();
+    let (Some(Object::Service(s)), Some(Object::Endpoints(e))) = (objects.next(), objects.next())
+    else {
+        panic!("a service and its endpoints");
+    };
+    ServiceView {
+        service: Arc::new(s),
+        endpoints: Some(Arc::new(e)),
+    }
+}
+
+/// Endpoints sharing an address are separate DNAT targets, and with ClientIP
+/// affinity each has its own set of clients and chain (named by address and port).
+#[test]
+fn endpoints_sharing_an_address_are_separate_targets_and_affinity_sets() {
+    let rs = programmed(vec![shared_address("")]);
+    let o = rs
+        .service(&ServiceKey::new("default", "shared"))
+        .expect("programmed");
+    let targets: Vec<String> = o
+        .elements
+        .iter()
+        .filter(|((map, _), _)| *map == "backends4-tcp")
+        .map(|((_, key), value)| format!("{key} : {value}"))
+        .collect();
+    assert_eq!(
+        targets,
+        [
+            "198.18.100.10 . 80 . 0 : 198.18.1.2 . 8081",
+            "198.18.100.10 . 80 . 1 : 198.18.1.2 . 8082",
+            "198.18.100.10 . 80 . 2 : 198.18.1.3 . 8080",
+        ]
+    );
+
+    let rs = programmed(vec![shared_address(
+        ", sessionAffinity: {type: ClientIP, timeoutSeconds: 60}",
+    )]);
+    let o = rs
+        .service(&ServiceKey::new("default", "shared"))
+        .expect("programmed");
+    let sets: Vec<&str> = o.sets.keys().map(String::as_str).collect();
+    assert_eq!(
+        sets,
+        [
+            "aff4-default/shared/tcp/80/198.18.1.2/8081",
+            "aff4-default/shared/tcp/80/198.18.1.2/8082",
+            "aff4-default/shared/tcp/80/198.18.1.3/8080",
+        ]
+    );
+    assert_eq!(
+        o.chains["ep4-default/shared/tcp/80/198.18.1.2/8082"],
+        vec![
+            "update @aff4-default/shared/tcp/80/198.18.1.2/8082 { ip saddr } meta l4proto tcp dnat ip to 198.18.1.2:8082"
+        ]
+    );
+}
+
 #[test]
 fn one_endpoint_change_rewrites_only_that_service() {
     let mut rs = programmed(vec![

@@ -36,10 +36,12 @@ const MAX_AFFINITY_ENTRIES: usize = 65_536;
 /// An immutable snapshot of a port's backends, swapped whole on every apply.
 #[derive(Debug)]
 pub(super) struct Backends {
-    /// Endpoints that get new connections, sorted (Maglev indices point here).
+    /// Endpoints that get new connections, by socket address (endpoints sharing an
+    /// address are as many backends as they have ports), sorted; Maglev indices
+    /// point here.
     eligible: Vec<SocketAddr>,
     maglev: Arc<Maglev>,
-    /// Every endpoint, for `status`.
+    /// Every backend of the port, for `status`.
     pub(super) status: Vec<BackendStatus>,
     /// Whether an Endpoints object exists.
     pub(super) known: bool,
@@ -60,15 +62,9 @@ impl Backends {
         prev: Option<&Backends>,
     ) -> Backends {
         let spec = &view.service.spec;
-        let endpoints = view.endpoints.as_ref().map(|e| &e.spec.endpoints[..]);
-        let target = |e: &crate::model::Endpoint| {
-            SocketAddr::new(
-                e.address,
-                e.ports.get(&port.name).copied().unwrap_or(port.target()),
-            )
-        };
-        let ready: Vec<_> = endpoints
-            .unwrap_or_default()
+        let target = |e: &crate::model::Endpoint| SocketAddr::new(e.address, e.port_for(port));
+        let ready: Vec<_> = view
+            .endpoint_list()
             .iter()
             .filter(|e| e.accepts_new())
             .collect();
@@ -98,14 +94,14 @@ impl Backends {
                 }
             }
         };
-        let status = endpoints
-            .unwrap_or_default()
-            .iter()
-            .map(|e| BackendStatus {
-                address: e.address,
-                port: target(e).port(),
-                node: e.node.to_string(),
-                state: BackendState::of(e),
+        let status = view
+            .port_backends(port)
+            .into_iter()
+            .map(|b| BackendStatus {
+                address: b.addr.ip(),
+                port: b.addr.port(),
+                node: b.endpoint.node.to_string(),
+                state: BackendState::of(b.endpoint),
                 counters: None,
             })
             .collect();
@@ -119,7 +115,7 @@ impl Backends {
             eligible,
             maglev,
             status,
-            known: endpoints.is_some(),
+            known: view.endpoints.is_some(),
             affinity,
             drain: Duration::from_secs(u64::from(spec.drain_seconds)),
         }
@@ -357,3 +353,6 @@ impl PortShared {
         Some(addr)
     }
 }
+
+#[cfg(test)]
+mod tests;

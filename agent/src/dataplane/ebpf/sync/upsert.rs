@@ -350,7 +350,8 @@ fn refresh_backend_state<M: LbMaps>(
     Ok(())
 }
 
-/// Every endpoint address × port of `view` (any state; an address may come twice).
+/// Every endpoint's socket address for each port of `view` (any state; one may come
+/// twice: endpoints on one address meet on a port none of them overrides).
 fn listed_backends(view: &ServiceView) -> impl Iterator<Item = BackendAddr> + '_ {
     let endpoints = view
         .endpoints
@@ -360,6 +361,6 @@ fn listed_backends(view: &ServiceView) -> impl Iterator<Item = BackendAddr> + '_
     view.service.spec.ports.iter().flat_map(move |p| {
         endpoints
             .iter()
-            .map(move |e| SocketAddr::new(e.address, vip::endpoint_port(e, p)).into())
+            .map(move |e| SocketAddr::new(e.address, e.port_for(p)).into())
     })
 }
