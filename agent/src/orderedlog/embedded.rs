@@ -32,7 +32,7 @@ use redb::{
 };
 use serde::{Deserialize, Serialize};
 use std::{
-    collections::{HashSet, VecDeque},
+    collections::VecDeque,
     fmt,
     ops::ControlFlow,
     os::unix::fs::{DirBuilderExt, OpenOptionsExt},
@@ -253,19 +253,7 @@ impl EmbeddedLog {
     pub fn apply(&self, objects: Vec<Object>) -> Result<ApplyOutcome, ApplyError> {
         let started = Instant::now();
         let count = objects.len();
-        let mut keys = HashSet::with_capacity(count);
-        for o in &objects {
-            o.validate()?;
-            let key = o.key();
-            if !keys.insert(key.clone()) {
-                return Err(ModelError::invalid(
-                    key.to_string(),
-                    "metadata.name",
-                    "the same object appears twice in one apply",
-                )
-                .into());
-            }
-        }
+        let keys = super::store::check_batch(&objects)?;
         let inner = &self.inner;
         let txn = inner.begin_write()?;
         let (start, revision, results) = {

@@ -1,14 +1,20 @@
 //! The ordered log: the agent's one seam to the control plane's desired state.
 //!
 //! A consumer takes a [`Snapshot`] at revision R, then [`OrderedLog::watch`]es from R
-//! and receives every later [`Event`] in order, each with a strictly greater revision.
+//! and receives every later [`Event`] in order. Revisions never go down; events that
+//! share one revision were written by one transaction and arrive one after another
+//! (the embedded store gives every change a revision of its own; etcd gives all the
+//! changes of one transaction its revision).
 //! A consumer that asks for history the log no longer holds (compacted away) gets
 //! [`LogError::Compacted`] and must take a new snapshot: the explicit resync signal.
 //!
 //! Backends: [`embedded`] (single node, the default: a persistent local store in the
-//! state dir). Multi-node backends (gRPC watch, etcd) implement the same trait.
+//! state dir) and [`etcd`] (many nodes against one etcd cluster). Both also implement
+//! the write side, [`store::ObjectStore`]. A relay (gRPC watch) would implement the
+//! same traits.
 
 pub mod embedded;
+pub mod store;
 
 use crate::model::{Object, ObjectKey};
 use async_trait::async_trait;
@@ -55,9 +61,10 @@ pub struct Snapshot {
     pub objects: Vec<Object>,
 }
 
-/// A stream of events with strictly increasing revisions. It ends with an error
-/// (e.g. [`LogError::Compacted`] when the consumer fell too far behind); it does not
-/// end on its own otherwise.
+/// A stream of events in revision order (events of one transaction may share a
+/// revision; see the module's doc). It ends with an error (e.g.
+/// [`LogError::Compacted`] when the consumer fell too far behind); it does not end on
+/// its own otherwise.
 pub type EventStream = BoxStream<'static, Result<Event, LogError>>;
 
 /// Errors of ordered-log backends.
@@ -109,6 +116,50 @@ pub enum LogError {
     /// The log was closed (agent stopping).
     #[error("the ordered log is closed")]
     Closed,
+    /// A networked backend could not be reached (or did not answer in time).
+    #[error("etcd at {endpoints} is unavailable: {message}")]
+    Unavailable {
+        /// The endpoints tried, comma-separated.
+        endpoints: String,
+        /// What failed, without the transport's internals.
+        message: String,
+    },
+    /// A networked backend answered, but refused the request (permissions, a
+    /// request it will not carry out).
+    #[error("etcd at {endpoints} refused the request: {message}")]
+    Refused {
+        /// The endpoints asked, comma-separated.
+        endpoints: String,
+        /// What the backend said.
+        message: String,
+    },
+    /// A write does not fit in one transaction of the backend: nothing was written.
+    #[error(
+        "{what} needs {needed} {unit} in one etcd transaction, but etcd allows {allowed} \
+         ({setting}): nothing was written. Split it into smaller applies, or raise {setting} \
+         on every etcd member and give rune-agent the same limit"
+    )]
+    TooLarge {
+        /// What was refused (e.g. `the apply of 300 objects`).
+        what: String,
+        /// How much of the limited thing the write needs.
+        needed: u64,
+        /// What etcd allows.
+        allowed: u64,
+        /// The unit (`operations`, `bytes`).
+        unit: &'static str,
+        /// etcd's setting that sets the limit (`--max-txn-ops`, `--max-request-bytes`).
+        setting: &'static str,
+    },
+    /// Other writers kept changing an object between this write's read and its
+    /// commit: nothing was written.
+    #[error("{key} kept changing under this write ({attempts} attempts): nothing was written; try again")]
+    Conflict {
+        /// The object (or index entry) that changed, as stored.
+        key: String,
+        /// How many times the write was tried.
+        attempts: u32,
+    },
 }
 
 impl LogError {

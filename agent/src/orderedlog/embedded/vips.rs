@@ -12,16 +12,14 @@
 
 use super::{key_string, parse_key_string, storage_err};
 use crate::{
-    model::{ModelError, Object, ObjectKey, parse_stored},
-    orderedlog::{LogError, Revision},
+    model::{Object, ObjectKey, parse_stored},
+    orderedlog::{
+        LogError, Revision,
+        store::{VipCheckError, check_vip_owners, vips_of},
+    },
 };
 use redb::{ReadableTable, Table, TableDefinition, WriteTransaction};
-use std::{
-    collections::{HashMap, HashSet},
-    net::IpAddr,
-    path::Path,
-    time::Instant,
-};
+use std::{collections::HashSet, path::Path, time::Instant};
 
 /// VIP (its canonical text, e.g. `198.18.0.1`, `fd00::1`) → owner (`Service/ns/name`).
 pub(super) const VIPS: TableDefinition<&str, &str> = TableDefinition::new("vips");
@@ -29,74 +27,31 @@ pub(super) const VIPS: TableDefinition<&str, &str> = TableDefinition::new("vips"
 /// `meta` key: the revision at which the index matches the objects.
 pub(super) const META_VIP_INDEX: &str = "vipIndex";
 
-/// The VIPs of an object (none for anything but a service).
-fn vips_of(object: &Object) -> &[IpAddr] {
-    match object {
-        Object::Service(s) => &s.spec.discovery.vips,
-        Object::Endpoints(_) => &[],
-    }
-}
-
 /// Refuses a batch in which a service uses a VIP that another service owns, either
 /// in the store (and that service is not rewritten by the batch) or elsewhere in the
-/// batch. Reports the same error, on the same object, as checking the whole state
-/// the batch leaves behind did: services of the batch are taken in key order, and a
-/// conflict names the batch's service and the VIP's other owner.
+/// batch: [`check_vip_owners`] with the owners this index names.
 pub(super) fn check(
     index: &impl ReadableTable<&'static str, &'static str>,
     batch: &[Object],
     batch_keys: &HashSet<ObjectKey>,
     path: &Path,
 ) -> Result<(), CheckError> {
-    let mut services: Vec<(ObjectKey, &Object)> = batch
-        .iter()
-        .filter(|o| !vips_of(o).is_empty())
-        .map(|o| (o.key(), o))
-        .collect();
-    services.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut owner: HashMap<IpAddr, &ObjectKey> = HashMap::new();
-    for (key, object) in &services {
-        for (i, vip) in vips_of(object).iter().enumerate() {
-            let stored = index
-                .get(vip.to_string().as_str())
-                .map_err(|e| CheckError::Log(storage_err(path, e)))?;
-            let stored_owner = match stored {
-                Some(v) => Some(parse_key_string(v.value()).ok_or_else(|| {
-                    CheckError::Log(LogError::Corrupt {
-                        what: format!("VIP index entry {vip}"),
-                        message: format!("owner {:?} is not a key", v.value()),
-                    })
-                })?),
-                None => None,
-            };
-            // A stored owner the batch rewrites is judged by its new VIPs, below.
-            let prev = match stored_owner {
-                Some(o) if o != *key && !batch_keys.contains(&o) => Some(o),
-                _ => owner
-                    .insert(*vip, key)
-                    .filter(|p| *p != key)
-                    .map(|p| (*p).clone()),
-            };
-            if let Some(prev) = prev {
-                return Err(CheckError::Invalid(ModelError::invalid(
-                    key.to_string(),
-                    format!("spec.discovery.vips[{i}]"),
-                    format!("VIP {vip} is already used by {prev}"),
-                )));
-            }
+    check_vip_owners(batch, batch_keys, |vip| {
+        let stored = index
+            .get(vip.to_string().as_str())
+            .map_err(|e| storage_err(path, e))?;
+        match stored {
+            Some(v) => parse_key_string(v.value()).map(Some).ok_or_else(|| LogError::Corrupt {
+                what: format!("VIP index entry {vip}"),
+                message: format!("owner {:?} is not a key", v.value()),
+            }),
+            None => Ok(None),
         }
-    }
-    Ok(())
+    })
 }
 
 /// Why [`check`] refused a batch.
-#[derive(Debug)]
-pub(super) enum CheckError {
-    /// A VIP conflict.
-    Invalid(ModelError),
-    /// The index could not be read.
-    Log(LogError),
-}
+pub(super) type CheckError = VipCheckError;
 
 /// Moves the index from `old` to `new` for the object stored under `owner` (either
 /// may be absent: a create or a delete). An old VIP is removed only while the index

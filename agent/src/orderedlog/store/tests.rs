@@ -1,0 +1,56 @@
+use super::*;
+use crate::model::parse_documents;
+
+fn svc(name: &str, vips: &str) -> Object {
+    let text = format!(
+        "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: {name}}}\n\
+         spec: {{ports: [{{port: 80}}], discovery: {{vips: [{vips}]}}}}\n"
+    );
+    parse_documents(&text).unwrap().remove(0)
+}
+
+fn key(name: &str) -> ObjectKey {
+    ObjectKey::new(Kind::Service, "default", name)
+}
+
+#[test]
+fn a_batch_naming_one_object_twice_is_refused() {
+    let err = check_batch(&[svc("web", "198.18.0.1"), svc("web", "198.18.0.2")]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "Service default/web: metadata.name: the same object appears twice in one apply"
+    );
+}
+
+#[test]
+fn a_vip_owned_by_another_stored_service_is_refused_on_the_batch_service() {
+    let batch = [svc("web", "198.18.0.1")];
+    let keys = check_batch(&batch).unwrap();
+    let err = check_vip_owners(&batch, &keys, |_| Ok(Some(key("api")))).unwrap_err();
+    let VipCheckError::Invalid(e) = err else {
+        panic!("expected a VIP conflict, got {err:?}")
+    };
+    assert_eq!(
+        e.to_string(),
+        "Service default/web: spec.discovery.vips[0]: VIP 198.18.0.1 is already used by Service default/api"
+    );
+}
+
+#[test]
+fn a_stored_owner_the_batch_rewrites_is_judged_by_its_new_vips() {
+    // api gives 198.18.0.1 up in the same batch in which web takes it.
+    let batch = [svc("web", "198.18.0.1"), svc("api", "198.18.0.2")];
+    let keys = check_batch(&batch).unwrap();
+    check_vip_owners(&batch, &keys, |vip| {
+        Ok((vip.to_string() == "198.18.0.1").then(|| key("api")))
+    })
+    .unwrap();
+    // Both keeping it is a conflict inside the batch, named on the later key.
+    let batch = [svc("web", "198.18.0.1"), svc("api", "198.18.0.1")];
+    let keys = check_batch(&batch).unwrap();
+    let err = check_vip_owners(&batch, &keys, |_| Ok(None)).unwrap_err();
+    assert!(
+        matches!(&err, VipCheckError::Invalid(e) if e.to_string().starts_with("Service default/web:")),
+        "{err:?}"
+    );
+}
