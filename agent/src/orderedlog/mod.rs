@@ -14,6 +14,7 @@
 //! same traits.
 
 pub mod embedded;
+pub mod etcd;
 pub mod store;
 
 use crate::model::{Object, ObjectKey};

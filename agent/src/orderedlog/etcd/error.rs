@@ -1,0 +1,102 @@
+//! etcd-client's errors turned into [`LogError`]s that name the endpoints and say
+//! what failed, never a raw transport error; and [`SkippedKey`], a value the readers
+//! could not use.
+
+use crate::orderedlog::{LogError, Revision};
+use etcd_client::Error;
+use thiserror::Error as ThisError;
+use tonic::Code;
+
+/// A key under the prefix that readers skipped: a value another client wrote that
+/// is not a valid object, or a key of a kind this agent does not know. The rest of
+/// the snapshot or stream goes on without it.
+#[derive(Clone, Debug, ThisError, PartialEq, Eq)]
+#[error("etcd key {key} (revision {revision}) skipped: {reason}")]
+pub struct SkippedKey {
+    /// The key, as stored (lossy UTF-8).
+    pub key: String,
+    /// The revision at which it was written or deleted.
+    pub revision: Revision,
+    /// Why it was skipped.
+    pub reason: String,
+}
+
+/// Whether etcd refused a read or a watch because the revision asked for was
+/// compacted away.
+pub(super) fn is_compacted(e: &Error) -> bool {
+    matches!(e, Error::GRpcStatus(s) if s.code() == Code::OutOfRange && s.message().contains("compacted"))
+}
+
+/// Whether a request may succeed when tried again later (etcd or the network is
+/// down or slow), as opposed to a refusal.
+pub(super) fn is_transient(e: &Error) -> bool {
+    match e {
+        Error::GRpcStatus(s) => matches!(
+            s.code(),
+            Code::Unavailable
+                | Code::DeadlineExceeded
+                | Code::Unknown
+                | Code::Cancelled
+                | Code::Aborted
+                | Code::Internal
+        ),
+        Error::TransportError(_)
+        | Error::IoError(_)
+        | Error::WatchError(_)
+        | Error::EndpointError(_)
+        | Error::Internal(_) => true,
+        _ => false,
+    }
+}
+
+/// `e` as a [`LogError`]: [`LogError::Unavailable`] when it may pass,
+/// [`LogError::Refused`] when etcd said no.
+pub(super) fn log_error(endpoints: &str, e: &Error) -> LogError {
+    let message = describe(e);
+    if is_transient(e) {
+        LogError::Unavailable {
+            endpoints: endpoints.to_owned(),
+            message,
+        }
+    } else {
+        LogError::Refused {
+            endpoints: endpoints.to_owned(),
+            message,
+        }
+    }
+}
+
+/// What went wrong, from the outermost message to the root cause, each said once
+/// (`tcp connect error: Connection refused (os error 111)`), without etcd-client's
+/// and tonic's wrappers (`grpc request error: status: Unavailable, ...`).
+pub(super) fn describe(e: &Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut push = |s: String| {
+        let s = s.trim().to_owned();
+        if !s.is_empty() && !parts.iter().any(|p| p.contains(&s)) {
+            parts.push(s);
+        }
+    };
+    let mut source: Option<&(dyn std::error::Error + 'static)> = match e {
+        Error::GRpcStatus(s) => {
+            push(s.message().to_owned());
+            std::error::Error::source(s)
+        }
+        Error::TransportError(t) => {
+            push(t.to_string());
+            std::error::Error::source(t)
+        }
+        other => {
+            push(other.to_string());
+            std::error::Error::source(other)
+        }
+    };
+    while let Some(s) = source {
+        push(s.to_string());
+        source = s.source();
+    }
+    if parts.is_empty() {
+        return e.to_string();
+    }
+    parts.join(": ")
+}

@@ -1,0 +1,217 @@
+//! The watch: etcd's events under the prefix after a revision, as [`Event`]s, over
+//! a connection that comes back by itself.
+//!
+//! The stream remembers the last revision it received. When the connection breaks
+//! (etcd restarted, a member went away, the network was cut and the keepalive
+//! noticed), it waits (100 ms, doubling to 5 s) and watches again from the revision
+//! after that one: events are neither lost nor repeated. It ends with an error only
+//! when going on is impossible: the history it needs was compacted
+//! ([`LogError::Compacted`]), etcd's revision went back (a store restored from a
+//! backup or wiped: [`LogError::FutureRevision`]), or etcd refuses the watch
+//! ([`LogError::Refused`]). The consumer takes a new snapshot in every case.
+
+use super::{Shared, error, keys::Parsed, keys::range_end};
+use crate::orderedlog::{Event, EventStream, LogError, Revision};
+use etcd_client::{EventType, WatchOptions, WatchResponse, WatchStream};
+use std::{collections::VecDeque, sync::Arc, time::Duration};
+
+/// First pause before watching again; doubles up to [`MAX_BACKOFF`].
+const INITIAL_BACKOFF: Duration = Duration::from_millis(100);
+/// Longest pause between attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Checks that `from` is not ahead of etcd (one request, which also fails fast
+/// when etcd cannot be reached), then returns the stream of events after `from`.
+pub(super) async fn start(inner: Arc<Shared>, from: Revision) -> Result<EventStream, LogError> {
+    let log = super::EtcdLog {
+        inner: inner.clone(),
+    };
+    let current = log.revision().await?;
+    if from > current {
+        return Err(LogError::FutureRevision {
+            requested: from,
+            current,
+        });
+    }
+    let cursor = Cursor {
+        inner,
+        received: from,
+        pending: VecDeque::new(),
+        stream: None,
+        backoff: INITIAL_BACKOFF,
+        outage: false,
+        done: false,
+    };
+    Ok(Box::pin(futures::stream::unfold(cursor, Cursor::next)))
+}
+
+/// A watcher's position and connection.
+struct Cursor {
+    inner: Arc<Shared>,
+    /// The highest revision whose events are delivered or in `pending`: the next
+    /// watch starts after it.
+    received: Revision,
+    /// Events received and not yet delivered.
+    pending: VecDeque<Event>,
+    /// The open watch, if any.
+    stream: Option<WatchStream>,
+    /// The pause before the next attempt after a failure.
+    backoff: Duration,
+    /// Whether the connection is broken (logged once per outage, and once when it
+    /// comes back).
+    outage: bool,
+    /// An error was delivered: the stream is over.
+    done: bool,
+}
+
+/// What a failed step means.
+enum Failure {
+    /// Try again after the backoff.
+    Retry(String),
+    /// End the stream with this error.
+    End(LogError),
+}
+
+impl Cursor {
+    async fn next(mut self) -> Option<(Result<Event, LogError>, Cursor)> {
+        if self.done {
+            return None;
+        }
+        loop {
+            if let Some(event) = self.pending.pop_front() {
+                return Some((Ok(event), self));
+            }
+            let step = match self.stream.as_mut() {
+                None => self.open().await,
+                Some(stream) => match stream.message().await {
+                    Ok(Some(response)) => self.take(response),
+                    Ok(None) => Err(Failure::Retry("etcd closed the watch".to_owned())),
+                    Err(e) => Err(self.classify(&e)),
+                },
+            };
+            match step {
+                Ok(()) => {}
+                Err(Failure::End(e)) => {
+                    self.done = true;
+                    self.stream = None;
+                    return Some((Err(e), self));
+                }
+                Err(Failure::Retry(message)) => {
+                    self.stream = None;
+                    if !self.outage {
+                        tracing::warn!(
+                            endpoints = %self.inner.endpoints,
+                            error = %message,
+                            after = self.received,
+                            "etcd watch broken; reconnecting"
+                        );
+                        self.outage = true;
+                    } else {
+                        tracing::debug!(error = %message, "etcd watch still broken");
+                    }
+                    tokio::time::sleep(self.backoff).await;
+                    self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+        }
+    }
+
+    /// Opens a watch from the revision after [`Cursor::received`] and waits for
+    /// etcd to confirm it.
+    async fn open(&mut self) -> Result<(), Failure> {
+        let prefix = self.inner.layout.prefix().as_bytes().to_vec();
+        let options = WatchOptions::new()
+            .with_range(range_end(&prefix))
+            .with_start_revision(self.received as i64 + 1);
+        let mut watch = self.inner.watch.clone();
+        let mut stream = watch
+            .watch(prefix, Some(options))
+            .await
+            .map_err(|e| self.classify(&e))?;
+        let created = match stream.message().await {
+            Ok(Some(r)) => r,
+            Ok(None) => return Err(Failure::Retry("etcd closed the new watch".to_owned())),
+            Err(e) => return Err(self.classify(&e)),
+        };
+        if let Some(current) = created.header().map(|h| h.revision().max(0) as Revision)
+            && current < self.received
+        {
+            // The store went back in time: restored from a backup, or a new cluster.
+            return Err(Failure::End(LogError::FutureRevision {
+                requested: self.received,
+                current,
+            }));
+        }
+        self.take(created)?;
+        self.stream = Some(stream);
+        if self.outage {
+            tracing::info!(endpoints = %self.inner.endpoints, after = self.received, "etcd watch resumed");
+            self.outage = false;
+        }
+        self.backoff = INITIAL_BACKOFF;
+        Ok(())
+    }
+
+    /// Queues a response's events; a cancelled watch ends the stream.
+    fn take(&mut self, response: WatchResponse) -> Result<(), Failure> {
+        if response.canceled() {
+            let compacted = response.compact_revision();
+            if compacted > 0 {
+                return Err(Failure::End(LogError::Compacted {
+                    requested: self.received,
+                    oldest: compacted as Revision,
+                }));
+            }
+            let reason = response.cancel_reason();
+            let message = if reason.is_empty() {
+                "etcd cancelled the watch".to_owned()
+            } else {
+                format!("etcd cancelled the watch: {reason}")
+            };
+            if reason.contains("permission denied") {
+                return Err(Failure::End(LogError::Refused {
+                    endpoints: self.inner.endpoints.clone(),
+                    message,
+                }));
+            }
+            return Err(Failure::Retry(message));
+        }
+        let floor = self.received;
+        for event in response.events() {
+            let Some(kv) = event.kv() else { continue };
+            let revision = kv.mod_revision().max(0) as Revision;
+            if revision <= floor {
+                continue;
+            }
+            self.received = self.received.max(revision);
+            match event.event_type() {
+                EventType::Put => {
+                    if let Some(object) = self.inner.decode(kv.clone()) {
+                        self.pending.push_back(Event::Put { revision, object });
+                    }
+                }
+                EventType::Delete => match self.inner.layout.parse(kv.key()) {
+                    Parsed::Object(key) => self.pending.push_back(Event::Delete { revision, key }),
+                    Parsed::Internal => {}
+                    Parsed::Unknown(reason) => self.inner.skip(kv.key(), revision, reason),
+                },
+            }
+        }
+        Ok(())
+    }
+
+    /// A failed request: try again when it may pass, else end the stream.
+    fn classify(&self, e: &etcd_client::Error) -> Failure {
+        if error::is_compacted(e) {
+            return Failure::End(LogError::Compacted {
+                requested: self.received,
+                oldest: self.received + 1,
+            });
+        }
+        if error::is_transient(e) {
+            Failure::Retry(error::describe(e))
+        } else {
+            Failure::End(self.inner.error(e))
+        }
+    }
+}
