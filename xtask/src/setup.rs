@@ -13,10 +13,13 @@ use anyhow::{Context as _, anyhow};
 
 use crate::util;
 
-/// Debian packages the agent, its tests and the benchmarks run: `nft`, `ip`,
-/// `dnsmasq` (the DNS benchmark's reference server), `ethtool` (the test topology
-/// turns off TX checksum offload on veths, which XDP needs), and `wrk` and `nginx`
-/// (the client and backends of the short-connection bench, `bench reuse`).
+/// Debian packages the agent, its build, its tests and the benchmarks run: `nft`,
+/// `ip`, `dnsmasq` (the DNS benchmark's reference server), `ethtool` (the test
+/// topology turns off TX checksum offload on veths, which XDP needs), `wrk` and
+/// `nginx` (the client and backends of the short-connection bench, `bench reuse`),
+/// `protoc` with the well-known `.proto` files (the etcd client's build compiles
+/// etcd's API with it), and `etcd` with `etcdctl` and `openssl` (the etcd tests
+/// start their own etcd, with certificates they make).
 const APT_PACKAGES: &[&str] = &[
     "nftables",
     "iproute2",
@@ -24,7 +27,17 @@ const APT_PACKAGES: &[&str] = &[
     "ethtool",
     "wrk",
     "nginx-light",
+    "protobuf-compiler",
+    "libprotobuf-dev",
+    "etcd-server",
+    "etcd-client",
+    "openssl",
 ];
+/// Debian's etcd package starts and enables a machine-wide etcd on 127.0.0.1:2379
+/// when systemd runs; nothing here uses it (tests start their own), so setup stops
+/// and disables the one its own install started.
+const ETCD_PACKAGE: &str = "etcd-server";
+const ETCD_UNIT: &str = "etcd.service";
 /// The toolchain the eBPF programs are built with (aya-build's default).
 const NIGHTLY: &str = "nightly";
 /// bpf-linker's semver range; `bpf-linker --version` must start with this.
@@ -87,7 +100,32 @@ fn apt_packages() -> anyhow::Result<()> {
     for pkg in &missing {
         report(&format!("apt {pkg}"), "installed");
     }
+    if missing.contains(&ETCD_PACKAGE) {
+        stop_packaged_etcd();
+    }
     Ok(())
+}
+
+/// Stops and disables the machine-wide etcd that installing Debian's package just
+/// started (only where systemd runs; elsewhere the package starts nothing).
+fn stop_packaged_etcd() {
+    if !Path::new("/run/systemd/system").is_dir() {
+        return;
+    }
+    let stopped = Command::new("systemctl")
+        .args(["disable", "--now", ETCD_UNIT])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    report(
+        ETCD_UNIT,
+        if stopped {
+            "stopped and disabled (tests start their own etcd)"
+        } else {
+            "could not be disabled: `systemctl disable --now etcd`"
+        },
+    );
 }
 
 /// `rustup run nightly ...`, with the caller's toolchain choice removed.
