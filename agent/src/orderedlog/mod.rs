@@ -154,7 +154,9 @@ pub enum LogError {
     },
     /// Other writers kept changing an object between this write's read and its
     /// commit: nothing was written.
-    #[error("{key} kept changing under this write ({attempts} attempts): nothing was written; try again")]
+    #[error(
+        "{key} kept changing under this write ({attempts} attempts): nothing was written; try again"
+    )]
     Conflict {
         /// The object (or index entry) that changed, as stored.
         key: String,

@@ -41,10 +41,12 @@ pub(super) fn check(
             .get(vip.to_string().as_str())
             .map_err(|e| storage_err(path, e))?;
         match stored {
-            Some(v) => parse_key_string(v.value()).map(Some).ok_or_else(|| LogError::Corrupt {
-                what: format!("VIP index entry {vip}"),
-                message: format!("owner {:?} is not a key", v.value()),
-            }),
+            Some(v) => parse_key_string(v.value())
+                .map(Some)
+                .ok_or_else(|| LogError::Corrupt {
+                    what: format!("VIP index entry {vip}"),
+                    message: format!("owner {:?} is not a key", v.value()),
+                }),
             None => Ok(None),
         }
     })

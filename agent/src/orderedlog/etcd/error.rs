@@ -66,15 +66,56 @@ pub(super) fn log_error(endpoints: &str, e: &Error) -> LogError {
     }
 }
 
+/// What a failure over TLS means for the client's certificate, when it reads as
+/// etcd refusing it: a TLS alert about it, or (the alert lost under HTTP/2) a
+/// connection closed at once.
+pub(super) fn tls_hint(message: &str) -> Option<String> {
+    const CHECK: &str = "check that a client certificate and key are given and that a CA \
+                         the cluster trusts signed them";
+    let alert = [
+        "BadCertificate",
+        "CertificateRequired",
+        "UnknownCA",
+        "CertificateUnknown",
+    ]
+    .iter()
+    .any(|a| message.contains(&format!("fatal alert: {a}")));
+    let closed = ["connection closed", "broken pipe", "connection reset"]
+        .iter()
+        .any(|m| message.contains(m));
+    if alert {
+        Some(format!(
+            " (etcd refused this client's certificate: {CHECK})"
+        ))
+    } else if closed {
+        Some(format!(
+            " (if this goes on while etcd is up, etcd is refusing this client's certificate: {CHECK})"
+        ))
+    } else {
+        None
+    }
+}
+
+/// Wrappers that say nothing about the cause: dropped from messages.
+const GENERIC: &[&str] = &[
+    "grpc request error",
+    "operation was canceled",
+    "transport error",
+    "connection error",
+];
+
 /// What went wrong, from the outermost message to the root cause, each said once
 /// (`tcp connect error: Connection refused (os error 111)`), without etcd-client's
 /// and tonic's wrappers (`grpc request error: status: Unavailable, ...`).
 pub(super) fn describe(e: &Error) -> String {
     let mut parts: Vec<String> = Vec::new();
     let mut push = |s: String| {
-        let s = s.trim().to_owned();
-        if !s.is_empty() && !parts.iter().any(|p| p.contains(&s)) {
-            parts.push(s);
+        let mut s = s.trim();
+        while let Some(rest) = GENERIC.iter().find_map(|g| s.strip_prefix(g)) {
+            s = rest.trim_start_matches(':').trim();
+        }
+        if !s.is_empty() && !parts.iter().any(|p| p.contains(s)) {
+            parts.push(s.to_owned());
         }
     };
     let mut source: Option<&(dyn std::error::Error + 'static)> = match e {

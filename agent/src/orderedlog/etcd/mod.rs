@@ -160,9 +160,18 @@ impl EtcdLog {
 }
 
 impl Shared {
-    /// `e` as a [`LogError`] naming the endpoints.
+    /// `e` as a [`LogError`] naming the endpoints. Over TLS, a refused client
+    /// certificate gets a hint (often all the client sees of it is a closed
+    /// connection: the TLS alert is lost under HTTP/2).
     fn error(&self, e: &etcd_client::Error) -> LogError {
-        error::log_error(&self.endpoints, e)
+        let mut err = error::log_error(&self.endpoints, e);
+        if self.options.ca_file.is_some()
+            && let LogError::Unavailable { message, .. } = &mut err
+            && let Some(hint) = error::tls_hint(message)
+        {
+            message.push_str(&hint);
+        }
+        err
     }
 
     /// The revision of a response's header (etcd always sends one).

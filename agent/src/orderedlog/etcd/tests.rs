@@ -58,7 +58,9 @@ fn plain_http_is_refused_off_loopback_unless_insecure() {
         .connect_options()
         .err()
         .unwrap();
-    assert!(matches!(err, ConnectError::PlainHttp { endpoint } if endpoint == "http://etcd-b:2379"));
+    assert!(
+        matches!(err, ConnectError::PlainHttp { endpoint } if endpoint == "http://etcd-b:2379")
+    );
     options(&["http://127.0.0.1:2379", "http://localhost:2379"])
         .connect_options()
         .unwrap();
@@ -138,8 +140,14 @@ fn prefixes_start_with_a_slash_and_end_with_exactly_one() {
     assert_eq!(with("/rune/v1").unwrap(), "/rune/v1/");
     assert_eq!(with("/rune/v1//").unwrap(), "/rune/v1/");
     assert!(matches!(with("/"), Err(ConnectError::BadPrefix { .. })));
-    assert!(matches!(with("rune/v1"), Err(ConnectError::BadPrefix { .. })));
-    assert!(matches!(with("/rune//v1"), Err(ConnectError::BadPrefix { .. })));
+    assert!(matches!(
+        with("rune/v1"),
+        Err(ConnectError::BadPrefix { .. })
+    ));
+    assert!(matches!(
+        with("/rune//v1"),
+        Err(ConnectError::BadPrefix { .. })
+    ));
     let mut zero = options(&["http://127.0.0.1:2379"]);
     zero.max_txn_ops = 0;
     assert!(matches!(
@@ -172,7 +180,10 @@ fn keys_round_trip_and_everything_else_is_named() {
         ("/rune/v1/secret/default/x", "unknown kind \"secret\""),
         ("/rune/v1/Service/default/x", "unknown kind \"Service\""),
         ("/rune/v1/service/default", "not <kind>/<namespace>/<name>"),
-        ("/rune/v1/service/default/x/y", "not <kind>/<namespace>/<name>"),
+        (
+            "/rune/v1/service/default/x/y",
+            "not <kind>/<namespace>/<name>",
+        ),
         ("/rune/v1/service//x", "empty namespace or name"),
         ("/other/service/default/x", "not under the prefix"),
     ] {
@@ -212,5 +223,48 @@ async fn connecting_sends_nothing_and_a_request_to_nobody_is_unavailable() {
         }
         other => panic!("expected Unavailable, got {other:?}"),
     }
-    assert!(err.to_string().starts_with(&format!("etcd at {endpoint} is unavailable: ")), "{err}");
+    assert!(
+        err.to_string()
+            .starts_with(&format!("etcd at {endpoint} is unavailable: ")),
+        "{err}"
+    );
+}
+
+#[test]
+fn errors_say_the_cause_without_the_transports_wrappers() {
+    let status = tonic::Status::unavailable("transport error: connection refused");
+    let e = etcd_client::Error::GRpcStatus(status);
+    assert_eq!(error::describe(&e), "connection refused");
+    assert!(error::is_transient(&e));
+    let denied = etcd_client::Error::GRpcStatus(tonic::Status::permission_denied(
+        "etcdserver: permission denied",
+    ));
+    assert!(matches!(
+        error::log_error("https://etcd-a:2379", &denied),
+        LogError::Refused { endpoints, message }
+            if endpoints == "https://etcd-a:2379" && message == "etcdserver: permission denied"
+    ));
+    let compacted = etcd_client::Error::GRpcStatus(tonic::Status::out_of_range(
+        "etcdserver: mvcc: required revision has been compacted",
+    ));
+    assert!(error::is_compacted(&compacted) && !error::is_transient(&compacted));
+}
+
+#[test]
+fn a_refused_client_certificate_is_named_as_such() {
+    let alert = error::tls_hint("connection error: received fatal alert: BadCertificate");
+    assert!(
+        alert
+            .unwrap()
+            .contains("etcd refused this client's certificate")
+    );
+    let closed = error::tls_hint("connection closed").unwrap();
+    assert!(
+        closed.contains("if this goes on while etcd is up"),
+        "{closed}"
+    );
+    assert_eq!(
+        error::tls_hint("tcp connect error: Connection refused"),
+        None
+    );
 }

@@ -237,13 +237,20 @@ impl Shared {
         what: &impl Fn() -> String,
     ) -> Result<Option<Revision>, Attempt> {
         let etcd_key = self.layout.object(key);
-        let (revision, objects) = self.read_keys(std::slice::from_ref(&etcd_key), None).await?;
+        let (revision, objects) = self
+            .read_keys(std::slice::from_ref(&etcd_key), None)
+            .await?;
         let Some(seen) = objects.get(&etcd_key).map(|s| s.mod_revision) else {
             return Ok(None);
         };
         let read = self.complete_read(revision, objects, [(key, None)]).await?;
         let mut index = self.index_before(&read);
-        self.move_vips(&mut index, &keys::relative(key), read.objects.get(&etcd_key), None);
+        self.move_vips(
+            &mut index,
+            &keys::relative(key),
+            read.objects.get(&etcd_key),
+            None,
+        );
         let mut plan = Plan::default();
         plan.delete(etcd_key, seen);
         self.index_ops(&mut plan, &read, index);
@@ -258,7 +265,9 @@ impl Shared {
         what: &impl Fn() -> String,
     ) -> Result<ApplyOutcome, Attempt> {
         let etcd_key = self.layout.object(key);
-        let (revision, objects) = self.read_keys(std::slice::from_ref(&etcd_key), None).await?;
+        let (revision, objects) = self
+            .read_keys(std::slice::from_ref(&etcd_key), None)
+            .await?;
         let current = match objects.get(&etcd_key) {
             Some(s) => Some(parse_value(&etcd_key, &s.value)?),
             None => None,
@@ -358,7 +367,13 @@ impl Shared {
                         let mod_revision = kv.mod_revision();
                         let (key, value) = kv.into_key_value();
                         if let Ok(key) = String::from_utf8(key) {
-                            found.insert(key, Stored { mod_revision, value });
+                            found.insert(
+                                key,
+                                Stored {
+                                    mod_revision,
+                                    value,
+                                },
+                            );
                         }
                     }
                 }
@@ -409,7 +424,13 @@ impl Shared {
                 let mod_revision = kv.mod_revision();
                 let (key, value) = kv.into_key_value();
                 if let Ok(key) = String::from_utf8(key) {
-                    index.insert(key, Stored { mod_revision, value });
+                    index.insert(
+                        key,
+                        Stored {
+                            mod_revision,
+                            value,
+                        },
+                    );
                 }
             })
             .await
@@ -440,11 +461,13 @@ impl Shared {
         keys: &HashSet<ObjectKey>,
         read: &Read,
     ) -> Result<(Plan, Vec<(ObjectKey, Change)>), Attempt> {
-        check_vip_owners(objects, keys, |vip| self.index_owner(read, &self.layout.vip(vip)))
-            .map_err(|e| match e {
-                VipCheckError::Invalid(e) => Attempt::from(e),
-                VipCheckError::Log(e) => Attempt::from(e),
-            })?;
+        check_vip_owners(objects, keys, |vip| {
+            self.index_owner(read, &self.layout.vip(vip))
+        })
+        .map_err(|e| match e {
+            VipCheckError::Invalid(e) => Attempt::from(e),
+            VipCheckError::Log(e) => Attempt::from(e),
+        })?;
         let mut plan = Plan::default();
         let mut index = self.index_before(read);
         let mut results = Vec::with_capacity(objects.len());
@@ -490,7 +513,12 @@ impl Shared {
     fn index_before(&self, read: &Read) -> IndexAfter {
         read.index
             .iter()
-            .map(|(k, s)| (k.clone(), Some(String::from_utf8_lossy(&s.value).into_owned())))
+            .map(|(k, s)| {
+                (
+                    k.clone(),
+                    Some(String::from_utf8_lossy(&s.value).into_owned()),
+                )
+            })
             .collect()
     }
 
@@ -563,8 +591,18 @@ impl Shared {
     /// Returns its revision; [`Attempt::Conflict`] when a compared key changed.
     async fn commit(&self, plan: Plan, what: &impl Fn() -> String) -> Result<Revision, Attempt> {
         let limits = [
-            (plan.ops.len(), self.options.max_txn_ops, "operations", "--max-txn-ops"),
-            (plan.compares.len(), self.options.max_txn_ops, "comparisons", "--max-txn-ops"),
+            (
+                plan.ops.len(),
+                self.options.max_txn_ops,
+                "operations",
+                "--max-txn-ops",
+            ),
+            (
+                plan.compares.len(),
+                self.options.max_txn_ops,
+                "comparisons",
+                "--max-txn-ops",
+            ),
             (
                 plan.bytes + REQUEST_OVERHEAD,
                 self.options.max_request_bytes,
