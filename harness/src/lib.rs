@@ -12,6 +12,7 @@
 //! | [`bpffs`] | bpffs detection and mounting, private pin directories |
 //! | [`cgroup`] | cgroup v2 children for socket-LB tests |
 //! | [`agent`] | the `rune-agent` process, its CLI, metrics and readiness |
+//! | [`etcd`] | a real etcd on loopback (TLS optional), its outages, a cuttable relay |
 //! | [`packet`] | hand-built frames with valid checksums, and their parser |
 //! | [`prog_test_run`] | `BPF_PROG_TEST_RUN` on a loaded program |
 //! | [`test_programs`] | the test-only eBPF object (`rune_xdp_pass`, bench drivers) |
@@ -22,6 +23,7 @@
 pub mod agent;
 pub mod bpffs;
 pub mod cgroup;
+pub mod etcd;
 pub mod netns;
 pub mod packet;
 pub mod prog_test_run;
