@@ -359,3 +359,47 @@ async fn plain_http_to_an_address_that_is_not_loopback_is_refused_before_anythin
     );
     assert!(err.to_string().contains("https://"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_another_client_broke_can_be_replaced_or_deleted() {
+    let etcd = Etcd::start();
+    let log = connect(etcd.endpoint()).await;
+    // A service whose value another client overwrote with garbage, its VIPs
+    // still in the index (unknown to a reader of the value).
+    log.apply(vec![svc("broken", "198.18.100.9, \"fd00:100::9\"")])
+        .await
+        .unwrap();
+    etcd.ctl_ok(&["put", "/rune-test/v1/service/default/broken", "{garbage"]);
+
+    // Replacing it releases the VIPs it no longer names.
+    let out = log
+        .apply(vec![svc("broken", "198.18.100.9")])
+        .await
+        .unwrap();
+    assert_eq!(out.results[0].1, Change::Configured);
+    log.apply(vec![svc("other", "\"fd00:100::9\"")])
+        .await
+        .unwrap();
+
+    // Deleting it while broken releases every VIP it owned.
+    etcd.ctl_ok(&["put", "/rune-test/v1/service/default/broken", "{garbage"]);
+    assert!(
+        log.delete(&key(Kind::Service, "broken"))
+            .await
+            .unwrap()
+            .is_some()
+    );
+    log.apply(vec![svc("third", "198.18.100.9")]).await.unwrap();
+
+    // An index entry that names no service stops an apply that needs it, named.
+    etcd.ctl_ok(&["put", "/rune-test/v1/_index/vip/198.18.100.7", "nonsense"]);
+    let err = log
+        .apply(vec![svc("fourth", "198.18.100.7")])
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("etcd VIP index entry /rune-test/v1/_index/vip/198.18.100.7"),
+        "{err}"
+    );
+}

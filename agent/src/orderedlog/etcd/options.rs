@@ -53,7 +53,9 @@ pub struct EtcdOptions {
     pub connect_timeout: Duration,
     /// How long one request may take (a watch: until etcd answers its creation).
     pub request_timeout: Duration,
-    /// HTTP/2 keepalive ping interval, so a silent network cut ends a watch.
+    /// HTTP/2 keepalive ping interval, so a silent network cut ends a watch. Not
+    /// below etcd's `--grpc-keepalive-min-time` (5 s by default): etcd closes the
+    /// connections of clients that ping more often.
     pub keepalive_interval: Duration,
     /// How long a keepalive ping may go unanswered before the connection counts as
     /// broken.

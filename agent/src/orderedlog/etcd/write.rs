@@ -20,7 +20,7 @@ use super::{
     keys::{self, range_end},
 };
 use crate::{
-    model::{ModelError, Object, ObjectKey, parse_stored},
+    model::{Kind, ModelError, Object, ObjectKey, parse_stored},
     orderedlog::{
         LogError, Revision,
         embedded::{ApplyError, ApplyOutcome, Change},
@@ -395,9 +395,9 @@ impl Shared {
     }
 
     /// Adds to what was read of the objects at `revision` the index entries of
-    /// the VIPs of their new versions (`Some`) and of their stored ones. When a
-    /// stored service cannot be parsed (its VIPs unknown), the whole index is read
-    /// (rare: a value another client broke).
+    /// the VIPs of their new versions (`Some`) and of their stored ones (services
+    /// only). When a stored service cannot be parsed (its VIPs unknown), the whole
+    /// index is read (rare: a value another client broke).
     async fn complete_read<'a>(
         &self,
         revision: Revision,
@@ -409,6 +409,9 @@ impl Shared {
         for (key, new) in wanted {
             if let Some(new) = new {
                 vips.extend(vips_of(new).iter().map(|v| self.layout.vip(v)));
+            }
+            if key.kind != Kind::Service {
+                continue;
             }
             if let Some(stored) = objects.get(&self.layout.object(key)) {
                 match old_object(&stored.value) {
