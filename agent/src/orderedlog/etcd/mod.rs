@@ -141,12 +141,11 @@ impl EtcdLog {
     /// answers and accepts this client (TLS, permissions).
     pub async fn revision(&self) -> Result<Revision, LogError> {
         let mut kv = self.inner.kv.clone();
+        // The prefix itself is never a key: a read of it is the cheapest request
+        // that carries the revision (counting the prefix would visit every key).
         let prefix = self.inner.layout.prefix().to_owned();
-        let options = GetOptions::new()
-            .with_range(keys::range_end(prefix.as_bytes()))
-            .with_count_only();
         let response = kv
-            .get(prefix, Some(options))
+            .get(prefix, Some(GetOptions::new().with_keys_only()))
             .await
             .map_err(|e| self.inner.error(&e))?;
         self.inner.header_revision(response.header())

@@ -317,7 +317,10 @@ impl Shared {
     /// The first of `guarded` whose mod revision is no longer the one expected (or
     /// the first at all): which key the writers fought over.
     async fn changed_key(&self, guarded: &[(String, i64)]) -> String {
-        let first = guarded.first().map(|(k, _)| k.clone()).unwrap_or_default();
+        let Some(first) = guarded.first().map(|(k, _)| k.clone()) else {
+            // The last attempt's read was cut short by a compaction.
+            return format!("what it read under {}", self.layout.prefix());
+        };
         let keys: Vec<String> = guarded.iter().map(|(k, _)| k.clone()).collect();
         let Ok((_, now)) = self.read_keys(&keys, None).await else {
             return first;
