@@ -89,7 +89,7 @@ fn commands_work_on_the_store_without_an_agent() {
     assert!(status.contains("agent:      not running"), "{status}");
     assert!(status.contains("revision:   2"), "{status}");
     assert!(
-        status.contains("backend 127.0.0.3  terminating"),
+        status.contains("backend 127.0.0.3:8080  terminating"),
         "{status}"
     );
 
