@@ -14,14 +14,17 @@ mod output;
 pub use output::StdoutClosed;
 
 use crate::{
-    config::{Config, ConfigError, FileConfig},
+    config::{
+        Config, ConfigError, DataplaneSettings, FileConfig, GlobalSettings, KernelSettings,
+        PinSettings, RunSettings,
+    },
     localapi::{self, Client, LocalApiError, StatusPart, StatusQuery},
     model::{Kind, ObjectKey, parse_documents},
     orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
     status::{StatusSource, StoreStatus},
 };
 use anyhow::{Context, Result, bail};
-use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use output::{ObjectsOut, Out, StatusOut, StatusShape, output_error};
 use std::{io::Read, ops::ControlFlow, path::PathBuf};
 
@@ -29,10 +32,9 @@ use std::{io::Read, ops::ControlFlow, path::PathBuf};
 #[derive(Debug, Parser)]
 #[command(name = "rune-agent", version, about, long_about = None)]
 pub struct Cli {
-    /// Where identity, store and socket live [default: /var/lib/rune as root,
-    /// $XDG_STATE_HOME/rune otherwise].
-    #[arg(long, global = true, env = "RUNE_STATE_DIR", value_name = "DIR")]
-    pub state_dir: Option<PathBuf>,
+    /// The settings every command takes (`--state-dir`).
+    #[command(flatten)]
+    pub global: GlobalSettings,
     /// A YAML config file; flags and RUNE_* variables override its settings.
     #[arg(long, global = true, env = "RUNE_CONFIG", value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -82,24 +84,22 @@ pub enum Command {
     /// Remove the kernel state a stopped agent left behind: detach the eBPF programs
     /// and unpin their maps (established flows through the VIPs end).
     Cleanup {
-        /// bpffs directory of the pins [default: /sys/fs/bpf/rune, or the config file's].
-        #[arg(long, env = "RUNE_BPF_PIN_DIR", value_name = "DIR")]
-        bpf_pin_dir: Option<PathBuf>,
+        /// `--bpf-pin-dir`.
+        #[command(flatten)]
+        pins: PinSettings,
     },
     /// Check what this kernel and process can run (bpf syscall, BTF, program, map
     /// and helper types, attachments, cgroup v2, bpffs, capabilities, nft) and which
     /// data plane would be chosen, and why. Exits 0 when some data plane can run.
+    ///
+    /// The cgroup attach probe uses an empty child of `--cgroup` it removes again.
     Preflight {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
-        /// The data plane to decide for [default: auto, or the config file's].
-        #[arg(long, env = "RUNE_DATAPLANE", value_enum)]
-        dataplane: Option<crate::config::DataplaneRequest>,
-        /// cgroup v2 directory of the socket-LB hooks, or `none` [default: the
-        /// cgroup v2 root]; the attach probe uses an empty child it removes again.
-        #[arg(long, env = "RUNE_CGROUP", value_name = "PATH")]
-        cgroup: Option<String>,
+        /// `--dataplane` (the one to decide for) and `--cgroup`.
+        #[command(flatten)]
+        dataplane: DataplaneSettings,
     },
     /// Print the version.
     Version,
@@ -131,134 +131,71 @@ pub enum Format {
     Json,
 }
 
-/// Flags of `run`; each overrides the config file's setting of the same name.
-#[derive(Debug, Default, Args)]
+/// Flags of `run`: every group of settings; each overrides the config file's
+/// setting of the same name.
+#[derive(Clone, Debug, Default, Args)]
 pub struct RunArgs {
-    /// Dev mode: userspace proxies on 127.0.0.1, no root needed, no kernel changes.
-    #[arg(long, env = "RUNE_DEV", action = ArgAction::SetTrue)]
-    pub dev: bool,
-    /// Dev mode: add N to every service port (e.g. 10000 to avoid privileged ports).
-    #[arg(long, env = "RUNE_DEV_PORT_OFFSET", value_name = "N")]
-    pub dev_port_offset: Option<u16>,
-    /// Address of the /metrics, /healthz and /readyz listener [default: 127.0.0.1:9464].
-    #[arg(long, env = "RUNE_METRICS_ADDR", value_name = "ADDR:PORT")]
-    pub metrics_addr: Option<String>,
-    /// Seconds `run` waits for every subsystem to be ready [default: 30].
-    #[arg(long, env = "RUNE_READY_TIMEOUT_SECONDS", value_name = "S")]
-    pub ready_timeout_seconds: Option<u64>,
-    /// Outbox capacity [default: 4096].
-    #[arg(long, env = "RUNE_OUTBOX_CAPACITY", value_name = "N")]
-    pub outbox_capacity: Option<usize>,
-    /// Maglev table size per service, a prime [default: 16381].
-    #[arg(long, env = "RUNE_MAGLEV_TABLE_SIZE", value_name = "PRIME")]
-    pub maglev_table_size: Option<u32>,
-    /// Seconds an idle UDP flow keeps its backend [default: 60].
-    #[arg(long, env = "RUNE_UDP_IDLE_TIMEOUT_SECONDS", value_name = "S")]
-    pub udp_idle_timeout_seconds: Option<u64>,
-    /// Ordered-log events kept for watchers before compaction [default: 10000].
-    #[arg(long, env = "RUNE_LOG_HISTORY", value_name = "N")]
-    pub log_history: Option<u64>,
-    /// Where the embedded DNS server listens, UDP and TCP; repeatable
-    /// [default: 127.0.0.123:53; with --dev 127.0.0.1:15353].
-    #[arg(
-        long = "dns-addr",
-        env = "RUNE_DNS_ADDR",
-        value_name = "ADDR:PORT",
-        value_delimiter = ','
-    )]
-    pub dns_addrs: Vec<String>,
-    /// The DNS zone answered for services, `<service>.<namespace>.<domain>` [default: rune].
-    #[arg(long, env = "RUNE_DNS_DOMAIN", value_name = "DOMAIN")]
-    pub dns_domain: Option<String>,
-    /// TTL of DNS answers, in seconds [default: 5].
-    #[arg(long, env = "RUNE_DNS_TTL_SECONDS", value_name = "S")]
-    pub dns_ttl_seconds: Option<u32>,
-    /// Upstream resolver for names outside the DNS zone, ADDR or ADDR:PORT; repeatable
-    /// [default: the nameservers of --dns-resolv-conf, minus the agent's own].
-    #[arg(
-        long = "dns-upstream",
-        env = "RUNE_DNS_UPSTREAM",
-        value_name = "ADDR[:PORT]",
-        value_delimiter = ','
-    )]
-    pub dns_upstreams: Vec<String>,
-    /// Where upstream resolvers are read when none are given [default: /etc/resolv.conf].
-    #[arg(long, env = "RUNE_DNS_RESOLV_CONF", value_name = "PATH")]
-    pub dns_resolv_conf: Option<PathBuf>,
-    /// How long one forwarded DNS question may take, retry included [default: 2000].
-    #[arg(long, env = "RUNE_DNS_UPSTREAM_TIMEOUT_MS", value_name = "MS")]
-    pub dns_upstream_timeout_ms: Option<u64>,
-    /// Forwarded DNS answers kept in the cache, 0 for none [default: 10000].
-    #[arg(long, env = "RUNE_DNS_CACHE_SIZE", value_name = "N")]
-    pub dns_cache_size: Option<usize>,
-    /// Production data plane: auto (preflight picks ebpf, else nftables, else
-    /// userspace), or one of them forced (the start fails when its checks fail) [default: auto].
-    #[arg(long, env = "RUNE_DATAPLANE", value_enum)]
-    pub dataplane: Option<crate::config::DataplaneRequest>,
-    /// bpffs directory for the eBPF pins [default: /sys/fs/bpf/rune].
-    #[arg(long, env = "RUNE_BPF_PIN_DIR", value_name = "DIR")]
-    pub bpf_pin_dir: Option<PathBuf>,
-    /// cgroup v2 directory for the socket-LB hooks, or `none` [default: the cgroup v2 root].
-    #[arg(long, env = "RUNE_CGROUP", value_name = "PATH")]
-    pub cgroup: Option<String>,
-    /// Interfaces for the tc programs, comma-separated; empty for none [default: those of the default routes].
-    #[arg(long, env = "RUNE_INTERFACES", value_name = "A,B")]
-    pub interfaces: Option<String>,
-    /// Interfaces for the XDP program, comma-separated [default: none].
-    #[arg(long, env = "RUNE_XDP_INTERFACES", value_name = "A,B")]
-    pub xdp_interfaces: Option<String>,
-    /// Frontends (VIP × port × protocol) the eBPF maps hold [default: 512].
-    #[arg(long, env = "RUNE_LB_MAX_FRONTENDS", value_name = "N")]
-    pub lb_max_frontends: Option<u32>,
-    /// Backends the eBPF maps hold [default: 65536].
-    #[arg(long, env = "RUNE_LB_MAX_BACKENDS", value_name = "N")]
-    pub lb_max_backends: Option<u32>,
-    /// Conntrack entries per family [default: 262144].
-    #[arg(long, env = "RUNE_LB_MAX_FLOWS", value_name = "N")]
-    pub lb_max_flows: Option<u32>,
-    /// nftables mode: leave the table `inet rune` in the kernel on stop.
-    #[arg(long, env = "RUNE_KEEP_RULES_ON_STOP")]
-    pub keep_rules_on_stop: bool,
+    /// Mode, listeners, capacities, DNS.
+    #[command(flatten)]
+    pub settings: RunSettings,
+    /// `--dataplane`, `--cgroup`.
+    #[command(flatten)]
+    pub dataplane: DataplaneSettings,
+    /// `--bpf-pin-dir`.
+    #[command(flatten)]
+    pub pins: PinSettings,
+    /// Interfaces, eBPF map sizes, nftables rules on stop.
+    #[command(flatten)]
+    pub kernel: KernelSettings,
+}
+
+impl Command {
+    /// The settings this command's flags and their variables set: a layer over the
+    /// config file's.
+    pub fn settings(&self) -> FileConfig {
+        match self {
+            Command::Run(args) => {
+                let RunArgs {
+                    settings,
+                    dataplane,
+                    pins,
+                    kernel,
+                } = args.as_ref().clone();
+                [
+                    settings.into(),
+                    dataplane.into(),
+                    pins.into(),
+                    kernel.into(),
+                ]
+                .into_iter()
+                .fold(FileConfig::default(), FileConfig::overridden_by)
+            }
+            Command::Cleanup { pins } => pins.clone().into(),
+            Command::Preflight { dataplane, .. } => dataplane.clone().into(),
+            Command::Apply { .. }
+            | Command::Get { .. }
+            | Command::Delete { .. }
+            | Command::Status(_)
+            | Command::Version => FileConfig::default(),
+        }
+    }
 }
 
 impl Cli {
-    /// The settings: config file, overridden by flags and environment.
-    pub fn config(&self, run: Option<&RunArgs>) -> Result<Config, ConfigError> {
+    /// The settings: defaults, then the config file, then the command's flags and
+    /// variables.
+    pub fn config(&self) -> Result<Config, ConfigError> {
         let file = match &self.config {
             Some(path) => FileConfig::load(path)?,
             None => FileConfig::default(),
         };
-        let mut flags = FileConfig {
-            state_dir: self.state_dir.clone(),
-            ..FileConfig::default()
-        };
-        if let Some(r) = run {
-            flags.dev = r.dev.then_some(true);
-            flags.dev_port_offset = r.dev_port_offset;
-            flags.metrics_addr = r.metrics_addr.clone();
-            flags.ready_timeout_seconds = r.ready_timeout_seconds;
-            flags.outbox_capacity = r.outbox_capacity;
-            flags.maglev_table_size = r.maglev_table_size;
-            flags.udp_idle_timeout_seconds = r.udp_idle_timeout_seconds;
-            flags.log_history = r.log_history;
-            flags.dns_addrs = (!r.dns_addrs.is_empty()).then(|| r.dns_addrs.clone());
-            flags.dns_domain = r.dns_domain.clone();
-            flags.dns_ttl_seconds = r.dns_ttl_seconds;
-            flags.dns_upstreams = (!r.dns_upstreams.is_empty()).then(|| r.dns_upstreams.clone());
-            flags.dns_resolv_conf = r.dns_resolv_conf.clone();
-            flags.dns_upstream_timeout_ms = r.dns_upstream_timeout_ms;
-            flags.dns_cache_size = r.dns_cache_size;
-            flags.dataplane = r.dataplane;
-            flags.bpf_pin_dir = r.bpf_pin_dir.clone();
-            flags.cgroup = r.cgroup.clone();
-            flags.interfaces = r.interfaces.clone().map(|s| vec![s]);
-            flags.xdp_interfaces = r.xdp_interfaces.clone().map(|s| vec![s]);
-            flags.lb_max_frontends = r.lb_max_frontends;
-            flags.lb_max_backends = r.lb_max_backends;
-            flags.lb_max_flows = r.lb_max_flows;
-            flags.keep_rules_on_stop = r.keep_rules_on_stop.then_some(true);
-        }
-        file.overridden_by(flags).resolve()
+        file.overridden_by(self.flags()).resolve()
+    }
+
+    /// The layer the command line and the `RUNE_*` variables set: the global flags
+    /// and the command's (a flag wins over its variable: clap reads both).
+    pub fn flags(&self) -> FileConfig {
+        FileConfig::from(self.global.clone()).overridden_by(self.command.settings())
     }
 }
 
@@ -488,7 +425,7 @@ fn store_status(
 
 /// `rune-agent cleanup`: refuses while an agent runs on this state dir (it would
 /// re-create what is removed), then removes every pin.
-pub async fn cleanup(config: &Config, pin_dir: Option<&std::path::Path>) -> Result<()> {
+pub async fn cleanup(config: &Config) -> Result<()> {
     let socket = localapi::socket_path(&config.state_dir);
     if Client::connect(&socket).await?.is_some() {
         bail!(
@@ -496,7 +433,7 @@ pub async fn cleanup(config: &Config, pin_dir: Option<&std::path::Path>) -> Resu
             socket.display()
         );
     }
-    let dir = pin_dir.unwrap_or(&config.bpf_pin_dir);
+    let dir = &config.bpf_pin_dir;
     let removed =
         crate::dataplane::leftovers::remove(&crate::config::DataplaneMode::ALL, dir).await?;
     let mut text = format!(
@@ -513,22 +450,12 @@ pub async fn cleanup(config: &Config, pin_dir: Option<&std::path::Path>) -> Resu
     print_all(&text)
 }
 
-/// `rune-agent preflight [--json]`: every check, then the data plane `requested`
-/// would get. Fails (after printing) when no data plane can run.
-pub fn preflight(
-    config: &Config,
-    json: bool,
-    requested: Option<crate::config::DataplaneRequest>,
-    cgroup: Option<&str>,
-) -> Result<()> {
+/// `rune-agent preflight [--json]`: every check, then the data plane the settings
+/// ask for would get. Fails (after printing) when no data plane can run.
+pub fn preflight(config: &Config, json: bool) -> Result<()> {
     use crate::preflight::{self, Options, Outcome};
-    let cgroup = match cgroup.map(str::trim) {
-        Some("none" | "") => Some(None),
-        Some(path) => Some(Some(PathBuf::from(path))),
-        None => config.cgroup.clone(),
-    };
-    let report = preflight::run(&Options::with_cgroup(cgroup))?;
-    let outcome = Outcome::new(&report, requested.unwrap_or(config.dataplane));
+    let report = preflight::run(&Options::with_cgroup(config.cgroup.clone()))?;
+    let outcome = Outcome::new(&report, config.dataplane);
     if json {
         print_all(&(serde_json::to_string_pretty(&outcome)? + "\n"))?;
     } else {

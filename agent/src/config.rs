@@ -4,9 +4,19 @@
 //! [`DataplaneRequest`] (what `--dataplane` asks for) and the [`DataplaneMode`] it
 //! names (what runs).
 //!
+//! Each setting is declared once, below (`settings!`, in [`layers`]): its flag and
+//! variable, its config-file key, and how it resolves into [`Config`]. The groups of
+//! flags ([`GlobalSettings`], [`RunSettings`], …) are flattened into the commands
+//! that take them; each command's flags and variables make one [`FileConfig`] layer,
+//! laid over the file's.
+//!
 //! Everything is checked here, before anything is bound or started, so a bad setting
 //! stops the agent with a usage error instead of half-starting it.
 
+mod layers;
+mod resolve;
+
+use layers::settings;
 use serde::{Deserialize, Serialize};
 use std::{
     fmt,
@@ -206,6 +216,13 @@ impl<'de> Deserialize<'de> for DataplaneRequest {
     }
 }
 
+/// A request written as its name, as the config file spells it.
+impl Serialize for DataplaneRequest {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
 /// How the agent runs: on a real node, or on a laptop (`--dev`). Subsystems branch on
 /// it (dev mode: userspace proxies on 127.0.0.1, no nftables, no eBPF, no root
 /// needed); which data plane a production node runs is [`DataplaneRequest`]'s and
@@ -258,118 +275,213 @@ impl FromStr for Mode {
     }
 }
 
-/// Everything `rune-agent run` needs, resolved and checked.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Config {
-    /// Where identity, store and socket live.
-    pub state_dir: PathBuf,
-    /// Production, or dev (`--dev`, `dev: true`): userspace proxies on 127.0.0.1, no
-    /// root, no kernel changes.
-    pub mode: Mode,
-    /// Dev mode: added to every service port (e.g. to avoid privileged ports).
-    pub dev_port_offset: u16,
-    /// Address of the `/metrics`, `/healthz`, `/readyz` listener.
-    pub metrics_addr: SocketAddr,
-    /// How long `start` waits for every subsystem to report ready.
-    pub ready_timeout: Duration,
-    /// Capacity of the outbox.
-    pub outbox_capacity: usize,
-    /// Maglev table size per service (a prime).
-    pub maglev_table_size: u32,
-    /// UDP flows keep their backend until idle this long.
-    pub udp_idle_timeout: Duration,
-    /// Ordered-log events kept for watchers before compaction.
-    pub log_history: u64,
-    /// Where the embedded DNS server listens (UDP and TCP on each).
-    pub dns_addrs: Vec<SocketAddr>,
-    /// The zone the DNS server is authoritative for: lower case, with a trailing dot.
-    pub dns_domain: String,
-    /// TTL of every DNS answer (and of negative answers), in seconds.
-    pub dns_ttl_seconds: u32,
-    /// Upstream resolvers for names outside the zone; empty: those of
-    /// [`Config::dns_resolv_conf`].
-    pub dns_upstreams: Vec<SocketAddr>,
-    /// The resolv.conf read for upstreams when none are configured.
-    pub dns_resolv_conf: PathBuf,
-    /// How long one forwarded question may take, retry included.
-    pub dns_upstream_timeout: Duration,
-    /// How many forwarded answers are cached (0: none).
-    pub dns_cache_size: usize,
-    /// The production data plane asked for.
-    pub dataplane: DataplaneRequest,
-    /// bpffs directory for the eBPF maps' and links' pins.
-    pub bpf_pin_dir: PathBuf,
-    /// cgroup v2 directory for the socket-LB hooks: `None` the cgroup v2 root,
-    /// `Some(None)` socket LB off (`--cgroup none`).
-    pub cgroup: Option<Option<PathBuf>>,
-    /// Interfaces for the tc programs: `None` those of the default routes.
-    pub interfaces: Option<Vec<String>>,
-    /// Interfaces for the XDP program (none by default).
-    pub xdp_interfaces: Vec<String>,
-    /// Capacity of the eBPF frontend maps (and Maglev tables).
-    pub lb_max_frontends: u32,
-    /// Capacity of the eBPF backend map.
-    pub lb_max_backends: u32,
-    /// Capacity of the eBPF conntrack maps, per family.
-    pub lb_max_flows: u32,
-    /// nftables mode: leave table `inet rune` in the kernel on stop.
-    pub keep_rules_on_stop: bool,
+// The settings, each declared once (see `settings!` in layers.rs):
+//
+//     /// The --help text [default: …].
+//     #[arg(long = "flag", env = "RUNE_FLAG", …)]
+//     file_key: FlagAndFileType => config_field: ConfigType = resolver,
+//
+// The file key is the field's name in camelCase; the resolver turns the value, if
+// any, into the `Config` field (its default, its checks) and may read the fields
+// resolved above it. Adding a setting: docs/configuration.md.
+settings! {
+    /// The settings every command takes (global flags).
+    pub struct GlobalSettings {
+        /// Where identity, store and socket live [default: /var/lib/rune as root,
+        /// $XDG_STATE_HOME/rune otherwise].
+        #[arg(long = "state-dir", env = "RUNE_STATE_DIR", global = true, value_name = "DIR")]
+        state_dir: PathBuf => state_dir: PathBuf = |dir: Option<PathBuf>| {
+            Ok(dir.unwrap_or_else(default_state_dir))
+        },
+    }
+
+    /// The settings only `run` takes: mode, listeners, capacities, DNS.
+    pub struct RunSettings {
+        /// Dev mode: userspace proxies on 127.0.0.1, no root needed, no kernel changes.
+        // A switch: `--dev` sets true, `RUNE_DEV` true or false, absent sets nothing.
+        #[arg(long = "dev", env = "RUNE_DEV", num_args = 0, default_missing_value = "true")]
+        dev: bool => mode: Mode = |dev| {
+            Ok(if dev == Some(true) { Mode::Dev } else { Mode::Production })
+        },
+        /// Dev mode: add N to every service port (e.g. 10000 to avoid privileged ports).
+        #[arg(long = "dev-port-offset", env = "RUNE_DEV_PORT_OFFSET", value_name = "N")]
+        dev_port_offset: u16 => dev_port_offset: u16 = |n| resolve::or(n, 0),
+        /// Address of the /metrics, /healthz and /readyz listener [default: 127.0.0.1:9464].
+        #[arg(long = "metrics-addr", env = "RUNE_METRICS_ADDR", value_name = "ADDR:PORT")]
+        metrics_addr: String => metrics_addr: SocketAddr = |addr| {
+            resolve::socket_addr(addr, DEFAULT_METRICS_ADDR)
+        },
+        /// Seconds `run` waits for every subsystem to be ready [default: 30].
+        #[arg(
+            long = "ready-timeout-seconds", env = "RUNE_READY_TIMEOUT_SECONDS", value_name = "S"
+        )]
+        ready_timeout_seconds: u64 => ready_timeout: Duration = |s| {
+            resolve::at_least_1(s, 30).map(Duration::from_secs)
+        },
+        /// Outbox capacity [default: 4096].
+        #[arg(long = "outbox-capacity", env = "RUNE_OUTBOX_CAPACITY", value_name = "N")]
+        outbox_capacity: usize => outbox_capacity: usize = |n| {
+            resolve::at_least_1(n, DEFAULT_OUTBOX_CAPACITY)
+        },
+        /// Maglev table size per service, a prime [default: 16381].
+        #[arg(long = "maglev-table-size", env = "RUNE_MAGLEV_TABLE_SIZE", value_name = "PRIME")]
+        maglev_table_size: u32 => maglev_table_size: u32 = |n| {
+            resolve::maglev_table_size(n, 16381)
+        },
+        /// Seconds an idle UDP flow keeps its backend [default: 60].
+        #[arg(
+            long = "udp-idle-timeout-seconds", env = "RUNE_UDP_IDLE_TIMEOUT_SECONDS",
+            value_name = "S"
+        )]
+        udp_idle_timeout_seconds: u64 => udp_idle_timeout: Duration = |s| {
+            resolve::in_range(s, 60, 1..=MAX_UDP_IDLE_SECONDS).map(Duration::from_secs)
+        },
+        /// Ordered-log events kept for watchers before compaction [default: 10000].
+        #[arg(long = "log-history", env = "RUNE_LOG_HISTORY", value_name = "N")]
+        log_history: u64 => log_history: u64 = |n| resolve::at_least_1(n, 10_000),
+        /// Where the embedded DNS server listens, UDP and TCP; repeatable
+        /// [default: 127.0.0.123:53; with --dev 127.0.0.1:15353].
+        #[arg(
+            long = "dns-addr", env = "RUNE_DNS_ADDR", value_name = "ADDR:PORT",
+            value_delimiter = ','
+        )]
+        dns_addrs: Vec<String> => dns_addrs: Vec<SocketAddr> = |addrs| {
+            resolve::dns_addrs(addrs, mode)
+        },
+        /// The DNS zone answered for services, `<service>.<namespace>.<domain>` [default: rune].
+        #[arg(long = "dns-domain", env = "RUNE_DNS_DOMAIN", value_name = "DOMAIN")]
+        dns_domain: String => dns_domain: String = resolve::dns_domain,
+        /// TTL of DNS answers, in seconds [default: 5].
+        #[arg(long = "dns-ttl-seconds", env = "RUNE_DNS_TTL_SECONDS", value_name = "S")]
+        dns_ttl_seconds: u32 => dns_ttl_seconds: u32 = |s| {
+            resolve::in_range(s, DEFAULT_DNS_TTL_SECONDS, 0..=MAX_DNS_TTL_SECONDS)
+        },
+        /// Upstream resolver for names outside the DNS zone, ADDR or ADDR:PORT; repeatable
+        /// [default: the nameservers of --dns-resolv-conf, minus the agent's own].
+        #[arg(
+            long = "dns-upstream", env = "RUNE_DNS_UPSTREAM", value_name = "ADDR[:PORT]",
+            value_delimiter = ','
+        )]
+        dns_upstreams: Vec<String> => dns_upstreams: Vec<SocketAddr> = resolve::dns_upstreams,
+        /// Where upstream resolvers are read when none are given [default: /etc/resolv.conf].
+        #[arg(long = "dns-resolv-conf", env = "RUNE_DNS_RESOLV_CONF", value_name = "PATH")]
+        dns_resolv_conf: PathBuf => dns_resolv_conf: PathBuf = |path| {
+            resolve::or(path, PathBuf::from(DEFAULT_DNS_RESOLV_CONF))
+        },
+        /// How long one forwarded DNS question may take, retry included [default: 2000].
+        #[arg(
+            long = "dns-upstream-timeout-ms", env = "RUNE_DNS_UPSTREAM_TIMEOUT_MS",
+            value_name = "MS"
+        )]
+        dns_upstream_timeout_ms: u64 => dns_upstream_timeout: Duration = |ms| {
+            let range = 1..=MAX_DNS_UPSTREAM_TIMEOUT_MS;
+            resolve::in_range(ms, DEFAULT_DNS_UPSTREAM_TIMEOUT_MS, range).map(Duration::from_millis)
+        },
+        /// Forwarded DNS answers kept in the cache, 0 for none [default: 10000].
+        #[arg(long = "dns-cache-size", env = "RUNE_DNS_CACHE_SIZE", value_name = "N")]
+        dns_cache_size: usize => dns_cache_size: usize = |n| {
+            resolve::in_range(n, DEFAULT_DNS_CACHE_SIZE, 0..=MAX_DNS_CACHE_SIZE)
+        },
+    }
+
+    /// The data plane asked for and the cgroup of its socket-LB hooks: `run` and
+    /// `preflight` take them.
+    pub struct DataplaneSettings {
+        /// Production data plane: auto (preflight picks ebpf, else nftables, else
+        /// userspace), or one of them forced (the start fails when its checks fail)
+        /// [default: auto].
+        #[arg(long = "dataplane", env = "RUNE_DATAPLANE", value_enum)]
+        dataplane: DataplaneRequest => dataplane: DataplaneRequest = |request| {
+            resolve::or(request, DataplaneRequest::Auto)
+        },
+        /// cgroup v2 directory for the socket-LB hooks, or `none` [default: the cgroup v2 root].
+        #[arg(long = "cgroup", env = "RUNE_CGROUP", value_name = "PATH")]
+        cgroup: String => cgroup: Option<Option<PathBuf>> = resolve::cgroup,
+    }
+
+    /// Where the eBPF pins are: `run` and `cleanup` take it.
+    pub struct PinSettings {
+        /// bpffs directory for the eBPF pins [default: /sys/fs/bpf/rune].
+        #[arg(long = "bpf-pin-dir", env = "RUNE_BPF_PIN_DIR", value_name = "DIR")]
+        bpf_pin_dir: PathBuf => bpf_pin_dir: PathBuf = |dir| {
+            resolve::or(dir, PathBuf::from(DEFAULT_BPF_PIN_DIR))
+        },
+    }
+
+    /// How the production data plane uses the kernel: interfaces, eBPF map sizes,
+    /// nftables rules on stop (`run`).
+    pub struct KernelSettings {
+        /// Interfaces for the tc programs, comma-separated; empty for none [default: those
+        /// of the default routes].
+        // One list per occurrence (`Set`): `--interfaces a,b`, not repeated.
+        #[arg(
+            long = "interfaces", env = "RUNE_INTERFACES", value_name = "A,B",
+            value_delimiter = ',', action = clap::ArgAction::Set
+        )]
+        interfaces: Vec<String> => interfaces: Option<Vec<String>> = |list: Option<Vec<_>>| {
+            Ok(list.map(resolve::names))
+        },
+        /// Interfaces for the XDP program, comma-separated [default: none].
+        #[arg(
+            long = "xdp-interfaces", env = "RUNE_XDP_INTERFACES", value_name = "A,B",
+            value_delimiter = ',', action = clap::ArgAction::Set
+        )]
+        xdp_interfaces: Vec<String> => xdp_interfaces: Vec<String> = |list: Option<Vec<_>>| {
+            Ok(list.map(resolve::names).unwrap_or_default())
+        },
+        /// Frontends (VIP × port × protocol) the eBPF maps hold [default: 512].
+        #[arg(long = "lb-max-frontends", env = "RUNE_LB_MAX_FRONTENDS", value_name = "N")]
+        lb_max_frontends: u32 => lb_max_frontends: u32 = |n| {
+            resolve::in_range(n, DEFAULT_LB_MAX_FRONTENDS, 2..=1 << 20)
+        },
+        /// Backends the eBPF maps hold [default: 65536].
+        #[arg(long = "lb-max-backends", env = "RUNE_LB_MAX_BACKENDS", value_name = "N")]
+        lb_max_backends: u32 => lb_max_backends: u32 = |n| {
+            resolve::in_range(n, DEFAULT_LB_MAX_BACKENDS, 2..=1 << 24)
+        },
+        /// Conntrack entries per family [default: 262144].
+        #[arg(long = "lb-max-flows", env = "RUNE_LB_MAX_FLOWS", value_name = "N")]
+        lb_max_flows: u32 => lb_max_flows: u32 = |n| {
+            resolve::in_range(n, DEFAULT_LB_MAX_FLOWS, 2..=1 << 26)
+        },
+        /// nftables mode: leave the table `inet rune` in the kernel on stop.
+        #[arg(
+            long = "keep-rules-on-stop", env = "RUNE_KEEP_RULES_ON_STOP", num_args = 0,
+            default_missing_value = "true"
+        )]
+        keep_rules_on_stop: bool => keep_rules_on_stop: bool = |keep| resolve::or(keep, false),
+    }
 }
 
-/// The config file's shape; every field optional. Unknown keys are errors.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct FileConfig {
-    /// See [`Config::state_dir`].
-    pub state_dir: Option<PathBuf>,
-    /// See [`Config::mode`]: `true` for dev mode.
-    pub dev: Option<bool>,
-    /// See [`Config::dev_port_offset`].
-    pub dev_port_offset: Option<u16>,
-    /// See [`Config::metrics_addr`].
-    pub metrics_addr: Option<String>,
-    /// See [`Config::ready_timeout`], in seconds.
-    pub ready_timeout_seconds: Option<u64>,
-    /// See [`Config::outbox_capacity`].
-    pub outbox_capacity: Option<usize>,
-    /// See [`Config::maglev_table_size`].
-    pub maglev_table_size: Option<u32>,
-    /// See [`Config::udp_idle_timeout`], in seconds.
-    pub udp_idle_timeout_seconds: Option<u64>,
-    /// See [`Config::log_history`].
-    pub log_history: Option<u64>,
-    /// See [`Config::dns_addrs`]; empty or absent means the mode's default.
-    pub dns_addrs: Option<Vec<String>>,
-    /// See [`Config::dns_domain`].
-    pub dns_domain: Option<String>,
-    /// See [`Config::dns_ttl_seconds`].
-    pub dns_ttl_seconds: Option<u32>,
-    /// See [`Config::dns_upstreams`]: `ADDR` or `ADDR:PORT` each.
-    pub dns_upstreams: Option<Vec<String>>,
-    /// See [`Config::dns_resolv_conf`].
-    pub dns_resolv_conf: Option<PathBuf>,
-    /// See [`Config::dns_upstream_timeout`], in milliseconds.
-    pub dns_upstream_timeout_ms: Option<u64>,
-    /// See [`Config::dns_cache_size`].
-    pub dns_cache_size: Option<usize>,
-    /// See [`Config::dataplane`].
-    pub dataplane: Option<DataplaneRequest>,
-    /// See [`Config::bpf_pin_dir`].
-    pub bpf_pin_dir: Option<PathBuf>,
-    /// See [`Config::cgroup`]; `none` turns socket LB off.
-    pub cgroup: Option<String>,
-    /// See [`Config::interfaces`]; an empty list means none.
-    pub interfaces: Option<Vec<String>>,
-    /// See [`Config::xdp_interfaces`].
-    pub xdp_interfaces: Option<Vec<String>>,
-    /// See [`Config::keep_rules_on_stop`].
-    pub keep_rules_on_stop: Option<bool>,
-    /// See [`Config::lb_max_frontends`].
-    pub lb_max_frontends: Option<u32>,
-    /// See [`Config::lb_max_backends`].
-    pub lb_max_backends: Option<u32>,
-    /// See [`Config::lb_max_flows`].
-    pub lb_max_flows: Option<u32>,
+/// One setting as [`SETTINGS`] lists it: the names it goes by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Setting {
+    /// The flag, e.g. `--metrics-addr`: what a refusal names.
+    pub flag: &'static str,
+    /// The environment variable, e.g. `RUNE_METRICS_ADDR`.
+    pub env: &'static str,
+    /// The field of [`FileConfig`], e.g. `metrics_addr`.
+    pub field: &'static str,
+}
+
+impl Setting {
+    /// The config-file key: the field's name in camelCase (`metricsAddr`).
+    #[must_use]
+    pub fn file_key(&self) -> String {
+        let mut key = String::with_capacity(self.field.len());
+        let mut upper = false;
+        for c in self.field.chars() {
+            match c {
+                '_' => upper = true,
+                c if upper => {
+                    key.push(c.to_ascii_uppercase());
+                    upper = false;
+                }
+                c => key.push(c),
+            }
+        }
+        key
+    }
 }
 
 /// Why the settings were refused.
@@ -418,271 +530,21 @@ impl FileConfig {
         })
     }
 
-    /// Fills every unset field from `over` (flags and env win over the file).
-    pub fn overridden_by(self, over: FileConfig) -> FileConfig {
-        FileConfig {
-            state_dir: over.state_dir.or(self.state_dir),
-            dev: over.dev.or(self.dev),
-            dev_port_offset: over.dev_port_offset.or(self.dev_port_offset),
-            metrics_addr: over.metrics_addr.or(self.metrics_addr),
-            ready_timeout_seconds: over.ready_timeout_seconds.or(self.ready_timeout_seconds),
-            outbox_capacity: over.outbox_capacity.or(self.outbox_capacity),
-            maglev_table_size: over.maglev_table_size.or(self.maglev_table_size),
-            udp_idle_timeout_seconds: over
-                .udp_idle_timeout_seconds
-                .or(self.udp_idle_timeout_seconds),
-            log_history: over.log_history.or(self.log_history),
-            dns_addrs: over.dns_addrs.or(self.dns_addrs),
-            dns_domain: over.dns_domain.or(self.dns_domain),
-            dns_ttl_seconds: over.dns_ttl_seconds.or(self.dns_ttl_seconds),
-            dns_upstreams: over.dns_upstreams.or(self.dns_upstreams),
-            dns_resolv_conf: over.dns_resolv_conf.or(self.dns_resolv_conf),
-            dns_upstream_timeout_ms: over
-                .dns_upstream_timeout_ms
-                .or(self.dns_upstream_timeout_ms),
-            dns_cache_size: over.dns_cache_size.or(self.dns_cache_size),
-            dataplane: over.dataplane.or(self.dataplane),
-            bpf_pin_dir: over.bpf_pin_dir.or(self.bpf_pin_dir),
-            cgroup: over.cgroup.or(self.cgroup),
-            interfaces: over.interfaces.or(self.interfaces),
-            xdp_interfaces: over.xdp_interfaces.or(self.xdp_interfaces),
-            lb_max_frontends: over.lb_max_frontends.or(self.lb_max_frontends),
-            lb_max_backends: over.lb_max_backends.or(self.lb_max_backends),
-            lb_max_flows: over.lb_max_flows.or(self.lb_max_flows),
-            keep_rules_on_stop: over.keep_rules_on_stop.or(self.keep_rules_on_stop),
-        }
-    }
-
-    /// Applies defaults and checks every value.
+    /// Applies defaults and checks every value: each setting's own checks (its
+    /// declaration), then those across settings.
     pub fn resolve(self) -> Result<Config, ConfigError> {
-        let metrics_addr = self.metrics_addr.as_deref().unwrap_or(DEFAULT_METRICS_ADDR);
-        let metrics_addr = metrics_addr.parse().map_err(|_| ConfigError::Invalid {
-            setting: "--metrics-addr",
-            message: format!("{metrics_addr:?} is not an address:port"),
-        })?;
-        let ready_timeout = self.ready_timeout_seconds.unwrap_or(30);
-        if ready_timeout == 0 {
-            return Err(ConfigError::Invalid {
-                setting: "--ready-timeout-seconds",
-                message: "must be at least 1".into(),
-            });
-        }
-        let outbox_capacity = self.outbox_capacity.unwrap_or(DEFAULT_OUTBOX_CAPACITY);
-        if outbox_capacity == 0 {
-            return Err(ConfigError::Invalid {
-                setting: "--outbox-capacity",
-                message: "must be at least 1".into(),
-            });
-        }
-        let maglev_table_size = self.maglev_table_size.unwrap_or(16381);
-        if !(101..=crate::maglev::MAX_TABLE_SIZE).contains(&maglev_table_size)
-            || !crate::maglev::is_prime(maglev_table_size)
-        {
-            return Err(ConfigError::Invalid {
-                setting: "--maglev-table-size",
-                message: format!(
-                    "{maglev_table_size} is not a prime from 101 to {}",
-                    crate::maglev::MAX_TABLE_SIZE
-                ),
-            });
-        }
-        let udp_idle = self.udp_idle_timeout_seconds.unwrap_or(60);
-        if !(1..=MAX_UDP_IDLE_SECONDS).contains(&udp_idle) {
-            return Err(ConfigError::Invalid {
-                setting: "--udp-idle-timeout-seconds",
-                message: format!("{udp_idle} is out of range 1-{MAX_UDP_IDLE_SECONDS}"),
-            });
-        }
-        let log_history = self.log_history.unwrap_or(10_000);
-        if log_history == 0 {
-            return Err(ConfigError::Invalid {
-                setting: "--log-history",
-                message: "must be at least 1".into(),
-            });
-        }
-        let mode = if self.dev.unwrap_or(false) {
-            Mode::Dev
-        } else {
-            Mode::Production
-        };
-        let dns_addrs = resolve_dns_addrs(self.dns_addrs, mode)?;
-        let dns_domain = resolve_dns_domain(self.dns_domain.as_deref())?;
-        let dns_ttl_seconds = self.dns_ttl_seconds.unwrap_or(DEFAULT_DNS_TTL_SECONDS);
-        if dns_ttl_seconds > MAX_DNS_TTL_SECONDS {
-            return Err(ConfigError::Invalid {
-                setting: "--dns-ttl-seconds",
-                message: format!("{dns_ttl_seconds} is out of range 0-{MAX_DNS_TTL_SECONDS}"),
-            });
-        }
-        let dns_upstreams = resolve_dns_upstreams(self.dns_upstreams.unwrap_or_default())?;
-        let upstream_timeout = self
-            .dns_upstream_timeout_ms
-            .unwrap_or(DEFAULT_DNS_UPSTREAM_TIMEOUT_MS);
-        if !(1..=MAX_DNS_UPSTREAM_TIMEOUT_MS).contains(&upstream_timeout) {
-            return Err(ConfigError::Invalid {
-                setting: "--dns-upstream-timeout-ms",
-                message: format!(
-                    "{upstream_timeout} is out of range 1-{MAX_DNS_UPSTREAM_TIMEOUT_MS}"
-                ),
-            });
-        }
-        let dns_cache_size = self.dns_cache_size.unwrap_or(DEFAULT_DNS_CACHE_SIZE);
-        if dns_cache_size > MAX_DNS_CACHE_SIZE {
-            return Err(ConfigError::Invalid {
-                setting: "--dns-cache-size",
-                message: format!("{dns_cache_size} is out of range 0-{MAX_DNS_CACHE_SIZE}"),
-            });
-        }
-        let lb_max_frontends = self.lb_max_frontends.unwrap_or(DEFAULT_LB_MAX_FRONTENDS);
-        let lb_max_backends = self.lb_max_backends.unwrap_or(DEFAULT_LB_MAX_BACKENDS);
-        let lb_max_flows = self.lb_max_flows.unwrap_or(DEFAULT_LB_MAX_FLOWS);
-        for (setting, value, max) in [
-            ("--lb-max-frontends", lb_max_frontends, 1 << 20),
-            ("--lb-max-backends", lb_max_backends, 1 << 24),
-            ("--lb-max-flows", lb_max_flows, 1 << 26),
-        ] {
-            if !(2..=max).contains(&value) {
-                return Err(ConfigError::Invalid {
-                    setting,
-                    message: format!("{value} is out of range 2-{max}"),
-                });
-            }
-        }
-        if u64::from(lb_max_frontends) * u64::from(maglev_table_size) > u64::from(u32::MAX / 4) {
+        let config = self.resolve_each()?;
+        let (frontends, table_size) = (config.lb_max_frontends, config.maglev_table_size);
+        if u64::from(frontends) * u64::from(table_size) > u64::from(u32::MAX / 4) {
             return Err(ConfigError::Invalid {
                 setting: "--lb-max-frontends",
                 message: format!(
-                    "{lb_max_frontends} frontends × {maglev_table_size} Maglev slots do not fit one map"
+                    "{frontends} frontends × {table_size} Maglev slots do not fit one map"
                 ),
             });
         }
-        let names = |list: Vec<String>| -> Vec<String> {
-            list.iter()
-                .flat_map(|s| s.split(','))
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(str::to_owned)
-                .collect()
-        };
-        let cgroup = self.cgroup.map(|c| match c.trim() {
-            "none" | "" => None,
-            path => Some(PathBuf::from(path)),
-        });
-        Ok(Config {
-            dataplane: self.dataplane.unwrap_or_default(),
-            bpf_pin_dir: self
-                .bpf_pin_dir
-                .unwrap_or_else(|| PathBuf::from(DEFAULT_BPF_PIN_DIR)),
-            cgroup,
-            interfaces: self.interfaces.map(names),
-            xdp_interfaces: self.xdp_interfaces.map(names).unwrap_or_default(),
-            lb_max_frontends,
-            lb_max_backends,
-            lb_max_flows,
-            keep_rules_on_stop: self.keep_rules_on_stop.unwrap_or(false),
-            state_dir: self.state_dir.unwrap_or_else(default_state_dir),
-            mode,
-            dev_port_offset: self.dev_port_offset.unwrap_or(0),
-            metrics_addr,
-            ready_timeout: Duration::from_secs(ready_timeout),
-            outbox_capacity,
-            maglev_table_size,
-            udp_idle_timeout: Duration::from_secs(udp_idle),
-            log_history,
-            dns_addrs,
-            dns_domain,
-            dns_ttl_seconds,
-            dns_upstreams,
-            dns_resolv_conf: self
-                .dns_resolv_conf
-                .unwrap_or_else(|| PathBuf::from(DEFAULT_DNS_RESOLV_CONF)),
-            dns_upstream_timeout: Duration::from_millis(upstream_timeout),
-            dns_cache_size,
-        })
+        Ok(config)
     }
-}
-
-/// Upstream resolvers as socket addresses: `ADDR` means port 53; IPv6 with a port
-/// is written `[ADDR]:PORT`.
-fn resolve_dns_upstreams(upstreams: Vec<String>) -> Result<Vec<SocketAddr>, ConfigError> {
-    let mut out: Vec<SocketAddr> = Vec::with_capacity(upstreams.len());
-    for raw in &upstreams {
-        let text = raw.trim();
-        let addr = text
-            .parse::<SocketAddr>()
-            .ok()
-            .or_else(|| {
-                text.parse::<std::net::IpAddr>()
-                    .ok()
-                    .map(|ip| SocketAddr::new(ip, 53))
-            })
-            .filter(|a| a.port() != 0 && !a.ip().is_unspecified())
-            .ok_or_else(|| ConfigError::Invalid {
-                setting: "--dns-upstream",
-                message: format!("{raw:?} is not an ADDR or ADDR:PORT"),
-            })?;
-        if !out.contains(&addr) {
-            out.push(addr);
-        }
-    }
-    Ok(out)
-}
-
-/// The DNS listen addresses, or the mode's default when none are given.
-fn resolve_dns_addrs(
-    addrs: Option<Vec<String>>,
-    mode: Mode,
-) -> Result<Vec<SocketAddr>, ConfigError> {
-    let addrs = addrs.filter(|a| !a.is_empty()).unwrap_or_else(|| {
-        vec![
-            match mode {
-                Mode::Dev => DEFAULT_DEV_DNS_ADDR,
-                Mode::Production => DEFAULT_DNS_ADDR,
-            }
-            .to_owned(),
-        ]
-    });
-    let mut out: Vec<SocketAddr> = Vec::with_capacity(addrs.len());
-    for a in &addrs {
-        let addr: SocketAddr = a.parse().map_err(|_| ConfigError::Invalid {
-            setting: "--dns-addr",
-            message: format!("{a:?} is not an address:port"),
-        })?;
-        if !out.contains(&addr) {
-            out.push(addr);
-        }
-    }
-    Ok(out)
-}
-
-/// The DNS zone as a lower-case absolute name (`rune.`), checked to be a valid,
-/// non-root domain name.
-fn resolve_dns_domain(domain: Option<&str>) -> Result<String, ConfigError> {
-    let raw = domain.unwrap_or(DEFAULT_DNS_DOMAIN);
-    let mut domain = raw.trim().to_ascii_lowercase();
-    if !domain.ends_with('.') {
-        domain.push('.');
-    }
-    let valid = domain.len() > 1
-        && domain.len() <= 200
-        && domain[..domain.len() - 1].split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
-        });
-    if !valid {
-        return Err(ConfigError::Invalid {
-            setting: "--dns-domain",
-            message: format!(
-                "{raw:?} is not a domain name (e.g. \"rune\" or \"cluster.example.\")"
-            ),
-        });
-    }
-    Ok(domain)
 }
 
 /// `/var/lib/rune` as root; `$XDG_STATE_HOME/rune` (or `~/.local/state/rune`)

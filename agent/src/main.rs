@@ -21,11 +21,7 @@ fn main() -> ExitCode {
             env!("CARGO_PKG_VERSION")
         )));
     }
-    let run_args = match &cli.command {
-        Command::Run(args) => Some(args.as_ref()),
-        _ => None,
-    };
-    let config = match cli.config(run_args) {
+    let config = match cli.config() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
@@ -71,12 +67,8 @@ fn main() -> ExitCode {
                 namespace,
             } => cli::delete(&config, kind, name, namespace).await,
             Command::Status(args) => cli::status(&config, args).await,
-            Command::Cleanup { bpf_pin_dir } => cli::cleanup(&config, bpf_pin_dir.as_deref()).await,
-            Command::Preflight {
-                json,
-                dataplane,
-                cgroup,
-            } => cli::preflight(&config, *json, *dataplane, cgroup.as_deref()),
+            Command::Cleanup { .. } => cli::cleanup(&config).await,
+            Command::Preflight { json, .. } => cli::preflight(&config, *json),
             Command::Version => Ok(()),
         }
     });

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use std::{
     collections::{BTreeMap, HashMap},
     fmt::Write as _,
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     sync::{Arc, Weak},
 };
@@ -167,9 +167,32 @@ pub struct BackendStatus {
     pub node: String,
     /// `accepting` (gets new connections), `terminating` or `not-ready`.
     pub state: String,
+    /// Its port for each service port (its override, else the target port), in the
+    /// order of the service's ports: endpoints sharing an address differ here.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<u16>,
     /// Traffic counters, where the data plane keeps them per backend.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub counters: Option<String>,
+}
+
+impl BackendStatus {
+    /// How `status` names the endpoint: `ADDR:PORT` (`[ADDR]:PORT` for IPv6) when
+    /// all its ports are one, `ADDR ports P,Q` when they differ, the address alone
+    /// when the service has no port.
+    fn endpoint(&self) -> String {
+        let mut ports = self.ports.clone();
+        ports.sort_unstable();
+        ports.dedup();
+        match (ports.as_slice(), self.address.parse::<IpAddr>()) {
+            ([port], Ok(ip)) => SocketAddr::new(ip, *port).to_string(),
+            ([], _) | ([_], Err(_)) => self.address.clone(),
+            (many, _) => {
+                let list: Vec<String> = many.iter().map(u16::to_string).collect();
+                format!("{} ports {}", self.address, list.join(","))
+            }
+        }
+    }
 }
 
 impl ServiceStatus {
@@ -191,6 +214,7 @@ impl ServiceStatus {
                     "not-ready"
                 }
                 .to_owned(),
+                ports: s.spec.ports.iter().map(|p| e.port_for(p)).collect(),
                 counters: None,
             })
             .collect();
@@ -411,9 +435,10 @@ fn counts(by_kind: BTreeMap<crate::model::Kind, usize>) -> BTreeMap<String, usiz
 struct PlaneIndex<'a> {
     /// (service, port, protocol) → the first port status so named.
     ports: HashMap<(&'a str, u16, &'static str), &'a ServicePortStatus>,
-    /// (service, backend address) → that backend's counters at the first port of
-    /// the service that lists it (a backend's counters are shared by its ports).
-    backends: HashMap<(&'a str, IpAddr), Option<TrafficCounters>>,
+    /// (service, backend socket address) → that backend's counters at the first
+    /// port of the service that lists it (a backend's counters are shared by the
+    /// service ports leading to it).
+    backends: HashMap<(&'a str, SocketAddr), Option<TrafficCounters>>,
 }
 
 impl<'a> PlaneIndex<'a> {
@@ -430,7 +455,7 @@ impl<'a> PlaneIndex<'a> {
             for b in &d.backends {
                 index
                     .backends
-                    .entry((d.service.as_str(), b.address))
+                    .entry((d.service.as_str(), SocketAddr::new(b.address, b.port)))
                     .or_insert(b.counters);
             }
         }
@@ -453,13 +478,21 @@ impl<'a> PlaneIndex<'a> {
             }
         }
         for b in &mut s.backends {
-            b.counters = b
-                .address
-                .parse::<IpAddr>()
-                .ok()
-                .and_then(|a| self.backends.get(&(s.service.as_str(), a)))
-                .copied()
-                .flatten()
+            let Ok(address) = b.address.parse::<IpAddr>() else {
+                continue;
+            };
+            // The sum over the endpoint's own socket addresses, each once: endpoints
+            // sharing an address are told apart by their ports.
+            let mut ports = b.ports.clone();
+            ports.sort_unstable();
+            ports.dedup();
+            b.counters = ports
+                .iter()
+                .filter_map(|port| {
+                    let key = (s.service.as_str(), SocketAddr::new(address, *port));
+                    self.backends.get(&key).copied().flatten()
+                })
+                .reduce(|sum, c| sum + c)
                 .map(|c| c.to_string());
         }
     }
@@ -709,7 +742,7 @@ impl ServiceStatus {
             writeln!(o)?;
         }
         for b in &s.backends {
-            write!(o, "    backend {}  {}", b.address, b.state)?;
+            write!(o, "    backend {}  {}", b.endpoint(), b.state)?;
             if !b.node.is_empty() {
                 write!(o, "  (node {})", b.node)?;
             }

@@ -577,7 +577,7 @@ pub fn run_cli(
 }
 
 /// `line` without ANSI escape sequences (`ESC [ ... letter`: the log's colours).
-fn without_ansi_escapes(line: &str) -> String {
+pub fn without_ansi_escapes(line: &str) -> String {
     let mut out = String::with_capacity(line.len());
     let mut chars = line.chars();
     while let Some(c) = chars.next() {

@@ -89,7 +89,7 @@ fn commands_work_on_the_store_without_an_agent() {
     assert!(status.contains("agent:      not running"), "{status}");
     assert!(status.contains("revision:   2"), "{status}");
     assert!(
-        status.contains("backend 127.0.0.3  terminating"),
+        status.contains("backend 127.0.0.3:8080  terminating"),
         "{status}"
     );
 
@@ -542,7 +542,7 @@ fn a_start_makes_the_state_dir_private_and_says_what_it_changed() {
     while !log.iter().any(|l: &String| l.contains("agent ready")) {
         let left = deadline.saturating_duration_since(Instant::now());
         match rx.recv_timeout(left) {
-            Ok(line) => log.push(without_colours(&line)),
+            Ok(line) => log.push(rune_harness::agent::without_ansi_escapes(&line)),
             Err(_) => panic!("no \"agent ready\" in: {log:#?}"),
         }
     }
@@ -569,22 +569,4 @@ fn a_start_makes_the_state_dir_private_and_says_what_it_changed() {
             .any(|l| l.contains("store.redb") && l.contains("from=0644") && l.contains("to=0600")),
         "{changed:#?}"
     );
-}
-
-/// `line` without the log's colours (ANSI `ESC [ ... letter` sequences).
-fn without_colours(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }

@@ -220,7 +220,8 @@ fn dev_mode_end_to_end() {
     );
     eventually(PATIENCE, "status shows 127.0.0.2 terminating", || {
         let s = String::from_utf8_lossy(&agent.cli(&["status"], None).stdout).into_owned();
-        s.contains("backend 127.0.0.2  terminating").then_some(())
+        s.contains(&format!("backend 127.0.0.2:{backend_port}  terminating"))
+            .then_some(())
     });
     // Status is read from the cache; give the proxy its own proof: no new connection
     // reaches the terminating backend.
@@ -285,8 +286,14 @@ fn dev_mode_end_to_end() {
     assert!(out.status.success());
     assert!(status.contains("mode:       dev"), "{status}");
     assert!(status.contains("default/web"), "{status}");
-    assert!(status.contains("backend 127.0.0.3  accepting"), "{status}");
-    assert!(status.contains("backend 127.0.0.4  accepting"), "{status}");
+    assert!(
+        status.contains(&format!("backend 127.0.0.3:{backend_port}  accepting")),
+        "{status}"
+    );
+    assert!(
+        status.contains(&format!("backend 127.0.0.4:{backend_port}  accepting")),
+        "{status}"
+    );
     assert!(status.contains("listening"), "{status}");
     assert!(
         status.contains("failed"),

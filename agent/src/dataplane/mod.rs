@@ -129,37 +129,6 @@ impl std::ops::Add for TrafficCounters {
     }
 }
 
-/// The traffic of one endpoint of `service` in `rows` (a data plane's `status`):
-/// the sum over its backends, its `address` on each of `ports` (its port for each
-/// service port, [`Endpoint::port_for`](crate::model::Endpoint::port_for)), each
-/// socket address once; `None` when no row counts any of them. Endpoints sharing
-/// an address are told apart by their ports.
-pub fn endpoint_counters(
-    rows: &[ServicePortStatus],
-    service: &str,
-    address: IpAddr,
-    ports: &[u16],
-) -> Option<TrafficCounters> {
-    let mut ports = ports.to_vec();
-    ports.sort_unstable();
-    ports.dedup();
-    let backends: Vec<&BackendStatus> = rows
-        .iter()
-        .filter(|r| r.service == service)
-        .flat_map(|r| r.backends.iter())
-        .filter(|b| b.address == address)
-        .collect();
-    ports
-        .iter()
-        .filter_map(|port| {
-            backends
-                .iter()
-                .find(|b| b.port == *port && b.counters.is_some())
-                .and_then(|b| b.counters)
-        })
-        .reduce(|sum, c| sum + c)
-}
-
 impl std::fmt::Display for TrafficCounters {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
@@ -213,6 +182,3 @@ pub enum DataPlaneError {
         mode: &'static str,
     },
 }
-
-#[cfg(test)]
-mod tests;

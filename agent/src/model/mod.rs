@@ -204,8 +204,8 @@ impl Object {
 /// Deserializes a list into a vector of exactly its length (`deserialize_with` of
 /// the model's lists). Serde's own `Vec` grows by doubling when the format does not
 /// tell the length up front, as JSON read straight from text does (the store's
-/// one-pass read): 10,000 services' lists then kept ~5 MiB of spare capacity, and
-/// shrinking them afterwards left as much in holes between the objects.
+/// one-pass read): a large store's lists would then keep spare capacity, and
+/// shrinking them afterwards leaves as much in holes between the objects.
 fn exact_vec<'de, D, T>(deserializer: D) -> Result<Vec<T>, D::Error>
 where
     D: serde::Deserializer<'de>,

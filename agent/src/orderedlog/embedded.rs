@@ -264,6 +264,20 @@ impl EmbeddedLog {
                 vips::CheckError::Log(e) => ApplyError::Log(e),
             })?;
             drop(keys);
+            // The Services of the batch's Endpoints: from the batch, else stored.
+            let mut services = Vec::new();
+            for o in objects.iter().filter(|o| o.kind() == Kind::Endpoints) {
+                let key = ObjectKey::new(Kind::Service, &o.key().namespace, &o.key().name);
+                if objects.iter().any(|b| b.key() == key) {
+                    continue;
+                }
+                let stored = table
+                    .get(key_string(&key).as_str())
+                    .map_err(|e| inner.storage(e))?
+                    .and_then(|v| vips::parse_old(v.value().1));
+                services.extend(stored);
+            }
+            crate::model::check_endpoint_ports(objects.iter().chain(&services), &objects)?;
             let mut meta = txn.open_table(META).map_err(|e| inner.storage(e))?;
             let start = read_meta(&meta, META_REVISION, &inner.path)?;
             let mut revision = start;

@@ -214,7 +214,7 @@ pub fn batch(ops: &[ElementOp], first_seq: u32) -> (Vec<u8>, Vec<u32>) {
 }
 
 /// A netfilter netlink socket kept open between batches: closing one makes the
-/// kernel wait for a grace period (~15 ms measured), more than the batch costs.
+/// kernel wait for a grace period, longer than a batch takes.
 #[derive(Debug)]
 pub struct Socket {
     fd: std::os::fd::OwnedFd,

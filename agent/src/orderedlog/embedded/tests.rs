@@ -337,6 +337,40 @@ async fn a_vip_conflict_is_refused_within_the_batch_and_with_the_store() {
     assert_eq!(out.revision, 3);
 }
 
+/// Endpoints that reach the same address and port through their Service (an
+/// override equal to the target port) are refused, whether the Service comes in
+/// the same apply or is already stored; nothing is written.
+#[tokio::test]
+async fn endpoints_meeting_on_one_address_and_port_are_refused_against_their_service() {
+    let doc = |text: &str| parse_documents(text).unwrap().remove(0);
+    let service = doc(
+        "apiVersion: rune/v1\nkind: Service\nmetadata: {name: web}\n\
+         spec: {ports: [{name: http, port: 80, targetPort: 8080}], discovery: {vips: [198.18.0.9]}}\n",
+    );
+    let endpoints = doc(
+        "apiVersion: rune/v1\nkind: Endpoints\nmetadata: {name: web}\n\
+         spec: {endpoints: [{address: 127.0.0.1}, {address: 127.0.0.1, ports: {http: 8080}}]}\n",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let log = open(dir.path());
+    for batch in [
+        vec![service.clone(), endpoints.clone()],
+        vec![endpoints.clone()],
+    ] {
+        if batch.len() == 1 {
+            log.apply(vec![service.clone()]).unwrap();
+        }
+        let before = log.revision();
+        let err = log.apply(batch).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("spec.endpoints[1]: duplicate endpoint 127.0.0.1:8080 (http)"),
+            "{err}"
+        );
+        assert_eq!(log.revision(), before, "nothing written");
+    }
+}
+
 #[tokio::test]
 async fn deleting_a_missing_key_returns_none() {
     let dir = tempfile::tempdir().unwrap();
