@@ -403,3 +403,46 @@ async fn a_service_another_client_broke_can_be_replaced_or_deleted() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoints_meeting_on_one_port_are_refused_against_their_service_as_embedded_does() {
+    let etcd = Etcd::start();
+    let log = connect(etcd.endpoint()).await;
+    let doc = |text: &str| rune_agent::model::parse_documents(text).unwrap().remove(0);
+    let service = doc(
+        "apiVersion: rune/v1\nkind: Service\nmetadata: {name: web}\n\
+         spec: {ports: [{name: http, port: 80, targetPort: 8080}], discovery: {vips: [198.18.100.9]}}\n",
+    );
+    // Two endpoints on one address that differ only by an override equal to the
+    // target port: the same backend once the Service's ports are known.
+    let endpoints = doc(
+        "apiVersion: rune/v1\nkind: Endpoints\nmetadata: {name: web}\n\
+         spec: {endpoints: [{address: 198.18.11.2}, {address: 198.18.11.2, ports: {http: 8080}}]}\n",
+    );
+    // The Service in the same apply.
+    let batch = vec![service.clone(), endpoints.clone()];
+    let before = etcd.revision();
+    let err = log.apply(batch.clone()).await.unwrap_err();
+    assert_eq!(err.to_string(), embedded_error(&[batch]));
+    assert!(
+        err.to_string()
+            .contains("spec.endpoints[1]: duplicate endpoint 198.18.11.2:8080 (http)"),
+        "{err}"
+    );
+    assert_eq!(etcd.revision(), before, "nothing written");
+    // The Service already stored: read from etcd for the check.
+    log.apply(vec![service.clone()]).await.unwrap();
+    let before = etcd.revision();
+    let err = log.apply(vec![endpoints.clone()]).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        embedded_error(&[vec![service.clone()], vec![endpoints.clone()]])
+    );
+    assert_eq!(etcd.revision(), before, "nothing written");
+    // Through a read-modify-write too.
+    let err = log
+        .update(&key(Kind::Endpoints, "web"), |_| Some(endpoints.clone()))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("duplicate endpoint"), "{err}");
+}

@@ -20,7 +20,7 @@ use super::{
     keys::{self, range_end},
 };
 use crate::{
-    model::{Kind, ModelError, Object, ObjectKey, parse_stored},
+    model::{Kind, ModelError, Object, ObjectKey, check_endpoint_ports, parse_stored},
     orderedlog::{
         LogError, Revision,
         embedded::{ApplyError, ApplyOutcome, Change},
@@ -53,6 +53,9 @@ struct Read {
     objects: HashMap<String, Stored>,
     /// VIP index keys read that exist.
     index: HashMap<String, Stored>,
+    /// The Services of the batch's Endpoints that are not in the batch, by key,
+    /// as stored (`None`: absent), for the check of their ports.
+    services: BTreeMap<String, Option<Stored>>,
 }
 
 /// One transaction: its comparisons and operations.
@@ -72,6 +75,11 @@ impl Plan {
             .push(Compare::mod_revision(key, CompareOp::Equal, seen));
         self.guarded.push((key.to_owned(), seen));
         self.bytes += key.len() + OP_OVERHEAD;
+    }
+
+    /// A key whose value the plan relies on without writing it.
+    fn expect(&mut self, key: &str, seen: i64) {
+        self.guard(key, seen);
     }
 
     fn put(&mut self, key: String, value: String, seen: i64) {
@@ -114,7 +122,8 @@ impl EtcdLog {
     /// Stores `objects` all or nothing, in one etcd transaction. Checks exactly
     /// what the embedded store checks, with the same messages, before anything is
     /// written: each object on its own, no object twice, no VIP owned by another
-    /// service (in etcd or in the batch). An object equal to the stored one is
+    /// service (in etcd or in the batch), each Endpoints against its Service's
+    /// ports (the Service from the batch, else from etcd). An object equal to the stored one is
     /// [`Change::Unchanged`] and costs no operation; every changed one gets the
     /// transaction's revision.
     pub async fn apply(&self, objects: Vec<Object>) -> Result<ApplyOutcome, ApplyError> {
@@ -397,31 +406,52 @@ impl Shared {
             .await
     }
 
-    /// Adds to what was read of the objects at `revision` the index entries of
-    /// the VIPs of their new versions (`Some`) and of their stored ones (services
-    /// only). When a stored service cannot be parsed (its VIPs unknown), the whole
-    /// index is read (rare: a value another client broke).
+    /// Adds to what was read of the objects at `revision` what checking them
+    /// needs, at the same revision: the index entries of the VIPs of their new
+    /// versions (`Some`) and of their stored ones (services only), and the
+    /// Services of new Endpoints whose Service is not among them. When a stored
+    /// service cannot be parsed (its VIPs unknown), the whole index is read (rare:
+    /// a value another client broke).
     async fn complete_read<'a>(
         &self,
         revision: Revision,
         objects: HashMap<String, Stored>,
         wanted: impl IntoIterator<Item = (&'a ObjectKey, Option<&'a Object>)>,
     ) -> Result<Read, Attempt> {
-        let mut vips = BTreeSet::new();
+        let wanted: Vec<(&ObjectKey, Option<&Object>)> = wanted.into_iter().collect();
+        let mut keys = BTreeSet::new();
+        let mut services = BTreeMap::new();
         let mut whole_index = false;
-        for (key, new) in wanted {
+        for (key, new) in &wanted {
             if let Some(new) = new {
-                vips.extend(vips_of(new).iter().map(|v| self.layout.vip(v)));
+                keys.extend(vips_of(new).iter().map(|v| self.layout.vip(v)));
+                if key.kind == Kind::Endpoints {
+                    let service = ObjectKey::new(Kind::Service, &key.namespace, &key.name);
+                    if !wanted.iter().any(|(k, _)| **k == service) {
+                        let etcd_key = self.layout.object(&service);
+                        keys.insert(etcd_key.clone());
+                        services.insert(etcd_key, None);
+                    }
+                }
             }
             if key.kind != Kind::Service {
                 continue;
             }
             if let Some(stored) = objects.get(&self.layout.object(key)) {
                 match old_object(&stored.value) {
-                    Some(old) => vips.extend(vips_of(&old).iter().map(|v| self.layout.vip(v))),
+                    Some(old) => keys.extend(vips_of(&old).iter().map(|v| self.layout.vip(v))),
                     None => whole_index = true,
                 }
             }
+        }
+        let mut found = if keys.is_empty() {
+            HashMap::new()
+        } else {
+            let keys: Vec<String> = keys.into_iter().collect();
+            self.read_keys(&keys, Some(revision)).await?.1
+        };
+        for (k, slot) in services.iter_mut() {
+            *slot = found.remove(k);
         }
         let index = if whole_index {
             let start = self.layout.vip_index().into_bytes();
@@ -445,16 +475,14 @@ impl Shared {
                 super::read::Paged::Failed(e) => e.into(),
             })?;
             index
-        } else if vips.is_empty() {
-            HashMap::new()
         } else {
-            let keys: Vec<String> = vips.into_iter().collect();
-            self.read_keys(&keys, Some(revision)).await?.1
+            found
         };
         Ok(Read {
             revision,
             objects,
             index,
+            services,
         })
     }
 
@@ -474,6 +502,14 @@ impl Shared {
             VipCheckError::Invalid(e) => Attempt::from(e),
             VipCheckError::Log(e) => Attempt::from(e),
         })?;
+        // The Endpoints' ports against their Services: from the batch, else stored.
+        let stored_services: Vec<Object> = read
+            .services
+            .values()
+            .flatten()
+            .filter_map(|s| old_object(&s.value))
+            .collect();
+        check_endpoint_ports(objects.iter().chain(&stored_services), objects)?;
         let mut plan = Plan::default();
         let mut index = self.index_before(read);
         let mut results = Vec::with_capacity(objects.len());
@@ -497,6 +533,12 @@ impl Shared {
             results.push((key, change));
         }
         self.index_ops(&mut plan, read, index);
+        if !plan.ops.is_empty() {
+            // The ports were checked against these Services as they are now.
+            for (k, stored) in &read.services {
+                plan.expect(k, stored.as_ref().map_or(0, |s| s.mod_revision));
+            }
+        }
         Ok((plan, results))
     }
 
