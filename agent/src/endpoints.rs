@@ -144,7 +144,12 @@ impl Entry {
 
 #[derive(Default)]
 struct State {
+    /// The revision of the last event (or snapshot) applied.
     revision: Revision,
+    /// The revision of the last snapshot applied: events up to it are in it. Events
+    /// of one transaction share a revision (etcd), so a later event with the same
+    /// revision as the last applied one is new, but one a snapshot covers is not.
+    snapshot: Revision,
     /// Services and Endpoints objects in one map, so each key is held once.
     objects: BTreeMap<ServiceKey, Entry>,
     subscribers: Vec<Weak<Pending>>,
@@ -210,6 +215,7 @@ impl EndpointCache {
             .collect();
         st.objects = objects;
         st.revision = snapshot.revision;
+        st.snapshot = snapshot.revision;
         let first = !st.synced;
         st.synced = true;
         Self::mark(&mut st, changed);
@@ -234,7 +240,7 @@ impl EndpointCache {
         let mut st = lock(&self.state);
         let mut changed = BTreeSet::new();
         for event in events {
-            if event.revision() <= st.revision {
+            if event.revision() <= st.snapshot || event.revision() < st.revision {
                 continue;
             }
             st.revision = event.revision();

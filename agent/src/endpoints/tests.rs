@@ -107,6 +107,38 @@ fn old_events_are_ignored() {
     assert!(cache.view(&ServiceKey::new("default", "stale")).is_none());
 }
 
+/// Events of one transaction share a revision (an etcd apply): a Service and its
+/// Endpoints written together both reach the cache, while events a snapshot
+/// already covers (its revision or older) are left out.
+#[test]
+fn events_sharing_a_revision_are_all_applied_after_the_snapshot() {
+    let cache = Arc::new(EndpointCache::loaded());
+    cache.apply_snapshot(&Snapshot {
+        revision: 7,
+        objects: vec![service("a", 80)],
+    });
+    cache.apply_events(&[
+        put(7, service("covered", 80)),
+        put(8, service("b", 81)),
+        put(8, endpoints("b", &["198.18.1.2"])),
+    ]);
+    assert!(cache.view(&ServiceKey::new("default", "covered")).is_none());
+    let b = cache.view(&ServiceKey::new("default", "b")).expect("b");
+    assert!(
+        b.endpoints.is_some(),
+        "the Endpoints of the same transaction"
+    );
+    cache.apply_event(&put(8, endpoints("a", &["198.18.1.3"])));
+    let a = cache.view(&ServiceKey::new("default", "a")).expect("a");
+    assert!(
+        a.endpoints.is_some(),
+        "a later event of revision 8 in the stream"
+    );
+    cache.apply_event(&put(6, endpoints("covered", &["198.18.1.4"])));
+    assert!(cache.view(&ServiceKey::new("default", "covered")).is_none());
+    assert_eq!(cache.revision(), 8);
+}
+
 #[test]
 fn a_resync_snapshot_reports_only_differences() {
     let cache = Arc::new(EndpointCache::loaded());
