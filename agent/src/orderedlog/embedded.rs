@@ -263,12 +263,13 @@ impl EmbeddedLog {
                 vips::CheckError::Invalid(e) => ApplyError::Invalid(e),
                 vips::CheckError::Log(e) => ApplyError::Log(e),
             })?;
-            drop(keys);
-            // The Services of the batch's Endpoints: from the batch, else stored.
+            // The Services of the batch's Endpoints: from the batch, else stored
+            // (looked up in the batch's key set: a scan of the batch per Endpoints
+            // would make a large apply quadratic).
             let mut services = Vec::new();
             for o in objects.iter().filter(|o| o.kind() == Kind::Endpoints) {
                 let key = ObjectKey::new(Kind::Service, &o.key().namespace, &o.key().name);
-                if objects.iter().any(|b| b.key() == key) {
+                if keys.contains(&key) {
                     continue;
                 }
                 let stored = table
@@ -277,6 +278,7 @@ impl EmbeddedLog {
                     .and_then(|v| vips::parse_old(v.value().1));
                 services.extend(stored);
             }
+            drop(keys);
             crate::model::check_endpoint_ports(objects.iter().chain(&services), &objects)?;
             let mut meta = txn.open_table(META).map_err(|e| inner.storage(e))?;
             let start = read_meta(&meta, META_REVISION, &inner.path)?;

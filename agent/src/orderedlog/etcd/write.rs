@@ -419,6 +419,7 @@ impl Shared {
         wanted: impl IntoIterator<Item = (&'a ObjectKey, Option<&'a Object>)>,
     ) -> Result<Read, Attempt> {
         let wanted: Vec<(&ObjectKey, Option<&Object>)> = wanted.into_iter().collect();
+        let wanted_keys: HashSet<&ObjectKey> = wanted.iter().map(|(k, _)| *k).collect();
         let mut keys = BTreeSet::new();
         let mut services = BTreeMap::new();
         let mut whole_index = false;
@@ -427,7 +428,7 @@ impl Shared {
                 keys.extend(vips_of(new).iter().map(|v| self.layout.vip(v)));
                 if key.kind == Kind::Endpoints {
                     let service = ObjectKey::new(Kind::Service, &key.namespace, &key.name);
-                    if !wanted.iter().any(|(k, _)| **k == service) {
+                    if !wanted_keys.contains(&service) {
                         let etcd_key = self.layout.object(&service);
                         keys.insert(etcd_key.clone());
                         services.insert(etcd_key, None);
