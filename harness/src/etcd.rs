@@ -4,9 +4,12 @@
 //! the `openssl` CLI); it can be stopped, killed and started again on the same
 //! ports and data (an outage), and is killed, its directory removed, on drop.
 //! [`Gate`] is a loopback TCP relay a test can cut and restore: a network outage
-//! between one client and etcd while other clients still reach it.
+//! between one client and etcd while other clients still reach it; it can also
+//! listen on the loopback of a test's network namespace ([`Gate::in_netns`]), which
+//! is how the agents of a [`crate::cluster::Cluster`] reach etcd.
 //!
-//! Nothing here listens or connects anywhere but 127.0.0.1.
+//! Nothing here listens or connects anywhere but 127.0.0.1 (of the host or of a
+//! test's namespace).
 
 use std::{
     fs,
@@ -22,7 +25,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::agent::{die_with_parent, free_port};
+use crate::{
+    agent::{die_with_parent, free_port},
+    netns::NetNs,
+};
 
 /// Debian's etcd server.
 pub const ETCD: &str = "/usr/bin/etcd";
@@ -458,10 +464,27 @@ struct GateShared {
 }
 
 impl Gate {
-    /// A relay to `target`, open.
+    /// A relay on 127.0.0.1 to `target`, open.
     pub fn new(target: SocketAddr) -> Gate {
         let listener = TcpListener::bind("127.0.0.1:0").expect("binding the gate");
+        Gate::from_listener(listener, target)
+    }
+
+    /// A relay listening on 127.0.0.1 inside `ns` to `target` in this process's
+    /// namespace: a node namespace reaches an etcd on the host's loopback (the
+    /// listening socket lives in `ns`, the upstream connections here).
+    pub fn in_netns(ns: &NetNs, target: SocketAddr) -> anyhow::Result<Gate> {
+        let listener = ns.run(|| TcpListener::bind("127.0.0.1:0"))??;
+        Ok(Gate::from_listener(listener, target))
+    }
+
+    /// A relay accepting on `listener` (polled, so that a drop stops it without a
+    /// connection from the listener's namespace).
+    fn from_listener(listener: TcpListener, target: SocketAddr) -> Gate {
         let addr = listener.local_addr().expect("the gate's address");
+        listener
+            .set_nonblocking(true)
+            .expect("a nonblocking gate listener");
         let shared = Arc::new(GateShared {
             open: AtomicBool::new(true),
             stop: AtomicBool::new(false),
@@ -469,12 +492,16 @@ impl Gate {
         });
         let s = shared.clone();
         let accept = thread::spawn(move || {
-            for conn in listener.incoming() {
-                if s.stop.load(Ordering::SeqCst) {
-                    return;
-                }
-                let Ok(client) = conn else { continue };
-                if !s.open.load(Ordering::SeqCst) {
+            while !s.stop.load(Ordering::SeqCst) {
+                let client = match listener.accept() {
+                    Ok((client, _)) => client,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        thread::sleep(Duration::from_millis(20));
+                        continue;
+                    }
+                    Err(_) => continue,
+                };
+                if !s.open.load(Ordering::SeqCst) || client.set_nonblocking(false).is_err() {
                     drop(client);
                     continue;
                 }
@@ -516,12 +543,19 @@ impl Gate {
     }
 }
 
+impl std::fmt::Debug for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gate")
+            .field("addr", &self.addr)
+            .field("open", &self.shared.open.load(Ordering::SeqCst))
+            .finish()
+    }
+}
+
 impl Drop for Gate {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.cut();
-        // Wake the accept loop so that it sees `stop`.
-        let _ = TcpStream::connect(self.addr);
         if let Some(t) = self.accept.take() {
             let _ = t.join();
         }

@@ -9,6 +9,7 @@
 //! |---|---|
 //! | [`netns`] | network namespaces, veth pairs, entering a namespace, [`netns::require_root`] |
 //! | [`topology`] | client ─ node ─ backends in namespaces, with echo servers |
+//! | [`cluster`] | several nodes on a bridge, a pod each, relays to etcd |
 //! | [`bpffs`] | bpffs detection and mounting, private pin directories |
 //! | [`cgroup`] | cgroup v2 children for socket-LB tests |
 //! | [`agent`] | the `rune-agent` process, its CLI, metrics and readiness |
@@ -23,6 +24,7 @@
 pub mod agent;
 pub mod bpffs;
 pub mod cgroup;
+pub mod cluster;
 pub mod etcd;
 pub mod netns;
 pub mod packet;

@@ -290,7 +290,7 @@ impl Topology {
 
         let mut servers = Servers::default();
         for b in &backends {
-            servers.start(b, config)?;
+            servers.start(&b.name, &b.ns, config)?;
         }
         Ok(Self {
             servers,
@@ -355,16 +355,7 @@ impl Topology {
 
     /// What each backend served so far, `backend-1` first.
     pub fn backend_counts(&self) -> Vec<BackendCounts> {
-        self.servers
-            .stats
-            .iter()
-            .map(|(name, s)| BackendCounts {
-                name: name.clone(),
-                tcp_connections: s.tcp_connections.load(Ordering::SeqCst),
-                tcp_lines: s.tcp_lines.load(Ordering::SeqCst),
-                udp_datagrams: s.udp_datagrams.load(Ordering::SeqCst),
-            })
-            .collect()
+        self.servers.counts()
     }
 
     /// From the client's main address: connects to `addr` (TCP, within
@@ -474,7 +465,7 @@ pub struct LongLived {
 }
 
 impl LongLived {
-    fn new(stream: TcpStream) -> anyhow::Result<Self> {
+    pub(crate) fn new(stream: TcpStream) -> anyhow::Result<Self> {
         stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
         stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
         stream.set_nodelay(true)?;
@@ -584,7 +575,7 @@ fn default_routes(ns: &NetNs, ifname: &str, via: DualStack) -> anyhow::Result<()
 }
 
 /// Turns on IPv4 and IPv6 forwarding in `ns`.
-fn enable_forwarding(ns: &NetNs) -> anyhow::Result<()> {
+pub(crate) fn enable_forwarding(ns: &NetNs) -> anyhow::Result<()> {
     ns.sysctl("net/ipv4/ip_forward", "1")?;
     ns.sysctl("net/ipv6/conf/all/forwarding", "1")
 }
@@ -597,9 +588,10 @@ struct Stats {
     udp_datagrams: AtomicU64,
 }
 
-/// Every backend's server threads; stopped and joined (bounded) on drop.
+/// Every backend's server threads; stopped and joined (bounded) on drop. Also
+/// the pods' servers of a [`crate::cluster::Cluster`].
 #[derive(Debug, Default)]
-struct Servers {
+pub(crate) struct Servers {
     stop: Arc<AtomicBool>,
     /// Connection threads still running.
     active: Arc<AtomicUsize>,
@@ -608,14 +600,32 @@ struct Servers {
 }
 
 impl Servers {
-    /// Starts `backend`'s servers: TCP and UDP, IPv4 and IPv6, on the wildcard
-    /// addresses of its namespace, as `config` says.
-    fn start(&mut self, backend: &Backend, config: &TopologyConfig) -> anyhow::Result<()> {
+    /// What each backend served so far, in the order they were started.
+    pub(crate) fn counts(&self) -> Vec<BackendCounts> {
+        self.stats
+            .iter()
+            .map(|(name, s)| BackendCounts {
+                name: name.clone(),
+                tcp_connections: s.tcp_connections.load(Ordering::SeqCst),
+                tcp_lines: s.tcp_lines.load(Ordering::SeqCst),
+                udp_datagrams: s.udp_datagrams.load(Ordering::SeqCst),
+            })
+            .collect()
+    }
+
+    /// Starts the servers of backend `backend_name` in `ns`: TCP and UDP, IPv4 and
+    /// IPv6, on the wildcard addresses of its namespace, as `config` says.
+    pub(crate) fn start(
+        &mut self,
+        backend_name: &str,
+        ns: &NetNs,
+        config: &TopologyConfig,
+    ) -> anyhow::Result<()> {
         let (tcp_port, udp_port) = (config.tcp_port, config.udp_port);
         let close_after_reply = config.tcp_close_after_reply;
         let stats = Arc::new(Stats::default());
-        self.stats.push((backend.name.clone(), stats.clone()));
-        let name: Arc<str> = backend.name.as_str().into();
+        self.stats.push((backend_name.to_owned(), stats.clone()));
+        let name: Arc<str> = backend_name.into();
         let wildcards = [
             IpAddr::V4(Ipv4Addr::UNSPECIFIED),
             IpAddr::V6(Ipv6Addr::UNSPECIFIED),
@@ -625,15 +635,14 @@ impl Servers {
             config
                 .extra_tcp_ports
                 .iter()
-                .map(|p| (*p, Arc::from(format!("{}:{p}", backend.name)))),
+                .map(|p| (*p, Arc::from(format!("{backend_name}:{p}")))),
         );
         for (port, name) in tcp_servers {
             for ip in wildcards {
                 let addr = SocketAddr::new(ip, port);
-                let listener = backend
-                    .ns
+                let listener = ns
                     .run(|| tcp_listener(addr))?
-                    .with_context(|| format!("{}: TCP listen on {addr}", backend.name))?;
+                    .with_context(|| format!("{backend_name}: TCP listen on {addr}"))?;
                 let (name, stats) = (name.clone(), stats.clone());
                 let (stop, active) = (self.stop.clone(), self.active.clone());
                 let serve = move || {
@@ -641,7 +650,7 @@ impl Servers {
                 };
                 self.threads.push(
                     thread::Builder::new()
-                        .name(format!("{}-tcp", backend.name))
+                        .name(format!("{backend_name}-tcp"))
                         .spawn(serve)?,
                 );
             }
@@ -649,10 +658,9 @@ impl Servers {
         if let Some(port) = udp_port {
             for ip in wildcards {
                 let addr = SocketAddr::new(ip, port);
-                let socket = backend
-                    .ns
+                let socket = ns
                     .run(|| udp_socket(addr))?
-                    .with_context(|| format!("{}: UDP bind on {addr}", backend.name))?;
+                    .with_context(|| format!("{backend_name}: UDP bind on {addr}"))?;
                 let (name, stats, stop) = (name.clone(), stats.clone(), self.stop.clone());
                 self.threads.push(
                     thread::Builder::new()
@@ -722,7 +730,7 @@ fn udp_socket(addr: SocketAddr) -> io::Result<UdpSocket> {
 /// Connects to `addr` from `src` (a port 0 lets the kernel choose; a fixed port is
 /// bound with SO_REUSEADDR, so it can be bound again while its last connection is
 /// in TIME_WAIT).
-fn connect(src: Option<SocketAddr>, addr: SocketAddr) -> io::Result<TcpStream> {
+pub(crate) fn connect(src: Option<SocketAddr>, addr: SocketAddr) -> io::Result<TcpStream> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
     if let Some(src) = src {
         if src.port() != 0 {

@@ -167,3 +167,57 @@ fn agent_runs_inside_the_node_namespace() {
         "clean exit on SIGTERM"
     );
 }
+
+/// The cluster topology (`rune_harness::cluster`): every pod reaches every pod,
+/// across the bridge; each node reaches a server on the host's loopback through
+/// its relay; dropping it removes every namespace.
+#[test]
+fn cluster_pods_reach_each_other_and_nodes_reach_the_host_relay() {
+    require_root().unwrap();
+    // A stand-in for etcd on the host's loopback: answers each line with "host".
+    let host = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let host_addr = host.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in host.incoming().take(3) {
+            let mut conn = conn.unwrap();
+            let mut line = String::new();
+            let _ = std::io::BufRead::read_line(
+                &mut std::io::BufReader::new(conn.try_clone().unwrap()),
+                &mut line,
+            );
+            let _ = std::io::Write::write_all(&mut conn, b"host\n");
+        }
+    });
+    let cluster = rune_harness::cluster::Cluster::new(3, Some(host_addr)).unwrap();
+    let names: Vec<String> = cluster
+        .nodes()
+        .iter()
+        .map(|n| n.ns().name().to_owned())
+        .collect();
+    cluster.wait_connected(Duration::from_secs(10)).unwrap();
+    for node in cluster.nodes() {
+        let target = SocketAddr::new(
+            IpAddr::V4(cluster.nodes()[0].pod_addr()),
+            rune_harness::cluster::POD_TCP_PORT,
+        );
+        let reply = node.request_from_pod(target, "hi").unwrap();
+        assert_eq!(reply, "pod-1 hi");
+        let relay = node.etcd_addr().unwrap();
+        let reply = node
+            .ns()
+            .run(|| {
+                let mut s = std::net::TcpStream::connect(relay).unwrap();
+                std::io::Write::write_all(&mut s, b"x\n").unwrap();
+                let mut line = String::new();
+                std::io::BufRead::read_line(&mut std::io::BufReader::new(s), &mut line).unwrap();
+                line
+            })
+            .unwrap();
+        assert_eq!(reply, "host\n", "{} through its relay", node.name());
+    }
+    drop(cluster);
+    let left = netns_list();
+    for name in names {
+        assert!(!left.contains(&name), "{name} left behind: {left}");
+    }
+}
