@@ -52,7 +52,8 @@ fn unique_dir(tag: &str) -> PathBuf {
 /// A CA and the certificates signed by it, made with the `openssl` CLI: a server
 /// certificate for 127.0.0.1 and `localhost`, and a client certificate.
 pub struct Pki {
-    dir: PathBuf,
+    /// The directory it made (removed on drop), or `None` for files made elsewhere.
+    dir: Option<PathBuf>,
     /// The CA's certificate (PEM).
     pub ca: PathBuf,
     /// The server's certificate (PEM), for 127.0.0.1 and localhost.
@@ -66,6 +67,26 @@ pub struct Pki {
 }
 
 impl Pki {
+    /// Certificates made elsewhere (e.g. by `rune-agent certs`), left in place on
+    /// drop: the CA, etcd's server certificate and key, and the client certificate
+    /// and key `etcdctl` uses.
+    pub fn from_files(
+        ca: PathBuf,
+        server_cert: PathBuf,
+        server_key: PathBuf,
+        client_cert: PathBuf,
+        client_key: PathBuf,
+    ) -> Pki {
+        Pki {
+            dir: None,
+            ca,
+            server_cert,
+            server_key,
+            client_cert,
+            client_key,
+        }
+    }
+
     /// A new CA named `name` and its server and client certificates (P-256 keys,
     /// valid for two days).
     pub fn new(name: &str) -> Pki {
@@ -145,7 +166,7 @@ impl Pki {
              extendedKeyUsage=clientAuth\n",
         );
         Pki {
-            dir,
+            dir: Some(dir),
             ca,
             server_cert,
             server_key,
@@ -157,7 +178,9 @@ impl Pki {
 
 impl Drop for Pki {
     fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.dir);
+        if let Some(dir) = &self.dir {
+            let _ = fs::remove_dir_all(dir);
+        }
     }
 }
 

@@ -20,7 +20,10 @@
 //! tc egress for the replies).
 //!
 //! Everything is IPv4 from 198.18.0.0/15 inside namespaces with unique names, all
-//! deleted on drop (also on panic); the relays stop first.
+//! deleted on drop (also on panic); the relays stop first. [`running`] starts etcd
+//! and an agent per node on it.
+
+pub mod running;
 
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -166,8 +169,13 @@ impl Cluster {
                 "dev",
                 NODE_POD_IF,
             ])?;
-            node.pod
-                .ip(&["addr", "add", &format!("{}/24", node.pod_addr()), "dev", "eth0"])?;
+            node.pod.ip(&[
+                "addr",
+                "add",
+                &format!("{}/24", node.pod_addr()),
+                "dev",
+                "eth0",
+            ])?;
             node.pod.ip(&[
                 "route",
                 "add",
