@@ -484,6 +484,8 @@ struct GateShared {
     open: AtomicBool,
     stop: AtomicBool,
     conns: Mutex<Vec<TcpStream>>,
+    /// Bytes relayed: [towards the target, back from it].
+    bytes: [AtomicU64; 2],
 }
 
 impl Gate {
@@ -512,6 +514,7 @@ impl Gate {
             open: AtomicBool::new(true),
             stop: AtomicBool::new(false),
             conns: Mutex::new(Vec::new()),
+            bytes: [AtomicU64::new(0), AtomicU64::new(0)],
         });
         let s = shared.clone();
         let accept = thread::spawn(move || {
@@ -560,6 +563,12 @@ impl Gate {
         }
     }
 
+    /// Bytes relayed so far: (towards the target, back from it).
+    pub fn bytes(&self) -> (u64, u64) {
+        let [up, down] = &self.shared.bytes;
+        (up.load(Ordering::Relaxed), down.load(Ordering::Relaxed))
+    }
+
     /// Relays new connections again.
     pub fn restore(&self) {
         self.shared.open.store(true, Ordering::SeqCst);
@@ -591,7 +600,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Copies both ways between `client` and `upstream` on two threads, registered
 /// for [`Gate::cut`].
-fn relay(shared: &GateShared, client: TcpStream, upstream: TcpStream) {
+fn relay(shared: &Arc<GateShared>, client: TcpStream, upstream: TcpStream) {
     let pairs = [
         (client.try_clone(), upstream.try_clone()),
         (upstream.try_clone(), client.try_clone()),
@@ -601,19 +610,20 @@ fn relay(shared: &GateShared, client: TcpStream, upstream: TcpStream) {
         conns.push(client);
         conns.push(upstream);
     }
-    for pair in pairs {
+    for (direction, pair) in pairs.into_iter().enumerate() {
         let (Ok(mut from), Ok(mut to)) = pair else {
             continue;
         };
+        let shared = shared.clone();
         thread::spawn(move || {
-            let _ = copy(&mut from, &mut to);
+            let _ = copy(&mut from, &mut to, &shared.bytes[direction]);
             let _ = from.shutdown(Shutdown::Both);
             let _ = to.shutdown(Shutdown::Both);
         });
     }
 }
 
-fn copy(from: &mut TcpStream, to: &mut TcpStream) -> io::Result<()> {
+fn copy(from: &mut TcpStream, to: &mut TcpStream, bytes: &AtomicU64) -> io::Result<()> {
     let mut buf = [0u8; 16 * 1024];
     loop {
         let n = from.read(&mut buf)?;
@@ -621,5 +631,6 @@ fn copy(from: &mut TcpStream, to: &mut TcpStream) -> io::Result<()> {
             return Ok(());
         }
         to.write_all(&buf[..n])?;
+        bytes.fetch_add(n as u64, Ordering::Relaxed);
     }
 }

@@ -87,6 +87,12 @@ impl ClusterNode {
         self.relay.as_ref().map(Gate::addr)
     }
 
+    /// Bytes between this node and etcd so far (through its relay): (sent to
+    /// etcd, received from it); TLS records included.
+    pub fn etcd_bytes(&self) -> (u64, u64) {
+        self.relay.as_ref().map_or((0, 0), Gate::bytes)
+    }
+
     /// Cuts this node off etcd (its relayed connections close, new ones fail)
     /// until [`ClusterNode::reconnect_etcd`]; the other nodes still reach it.
     pub fn cut_etcd(&self) {

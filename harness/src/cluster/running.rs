@@ -43,6 +43,9 @@ pub struct ClusterConfig {
     /// Seconds of the node leases (the agents' `--node-lease-seconds`; `None`:
     /// their default).
     pub lease_seconds: Option<u64>,
+    /// Start every agent in [`RunningCluster::start`] (default); `false` leaves
+    /// them to [`RunningCluster::start_agent`].
+    pub start_agents: bool,
 }
 
 impl ClusterConfig {
@@ -55,6 +58,7 @@ impl ClusterConfig {
             extra_args: Vec::new(),
             log_files: false,
             lease_seconds: None,
+            start_agents: true,
         }
     }
 }
@@ -138,11 +142,13 @@ impl RunningCluster {
                 node_id: id,
             });
         }
-        for i in 0..running.agents.len() {
-            running.start_agent(i)?;
-        }
-        for i in 0..running.agents.len() {
-            running.agent(i).try_wait_ready(patience)?;
+        if running.config.start_agents {
+            for i in 0..running.agents.len() {
+                running.start_agent(i)?;
+            }
+            for i in 0..running.agents.len() {
+                running.agent(i).try_wait_ready(patience)?;
+            }
         }
         Ok(running)
     }

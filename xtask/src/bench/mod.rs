@@ -6,6 +6,7 @@
 //! loopback or in the benches' own network namespaces.
 
 mod apply;
+mod cluster;
 mod common;
 mod dev_proxy;
 mod dns;
@@ -37,6 +38,9 @@ pub enum Section {
     /// Applies into the embedded store up to 100,000 services: one object, and large
     /// applies' objects per second.
     Apply,
+    /// A cluster on etcd: apply → acknowledged by every node (N = 3 and 20), a new
+    /// node joining 10,000 services, etcd traffic per idle node (netns).
+    Cluster,
 }
 
 /// Runs one section, or every one and prints the whole report (also written to
@@ -55,6 +59,7 @@ pub fn run(section: Option<Section>) -> Result<()> {
         Some(Section::Reuse) => reuse::run_alone(),
         Some(Section::Dns) => dns::run_alone(),
         Some(Section::Apply) => apply::run_alone(),
+        Some(Section::Cluster) => cluster::run_alone(),
     }
 }
 
@@ -74,6 +79,7 @@ fn run_all() -> Result<()> {
     report.push_str(&sync::section(&bin)?);
     report.push_str(&end_to_end(&bin)?);
     report.push_str(&apply::section(&bin)?);
+    report.push_str(&cluster::section(&bin)?);
     println!("{report}");
     let out = crate::util::target_dir().join("bench.md");
     std::fs::write(&out, &report)?;
