@@ -45,12 +45,13 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match &cli.command {
             Command::Run(_) => rune_agent::run::run(config).await,
-            Command::Apply { file } => cli::apply(&config, file).await,
+            Command::Apply { file, .. } => cli::apply(&config, file).await,
             Command::Get {
                 kind,
                 name,
                 namespace,
                 output,
+                ..
             } => {
                 cli::get(
                     &config,
@@ -65,6 +66,7 @@ fn main() -> ExitCode {
                 kind,
                 name,
                 namespace,
+                ..
             } => cli::delete(&config, kind, name, namespace).await,
             Command::Status(args) => cli::status(&config, args).await,
             Command::Cleanup { .. } => cli::cleanup(&config).await,
