@@ -422,13 +422,18 @@ pub async fn status(config: &Config, args: &StatusArgs) -> Result<()> {
             };
             store_status(&source, &query, |part| printer.push(&mut out, part))?;
         }
-        Target::Etcd(_) => unreachable!("status_target never reads etcd"),
+        Target::Etcd(etcd) => bail!(
+            "no agent answers on {} (status is the local agent's; its objects are in etcd at {}: \
+             `rune-agent get --etcd-endpoints …` reads them there)",
+            localapi::socket_path(&config.state_dir).display(),
+            etcd.endpoints()
+        ),
     }
     printer.finish(&mut out).map_err(output_error)
 }
 
-/// Where `status` reads: the local agent; without one, in embedded mode the store,
-/// with `--etcd-endpoints` nothing (the status is the agent's).
+/// Where `status` reads: the local agent, with or without `--etcd-endpoints`;
+/// without one, the embedded store (or etcd, which holds no agent's status).
 async fn status_target(config: &Config) -> Result<Target> {
     let Some(options) = config.etcd_options()? else {
         return target(config).await;
@@ -436,12 +441,7 @@ async fn status_target(config: &Config) -> Result<Target> {
     let socket = localapi::socket_path(&config.state_dir);
     match Client::connect(&socket).await? {
         Some(client) => Ok(Target::Agent(client)),
-        None => bail!(
-            "no agent answers on {} (its objects are in etcd at {}: `rune-agent get` reads \
-             them there)",
-            socket.display(),
-            options.endpoints_text()
-        ),
+        None => Ok(Target::Etcd(EtcdLog::connect(options).await?)),
     }
 }
 

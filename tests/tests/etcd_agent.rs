@@ -242,6 +242,13 @@ fn two_dev_agents_share_one_etcd_written_by_the_cli_without_an_agent() {
     );
     assert!(!st.contains("StoreDisconnected"), "{st}");
     assert_eq!(store_connected(&a), Some(1.0));
+    // `status` is an agent's: with no agent on the state dir, etcd is not read.
+    let alone = etcd_cli(etcd.endpoint(), &["status"], None);
+    let err = String::from_utf8_lossy(&alone.stderr);
+    assert!(
+        !alone.status.success() && err.contains("no agent answers"),
+        "{err}"
+    );
 
     // delete via etcd: both agents stop serving the service.
     let deleted = etcd_cli_ok(etcd.endpoint(), &["delete", "svc", "web"], None);
