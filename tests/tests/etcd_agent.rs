@@ -10,7 +10,7 @@
 
 use rune_harness::{
     agent::{Agent, agent_bin, cli, eventually, free_port, metric},
-    etcd::{Etcd, Gate},
+    etcd::{Etcd, Gate, Pki},
 };
 use std::{
     io::{BufRead, BufReader, Write},
@@ -451,6 +451,71 @@ fn values_other_clients_wrote_that_are_not_objects_are_skipped() {
     assert!(log.contains("/rune/v1/gadget/default/x"), "{log}");
     let st = status(&agent);
     assert!(st.contains("keys skipped; last: "), "{st}");
+}
+
+#[test]
+fn mutual_tls_settings_reach_etcd_from_flags_and_from_a_config_file() {
+    let pki = Pki::new("rune agent test CA");
+    let etcd = Etcd::builder().tls(&pki).client_cert_auth().start();
+    let port = backend("one");
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = (
+        pki.ca.to_str().unwrap(),
+        pki.client_cert.to_str().unwrap(),
+        pki.client_key.to_str().unwrap(),
+    );
+    let (mut agent, proxy) = dev_agent(
+        dir.path(),
+        etcd.endpoint(),
+        &["--etcd-ca", ca, "--etcd-cert", cert, "--etcd-key", key],
+    );
+    agent.wait_ready(PATIENCE);
+
+    // The CLI from a config file: the same keys as the agent's.
+    let files = tempfile::tempdir().unwrap();
+    let config = files.path().join("cli.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "etcdEndpoints: [\"{}\"]\netcdCa: {ca}\netcdCert: {cert}\netcdKey: {key}\n",
+            etcd.endpoint()
+        ),
+    )
+    .unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let config = config.to_str().unwrap();
+    let out = cli(
+        state.path(),
+        &["apply", "-f", "-", "--config", config],
+        Some(&manifest("web", port)),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_answer(proxy, "one");
+    assert!(!state.path().join("store.redb").exists());
+
+    // Without a client certificate etcd refuses the CLI, and the error says so.
+    let out = cli(
+        state.path(),
+        &[
+            "get",
+            "svc",
+            "--etcd-endpoints",
+            etcd.endpoint(),
+            "--etcd-ca",
+            ca,
+        ],
+        None,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(etcd.endpoint()) && err.contains("certificate"),
+        "{err}"
+    );
 }
 
 #[test]
