@@ -13,13 +13,14 @@
 //! served, with the transport's 4 MiB ceiling. The client is in [`client`].
 
 mod client;
+mod codes;
 
 pub use client::{Client, StatusPart, StatusQuery};
+use codes::log_status;
 
 use crate::{
     model::{Kind, ModelError, ObjectKey, ServiceKey, parse_json},
     orderedlog::{
-        LogError,
         embedded::{ApplyError, Change},
         store::ObjectStore,
     },
@@ -272,25 +273,6 @@ fn kind_arg(kind: &str) -> Result<Option<Kind>, Status> {
 
 fn non_empty(s: &str) -> Option<&str> {
     (!s.is_empty()).then_some(s)
-}
-
-/// A store error as the gRPC status the CLI prints: the code says what kind of
-/// failure (the store away, a refusal, a write too large, writers in conflict), the
-/// message is the error's own, never the transport's.
-fn log_status(e: LogError) -> Status {
-    let message = e.to_string();
-    match e {
-        LogError::Unavailable { .. } | LogError::Closed | LogError::Locked { .. } => {
-            Status::unavailable(message)
-        }
-        LogError::Refused { .. } => Status::failed_precondition(message),
-        LogError::TooLarge { .. } => Status::resource_exhausted(message),
-        LogError::Conflict { .. } => Status::aborted(message),
-        LogError::Compacted { .. } | LogError::FutureRevision { .. } => {
-            Status::out_of_range(message)
-        }
-        LogError::Corrupt { .. } | LogError::Storage { .. } => Status::internal(message),
-    }
 }
 
 fn status_error(e: StatusError) -> Status {
