@@ -54,11 +54,16 @@ fn backend(name: &'static str) -> u16 {
     port
 }
 
-/// Service `web` on [`SERVICE_PORT`] with one endpoint, 127.0.0.1:`backend_port`.
+/// Service `name` on [`SERVICE_PORT`] with one endpoint, 127.0.0.1:`backend_port`.
 fn manifest(name: &str, backend_port: u16) -> String {
+    manifest_on(name, SERVICE_PORT, backend_port)
+}
+
+/// Service `name` on `port` with one endpoint, 127.0.0.1:`backend_port`.
+fn manifest_on(name: &str, port: u16, backend_port: u16) -> String {
     format!(
         "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: {name}}}\n\
-         spec: {{ports: [{{name: http, port: {SERVICE_PORT}, protocol: TCP, targetPort: {backend_port}}}]}}\n\
+         spec: {{ports: [{{name: http, port: {port}, protocol: TCP, targetPort: {backend_port}}}]}}\n\
          ---\n\
          apiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: {name}}}\n\
          spec: {{endpoints: [{{address: 127.0.0.1, node: dev, ready: true}}]}}\n"
@@ -338,10 +343,11 @@ fn compaction_while_the_watch_is_cut_is_a_resync_that_loses_nothing() {
         &["apply", "-f", "-"],
         Some(&manifest("web", one)),
     );
+    // Another service (on a port of its own) that changes while the watch is cut.
     etcd_cli_ok(
         etcd.endpoint(),
         &["apply", "-f", "-"],
-        Some(&manifest("other", one)),
+        Some(&manifest_on("other", SERVICE_PORT + 1, one)),
     );
     wait_answer(proxy, "one");
 
