@@ -86,6 +86,11 @@ fn exit_code(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.chain().any(|c| c.is::<cli::StdoutClosed>()) => ExitCode::from(STDOUT_CLOSED),
+        // Settings checked when a command uses them (the etcd settings together).
+        Err(e) if e.chain().any(|c| c.is::<rune_agent::config::ConfigError>()) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
