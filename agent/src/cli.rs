@@ -283,25 +283,23 @@ pub async fn apply(config: &Config, file: &str) -> Result<()> {
     if objects.is_empty() {
         bail!("{file}: no objects found");
     }
-    let lines = match target(config).await? {
-        Target::Agent(mut c) => c.apply(&objects).await.map_err(call_error)?.0,
-        Target::Store(store) => {
-            let outcome = tokio::task::spawn_blocking(move || store.apply(objects)).await??;
-            outcome
-                .results
-                .iter()
-                .map(|(k, c)| localapi::format_change(k, *c))
-                .collect()
+    let outcome = match target(config).await? {
+        Target::Agent(mut c) => {
+            let lines = c.apply(&objects).await.map_err(call_error)?.0;
+            return print_lines(lines);
         }
-        Target::Etcd(etcd) => {
-            let outcome = etcd.apply(objects).await?;
-            outcome
-                .results
-                .iter()
-                .map(|(k, c)| localapi::format_change(k, *c))
-                .collect()
-        }
+        Target::Store(store) => tokio::task::spawn_blocking(move || store.apply(objects)).await??,
+        Target::Etcd(etcd) => etcd.apply(objects).await?,
     };
+    let lines = outcome
+        .results
+        .iter()
+        .map(|(k, c)| localapi::format_change(k, *c));
+    print_lines(lines)
+}
+
+/// Prints each line of an apply's answer.
+fn print_lines(lines: impl IntoIterator<Item = String>) -> Result<()> {
     let mut out = Out::default();
     for line in lines {
         out.write(&line).map_err(output_error)?;
