@@ -16,8 +16,6 @@ use crate::{
     model::ServiceKey,
     orderedlog::{Revision, embedded::EmbeddedLog},
 };
-
-pub mod store;
 use serde::{Deserialize, Serialize};
 use std::{
     collections::{BTreeMap, HashMap},
@@ -26,6 +24,8 @@ use std::{
     path::{Path, PathBuf},
     sync::{Arc, Weak},
 };
+
+pub mod store;
 
 /// The most services (and, apart, orphan endpoints) the summary lists; beyond it
 /// they are counted only, and `status --all` or `status SERVICE` shows them. Twenty
