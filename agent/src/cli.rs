@@ -1,9 +1,11 @@
 //! The `rune-agent` command line: `run`, `apply`, `get`, `delete`, `status`,
 //! `cleanup`, `preflight`, `version`.
 //!
-//! Commands other than `run` reach a running agent through its socket
-//! (`<state-dir>/agent.sock`); when no agent runs they open the store directly, so a
-//! node can be prepared before its agent starts.
+//! `apply`, `get` and `delete` reach a running agent through its socket
+//! (`<state-dir>/agent.sock`); when no agent runs they open the embedded store
+//! directly, so a node can be prepared before its agent starts. With
+//! `--etcd-endpoints` they read and write etcd itself, no agent needed. `status`
+//! asks the local agent (else, in embedded mode, reads the store).
 //!
 //! Answers of any size stream to standard output as they arrive (`get`,
 //! `status --all`; see [`output`]); a reader that closes the pipe early ends the
@@ -15,12 +17,16 @@ pub use output::StdoutClosed;
 
 use crate::{
     config::{
-        Config, ConfigError, DataplaneSettings, FileConfig, GlobalSettings, KernelSettings,
-        PinSettings, RunSettings,
+        Config, ConfigError, DataplaneSettings, EtcdSettings, FileConfig, GlobalSettings,
+        KernelSettings, PinSettings, RunSettings,
     },
     localapi::{self, Client, LocalApiError, StatusPart, StatusQuery},
     model::{Kind, ObjectKey, parse_documents},
-    orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
+    orderedlog::{
+        embedded::{EmbeddedLog, EmbeddedOptions},
+        etcd::EtcdLog,
+        store::ObjectStore,
+    },
     status::{StatusSource, StoreStatus},
 };
 use anyhow::{Context, Result, bail};
@@ -53,6 +59,9 @@ pub enum Command {
         /// The file, or `-` for standard input.
         #[arg(short = 'f', long = "filename", value_name = "FILE|-")]
         file: String,
+        /// `--etcd-endpoints` and the rest: write to etcd directly.
+        #[command(flatten)]
+        etcd: EtcdSettings,
     },
     /// List objects.
     Get {
@@ -66,6 +75,9 @@ pub enum Command {
         /// Output format; a table when omitted.
         #[arg(short = 'o', long, value_enum)]
         output: Option<Format>,
+        /// `--etcd-endpoints` and the rest: read etcd directly.
+        #[command(flatten)]
+        etcd: EtcdSettings,
     },
     /// Delete one object.
     Delete {
@@ -76,6 +88,9 @@ pub enum Command {
         /// Namespace.
         #[arg(short = 'n', long, default_value = crate::model::DEFAULT_NAMESPACE)]
         namespace: String,
+        /// `--etcd-endpoints` and the rest: delete in etcd directly.
+        #[command(flatten)]
+        etcd: EtcdSettings,
     },
     /// Show the agent's mode, identity, readiness, revision and object counts, and
     /// the services with their ports and backends when there are at most 20 (more
@@ -120,6 +135,10 @@ pub struct StatusArgs {
     /// Output format; text when omitted.
     #[arg(short = 'o', long, value_enum)]
     pub output: Option<Format>,
+    /// `--etcd-endpoints` and the rest: the agent is asked all the same; without
+    /// one running, status is not read from etcd.
+    #[command(flatten)]
+    pub etcd: EtcdSettings,
 }
 
 /// Output formats of `get` and `status`.
@@ -147,6 +166,9 @@ pub struct RunArgs {
     /// Interfaces, eBPF map sizes, nftables rules on stop.
     #[command(flatten)]
     pub kernel: KernelSettings,
+    /// `--etcd-endpoints` and the rest: the objects in etcd.
+    #[command(flatten)]
+    pub etcd: EtcdSettings,
 }
 
 impl Command {
@@ -160,23 +182,25 @@ impl Command {
                     dataplane,
                     pins,
                     kernel,
+                    etcd,
                 } = args.as_ref().clone();
                 [
                     settings.into(),
                     dataplane.into(),
                     pins.into(),
                     kernel.into(),
+                    etcd.into(),
                 ]
                 .into_iter()
                 .fold(FileConfig::default(), FileConfig::overridden_by)
             }
             Command::Cleanup { pins } => pins.clone().into(),
             Command::Preflight { dataplane, .. } => dataplane.clone().into(),
-            Command::Apply { .. }
-            | Command::Get { .. }
-            | Command::Delete { .. }
-            | Command::Status(_)
-            | Command::Version => FileConfig::default(),
+            Command::Apply { etcd, .. }
+            | Command::Get { etcd, .. }
+            | Command::Delete { etcd, .. }
+            | Command::Status(StatusArgs { etcd, .. }) => etcd.clone().into(),
+            Command::Version => FileConfig::default(),
         }
     }
 }
@@ -199,13 +223,20 @@ impl Cli {
     }
 }
 
-/// Where a command's requests go: the running agent, or the store itself.
+/// Where a command's requests go: the running agent, the embedded store itself, or
+/// etcd.
 enum Target {
     Agent(Client),
     Store(EmbeddedLog),
+    Etcd(EtcdLog),
 }
 
+/// etcd with `--etcd-endpoints`; else the agent on the state dir's socket, else the
+/// embedded store.
 async fn target(config: &Config) -> Result<Target> {
+    if let Some(options) = config.etcd_options()? {
+        return Ok(Target::Etcd(EtcdLog::connect(options).await?));
+    }
     let socket = localapi::socket_path(&config.state_dir);
     if let Some(client) = Client::connect(&socket).await? {
         return Ok(Target::Agent(client));
@@ -252,17 +283,23 @@ pub async fn apply(config: &Config, file: &str) -> Result<()> {
     if objects.is_empty() {
         bail!("{file}: no objects found");
     }
-    let lines = match target(config).await? {
-        Target::Agent(mut c) => c.apply(&objects).await.map_err(call_error)?.0,
-        Target::Store(store) => {
-            let outcome = tokio::task::spawn_blocking(move || store.apply(objects)).await??;
-            outcome
-                .results
-                .iter()
-                .map(|(k, c)| localapi::format_change(k, *c))
-                .collect()
+    let outcome = match target(config).await? {
+        Target::Agent(mut c) => {
+            let lines = c.apply(&objects).await.map_err(call_error)?.0;
+            return print_lines(lines);
         }
+        Target::Store(store) => tokio::task::spawn_blocking(move || store.apply(objects)).await??,
+        Target::Etcd(etcd) => etcd.apply(objects).await?,
     };
+    let lines = outcome
+        .results
+        .iter()
+        .map(|(k, c)| localapi::format_change(k, *c));
+    print_lines(lines)
+}
+
+/// Prints each line of an apply's answer.
+fn print_lines(lines: impl IntoIterator<Item = String>) -> Result<()> {
     let mut out = Out::default();
     for line in lines {
         out.write(&line).map_err(output_error)?;
@@ -313,6 +350,12 @@ pub async fn get(
                 return Err(output_error(e));
             }
         }
+        Target::Etcd(etcd) => {
+            let (_, objects) = ObjectStore::get(&etcd, kind, namespace, name).await?;
+            for o in objects {
+                printer.push(&mut out, o).map_err(output_error)?;
+            }
+        }
     }
     if printer.count() == 0 && name.is_some() {
         bail!(
@@ -331,6 +374,7 @@ pub async fn delete(config: &Config, kind: &str, name: &str, namespace: &str) ->
     let deleted = match target(config).await? {
         Target::Agent(mut c) => c.delete(&key).await?,
         Target::Store(store) => store.delete(&key)?,
+        Target::Etcd(etcd) => ObjectStore::delete(&etcd, &key).await?,
     };
     let shown = localapi::object_path(&key);
     match deleted {
@@ -363,7 +407,7 @@ pub async fn status(config: &Config, args: &StatusArgs) -> Result<()> {
     };
     let mut out = Out::default();
     let mut printer = StatusOut::new(args.output, shape);
-    match target(config).await? {
+    match status_target(config).await? {
         Target::Agent(mut c) => {
             c.status(&query, |part| printer.push(&mut out, part))
                 .await
@@ -376,8 +420,27 @@ pub async fn status(config: &Config, args: &StatusArgs) -> Result<()> {
             };
             store_status(&source, &query, |part| printer.push(&mut out, part))?;
         }
+        Target::Etcd(etcd) => bail!(
+            "no agent answers on {} (status is the local agent's; its objects are in etcd at {}: \
+             `rune-agent get --etcd-endpoints …` reads them there)",
+            localapi::socket_path(&config.state_dir).display(),
+            etcd.endpoints()
+        ),
     }
     printer.finish(&mut out).map_err(output_error)
+}
+
+/// Where `status` reads: the local agent, with or without `--etcd-endpoints`;
+/// without one, the embedded store (or etcd, which holds no agent's status).
+async fn status_target(config: &Config) -> Result<Target> {
+    let Some(options) = config.etcd_options()? else {
+        return target(config).await;
+    };
+    let socket = localapi::socket_path(&config.state_dir);
+    match Client::connect(&socket).await? {
+        Some(client) => Ok(Target::Agent(client)),
+        None => Ok(Target::Etcd(EtcdLog::connect(options).await?)),
+    }
 }
 
 /// [`Client::status`]'s parts, read from the store (no agent running).

@@ -13,6 +13,7 @@
 //! Everything is checked here, before anything is bound or started, so a bad setting
 //! stops the agent with a usage error instead of half-starting it.
 
+mod etcd;
 mod layers;
 mod resolve;
 
@@ -450,6 +451,58 @@ settings! {
             default_missing_value = "true"
         )]
         keep_rules_on_stop: bool => keep_rules_on_stop: bool = |keep| resolve::or(keep, false),
+    }
+
+    /// Where the objects live when many nodes share them: an etcd cluster instead of
+    /// the embedded store (`run`, `apply`, `get`, `delete`, `status` take them; see
+    /// docs/etcd.md). Checked together by [`Config::etcd_options`].
+    pub struct EtcdSettings {
+        /// etcd client URLs, comma-separated (https://HOST:PORT; http:// only on
+        /// loopback or with --etcd-insecure) [default: none: the embedded store].
+        // One list per occurrence (`Set`), as --interfaces.
+        #[arg(
+            long = "etcd-endpoints", env = "RUNE_ETCD_ENDPOINTS", value_name = "URL,URL",
+            value_delimiter = ',', action = clap::ArgAction::Set
+        )]
+        etcd_endpoints: Vec<String> => etcd_endpoints: Vec<String> = |list: Option<Vec<_>>| {
+            Ok(list.map(resolve::names).unwrap_or_default())
+        },
+        /// PEM file of the CA that signed the etcd members' certificates (https://).
+        #[arg(long = "etcd-ca", env = "RUNE_ETCD_CA", value_name = "FILE")]
+        etcd_ca: PathBuf => etcd_ca: Option<PathBuf> = Ok,
+        /// PEM file of this client's certificate for etcd (mutual TLS), with --etcd-key.
+        #[arg(long = "etcd-cert", env = "RUNE_ETCD_CERT", value_name = "FILE")]
+        etcd_cert: PathBuf => etcd_cert: Option<PathBuf> = Ok,
+        /// PEM file of this client's private key for etcd, with --etcd-cert.
+        #[arg(long = "etcd-key", env = "RUNE_ETCD_KEY", value_name = "FILE")]
+        etcd_key: PathBuf => etcd_key: Option<PathBuf> = Ok,
+        /// Allow plain http:// to etcd endpoints that are not loopback (objects cross
+        /// the network unencrypted and unauthenticated).
+        #[arg(
+            long = "etcd-insecure", env = "RUNE_ETCD_INSECURE", num_args = 0,
+            default_missing_value = "true"
+        )]
+        etcd_insecure: bool => etcd_insecure: bool = |insecure| resolve::or(insecure, false),
+        /// The etcd key prefix the objects live under [default: /rune/v1/].
+        #[arg(long = "etcd-prefix", env = "RUNE_ETCD_PREFIX", value_name = "PREFIX")]
+        etcd_prefix: String => etcd_prefix: String = |prefix| {
+            resolve::or(prefix, crate::orderedlog::etcd::DEFAULT_PREFIX.to_owned())
+        },
+        /// etcd's --max-txn-ops: a larger apply is refused before anything is written
+        /// [default: 128].
+        #[arg(long = "etcd-max-txn-ops", env = "RUNE_ETCD_MAX_TXN_OPS", value_name = "N")]
+        etcd_max_txn_ops: usize => etcd_max_txn_ops: usize = |n| {
+            resolve::at_least_1(n, crate::orderedlog::etcd::DEFAULT_MAX_TXN_OPS)
+        },
+        /// etcd's --max-request-bytes: a larger apply is refused before anything is
+        /// written [default: 1572864].
+        #[arg(
+            long = "etcd-max-request-bytes", env = "RUNE_ETCD_MAX_REQUEST_BYTES",
+            value_name = "BYTES"
+        )]
+        etcd_max_request_bytes: usize => etcd_max_request_bytes: usize = |n| {
+            resolve::at_least_1(n, crate::orderedlog::etcd::DEFAULT_MAX_REQUEST_BYTES)
+        },
     }
 }
 

@@ -13,14 +13,16 @@
 //! served, with the transport's 4 MiB ceiling. The client is in [`client`].
 
 mod client;
+mod codes;
 
 pub use client::{Client, StatusPart, StatusQuery};
+use codes::log_status;
 
 use crate::{
     model::{Kind, ModelError, ObjectKey, ServiceKey, parse_json},
     orderedlog::{
-        LogError,
-        embedded::{ApplyError, Change, EmbeddedLog},
+        embedded::{ApplyError, Change},
+        store::ObjectStore,
     },
     status::{AgentStatus, ServiceStatus, StatusError, StatusSource},
 };
@@ -200,15 +202,16 @@ impl StatusSource for StatusFn {
     }
 }
 
-/// The server side: the store writer and the status source.
+/// The server side: the store writer (the embedded store or etcd) and the status
+/// source.
 pub struct LocalApi {
-    store: Arc<EmbeddedLog>,
+    store: Arc<dyn ObjectStore>,
     status: Arc<dyn StatusSource>,
 }
 
 impl LocalApi {
     /// A server over `store`, answering `status` from `status`.
-    pub fn new(store: Arc<EmbeddedLog>, status: Arc<dyn StatusSource>) -> Self {
+    pub fn new(store: Arc<dyn ObjectStore>, status: Arc<dyn StatusSource>) -> Self {
         Self { store, status }
     }
 
@@ -229,34 +232,33 @@ impl LocalApi {
 
     /// Parses, validates and stores one apply's documents; the answer's lines.
     async fn apply_documents(&self, documents: Vec<String>) -> Result<(Vec<String>, u64), Status> {
-        let store = self.store.clone();
-        blocking(move || {
-            let objects = documents
+        // Parsing is CPU work: off the runtime's workers.
+        let objects = blocking(move || {
+            documents
                 .iter()
                 .map(|j| parse_json(j))
                 .collect::<Result<Vec<_>, ModelError>>()
-                .map_err(|e| Status::invalid_argument(e.to_string()))?;
-            drop(documents);
-            let count = objects.len();
-            let started = std::time::Instant::now();
-            let outcome = store.apply(objects).map_err(|e| match e {
-                ApplyError::Invalid(e) => Status::invalid_argument(e.to_string()),
-                ApplyError::Log(e) => log_status(e),
-            })?;
-            tracing::debug!(
-                objects = count,
-                revision = outcome.revision,
-                elapsed_ms = started.elapsed().as_millis() as u64,
-                "applied through the local API"
-            );
-            let lines = outcome
-                .results
-                .iter()
-                .map(|(key, change)| format_change(key, *change))
-                .collect();
-            Ok((lines, outcome.revision))
+                .map_err(|e| Status::invalid_argument(e.to_string()))
         })
-        .await
+        .await?;
+        let count = objects.len();
+        let started = std::time::Instant::now();
+        let outcome = self.store.apply(objects).await.map_err(|e| match e {
+            ApplyError::Invalid(e) => Status::invalid_argument(e.to_string()),
+            ApplyError::Log(e) => log_status(e),
+        })?;
+        tracing::debug!(
+            objects = count,
+            revision = outcome.revision,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "applied through the local API"
+        );
+        let lines = outcome
+            .results
+            .iter()
+            .map(|(key, change)| format_change(key, *change))
+            .collect();
+        Ok((lines, outcome.revision))
     }
 }
 
@@ -271,10 +273,6 @@ fn kind_arg(kind: &str) -> Result<Option<Kind>, Status> {
 
 fn non_empty(s: &str) -> Option<&str> {
     (!s.is_empty()).then_some(s)
-}
-
-fn log_status(e: LogError) -> Status {
-    Status::internal(e.to_string())
 }
 
 fn status_error(e: StatusError) -> Status {
@@ -373,13 +371,11 @@ impl LocalApiService for LocalApi {
     ) -> Result<Response<pb::GetResponse>, Status> {
         let r = request.into_inner();
         let kind = kind_arg(&r.kind)?;
-        let store = self.store.clone();
-        let (revision, objects) = blocking(move || {
-            store
-                .get(kind, non_empty(&r.namespace), non_empty(&r.name))
-                .map_err(log_status)
-        })
-        .await?;
+        let (revision, objects) = self
+            .store
+            .get(kind, non_empty(&r.namespace), non_empty(&r.name))
+            .await
+            .map_err(log_status)?;
         Ok(Response::new(pb::GetResponse {
             objects_json: objects.iter().map(|o| o.to_json().to_string()).collect(),
             revision,
@@ -394,12 +390,13 @@ impl LocalApiService for LocalApi {
         let kind =
             kind_arg(&r.kind)?.ok_or_else(|| Status::invalid_argument("kind is required"))?;
         let key = ObjectKey::new(kind, r.namespace, r.name);
-        let store = self.store.clone();
-        let (deleted, revision) = blocking(move || {
-            let rev = store.delete(&key).map_err(log_status)?;
-            Ok((rev.is_some(), rev.unwrap_or_else(|| store.revision())))
-        })
-        .await?;
+        let (deleted, revision) = match self.store.delete(&key).await.map_err(log_status)? {
+            Some(revision) => (true, revision),
+            None => (
+                false,
+                self.store.current_revision().await.map_err(log_status)?,
+            ),
+        };
         Ok(Response::new(pb::DeleteResponse { deleted, revision }))
     }
 
@@ -461,39 +458,49 @@ impl LocalApiService for LocalApi {
         let r = request.into_inner();
         let kind = kind_arg(&r.kind)?;
         let store = self.store.clone();
-        Ok(Response::new(produce(move |tx| {
-            let mut chunker = Chunker::default();
-            let mut gone = false;
-            let revision = store
+        let (tx, rx) = mpsc::channel(QUEUED_MESSAGES);
+        tokio::spawn(async move {
+            // The scan's callback runs on the blocking pool: it may wait for the
+            // client (`blocking_send`), which bounds the memory of a large answer.
+            let chunker = Arc::new(std::sync::Mutex::new(Chunker::default()));
+            let gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let (feed, each_chunker, each_gone) = (tx.clone(), chunker.clone(), gone.clone());
+            let each: crate::orderedlog::store::ScanFn = Box::new(move |revision, object| {
+                let full =
+                    crate::lock::lock(&each_chunker).push(object.to_json().to_string().as_bytes());
+                for json_lines in full {
+                    let chunk = pb::ListChunk {
+                        json_lines,
+                        revision,
+                    };
+                    if feed.blocking_send(Ok(chunk)).is_err() {
+                        each_gone.store(true, std::sync::atomic::Ordering::SeqCst);
+                        return ControlFlow::Break(());
+                    }
+                }
+                ControlFlow::Continue(())
+            });
+            let scanned = store
                 .scan(
                     kind,
-                    non_empty(&r.namespace),
-                    non_empty(&r.name),
-                    |revision, object| {
-                        for json_lines in chunker.push(object.to_json().to_string().as_bytes()) {
-                            let chunk = pb::ListChunk {
-                                json_lines,
-                                revision,
-                            };
-                            if tx.blocking_send(Ok(chunk)).is_err() {
-                                gone = true;
-                                return ControlFlow::Break(());
-                            }
-                        }
-                        ControlFlow::Continue(())
-                    },
+                    non_empty(&r.namespace).map(str::to_owned),
+                    non_empty(&r.name).map(str::to_owned),
+                    each,
                 )
-                .map_err(log_status)?;
-            if !gone {
+                .await;
+            let last = match scanned {
+                Err(e) => Err(log_status(e)),
+                Ok(_) if gone.load(std::sync::atomic::Ordering::SeqCst) => return,
                 // The last chunk, possibly empty: it also carries the revision of an
                 // empty answer.
-                let _ = tx.blocking_send(Ok(pb::ListChunk {
-                    json_lines: chunker.finish(),
+                Ok(revision) => Ok(pb::ListChunk {
+                    json_lines: std::mem::take(&mut *crate::lock::lock(&chunker)).finish(),
                     revision,
-                }));
-            }
-            Ok(())
-        })))
+                }),
+            };
+            let _ = tx.send(last).await;
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     type StatusStreamStream = Answers<pb::StatusChunk>;
@@ -609,7 +616,7 @@ pub fn object_path(key: &ObjectKey) -> String {
 /// local API until stopped; removes the socket on stop.
 pub struct LocalApiServer {
     path: PathBuf,
-    store: Arc<EmbeddedLog>,
+    store: Arc<dyn ObjectStore>,
     status: Arc<dyn StatusSource>,
     tasks: tokio_util::task::TaskTracker,
     /// Whether this server bound the socket (and so may remove it on stop).
@@ -621,7 +628,7 @@ impl LocalApiServer {
     /// running agent's [`crate::status::LiveStatus`]).
     pub fn new(
         path: PathBuf,
-        store: Arc<EmbeddedLog>,
+        store: Arc<dyn ObjectStore>,
         status: impl StatusSource + 'static,
     ) -> Self {
         Self {

@@ -45,12 +45,13 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match &cli.command {
             Command::Run(_) => rune_agent::run::run(config).await,
-            Command::Apply { file } => cli::apply(&config, file).await,
+            Command::Apply { file, .. } => cli::apply(&config, file).await,
             Command::Get {
                 kind,
                 name,
                 namespace,
                 output,
+                ..
             } => {
                 cli::get(
                     &config,
@@ -65,6 +66,7 @@ fn main() -> ExitCode {
                 kind,
                 name,
                 namespace,
+                ..
             } => cli::delete(&config, kind, name, namespace).await,
             Command::Status(args) => cli::status(&config, args).await,
             Command::Cleanup { .. } => cli::cleanup(&config).await,
@@ -84,6 +86,11 @@ fn exit_code(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.chain().any(|c| c.is::<cli::StdoutClosed>()) => ExitCode::from(STDOUT_CLOSED),
+        // Settings checked when a command uses them (the etcd settings together).
+        Err(e) if e.chain().any(|c| c.is::<rune_agent::config::ConfigError>()) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

@@ -3,6 +3,11 @@
 //! Order of subsystems (started in this order, stopped in reverse): `metrics` first
 //! so `/readyz` answers 503 while the rest comes up, then `localapi`, `watch` (the
 //! ordered log into the cache), `dataplane`, and `dns` (which reads the cache).
+//!
+//! The objects live in the embedded store in the state dir, or with
+//! `--etcd-endpoints` in etcd (nothing is opened in the state dir then; the identity
+//! stays there). With etcd, a probe keeps `status` and `rune_store_connected` told
+//! whether etcd answers; the data plane serves the last state applied meanwhile.
 
 use crate::{
     agent::{Agent, AgentConfig},
@@ -20,32 +25,55 @@ use crate::{
     identity::Identity,
     localapi::{self, LocalApiServer},
     metrics::{Metrics, server::MetricsServer},
-    orderedlog::embedded::{EmbeddedLog, EmbeddedOptions},
+    orderedlog::{
+        OrderedLog,
+        embedded::{EmbeddedLog, EmbeddedOptions},
+        etcd::EtcdLog,
+        store::ObjectStore,
+    },
     outbox::Outbox,
     preflight,
-    status::LiveStatus,
+    status::{
+        LiveStatus,
+        store::{StoreLink, probe_etcd},
+    },
 };
 use anyhow::{Context, Result};
 use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
 
 /// Runs the agent until SIGINT or SIGTERM, then stops every subsystem.
 pub async fn run(config: Config) -> Result<()> {
     let mode = config.mode;
+    // Checked before anything is created: a refused etcd setting changes nothing.
+    let etcd_options = config.etcd_options()?;
     raise_fd_limit();
     // Creates the state dir when missing.
     let identity = Identity::load_or_create(&config.state_dir)?;
-    let store = Arc::new(EmbeddedLog::open(
-        &config.state_dir,
-        EmbeddedOptions {
-            history: config.log_history,
-        },
-    )?);
     let metrics = Arc::new(Metrics::new());
+    let (store, link) = open_store(&config, etcd_options).await?;
+    // With etcd, the probe runs until `run` returns (the guard cancels it).
+    let probe = CancellationToken::new();
+    let _probe_guard = probe.clone().drop_guard();
+    match &link {
+        Link::Embedded(_) => {
+            metrics.store_connected.set(1);
+        }
+        Link::Etcd(link, etcd) => {
+            tokio::spawn(probe_etcd(
+                link.clone(),
+                etcd.clone(),
+                metrics.clone(),
+                probe.clone(),
+            ));
+        }
+    }
     let cache = Arc::new(EndpointCache::new());
     // The first snapshot is read into the cache (on the blocking pool) while
     // preflight and the data plane's load run: on a large cluster both take a
     // while, and even a small node's two cores do them side by side.
-    let first_snapshot = read_first_snapshot(store.clone(), cache.clone());
+    let log: Arc<dyn OrderedLog> = store.clone();
+    let first_snapshot = read_first_snapshot(log.clone(), cache.clone());
     // Production runs preflight first; dev mode always uses the loopback proxies.
     let (plane, selected): (Arc<dyn DataPlane>, _) = match mode {
         Mode::Dev => (
@@ -103,6 +131,7 @@ pub async fn run(config: Config) -> Result<()> {
         state_dir: config.state_dir.clone(),
         dataplane_reason: selected.as_ref().map(|s| s.reason.clone()),
         preflight: selected.map(|s| s.checks).unwrap_or_default(),
+        store: link.store_link(),
     };
     agent.register(Arc::new(MetricsServer::new(
         config.metrics_addr,
@@ -115,7 +144,7 @@ pub async fn run(config: Config) -> Result<()> {
         status,
     )))?;
     agent.register(Arc::new(
-        CacheFeed::new(store, cache.clone(), metrics).with_first_snapshot(first_snapshot),
+        CacheFeed::new(log, cache.clone(), metrics).with_first_snapshot(first_snapshot),
     ))?;
     agent.register(Arc::new(Reconciler::new(plane, cache)))?;
     agent.register(dns)?;
@@ -124,6 +153,7 @@ pub async fn run(config: Config) -> Result<()> {
         mode = %mode,
         node_id = %identity.node_id,
         state_dir = %config.state_dir.display(),
+        store = %link.store_link().state().backend,
         "starting rune-agent"
     );
     if mode == Mode::Dev {
@@ -163,6 +193,49 @@ pub async fn run(config: Config) -> Result<()> {
     agent.stop().await.context("stopping the agent")?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The store's link as `run` keeps it: the embedded store's, or etcd's with the
+/// client its probe asks.
+enum Link {
+    Embedded(Arc<StoreLink>),
+    Etcd(Arc<StoreLink>, EtcdLog),
+}
+
+impl Link {
+    fn store_link(&self) -> Arc<StoreLink> {
+        match self {
+            Link::Embedded(link) | Link::Etcd(link, _) => link.clone(),
+        }
+    }
+}
+
+/// The store the agent reads and writes: etcd with `options` (connecting sends
+/// nothing, so etcd may be down: the feed and the probe retry), else the embedded
+/// store in the state dir.
+async fn open_store(
+    config: &Config,
+    options: Option<crate::orderedlog::etcd::EtcdOptions>,
+) -> Result<(Arc<dyn ObjectStore>, Link)> {
+    match options {
+        Some(options) => {
+            let etcd = EtcdLog::connect(options)
+                .await
+                .context("the etcd store (--etcd-endpoints)")?;
+            let link = Arc::new(StoreLink::etcd(&etcd));
+            Ok((Arc::new(etcd.clone()), Link::Etcd(link, etcd)))
+        }
+        None => {
+            let store = EmbeddedLog::open(
+                &config.state_dir,
+                EmbeddedOptions {
+                    history: config.log_history,
+                },
+            )?;
+            let link = Arc::new(StoreLink::embedded(store.path()));
+            Ok((Arc::new(store), Link::Embedded(link)))
+        }
+    }
 }
 
 /// The production data plane preflight chose, with the checks behind the choice.

@@ -25,6 +25,8 @@ use std::{
     sync::{Arc, Weak},
 };
 
+pub mod store;
+
 /// The most services (and, apart, orphan endpoints) the summary lists; beyond it
 /// they are counted only, and `status --all` or `status SERVICE` shows them. Twenty
 /// services with ten backends each make ~250 lines: what still reads at a glance.
@@ -56,6 +58,16 @@ pub struct AgentStatus {
     /// The embedded DNS server: `serving on ADDR, ...`, or `off: <reason>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dns: Option<String>,
+    /// Where the objects live: `embedded <path>` or `etcd <endpoints> (prefix …)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store: Option<String>,
+    /// While the store does not answer: `since <time>, <why>` (the data plane
+    /// serves the last state applied meanwhile).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_disconnected: Option<String>,
+    /// etcd keys skipped (not valid objects): how many, and the last with why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_skipped: Option<String>,
     /// The node's identity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<NodeStatus>,
@@ -350,6 +362,8 @@ pub struct LiveStatus {
     pub dataplane_reason: Option<String>,
     /// Preflight's checks at start (production mode).
     pub preflight: Vec<crate::preflight::Check>,
+    /// The store: which, whether it answers, skipped keys.
+    pub store: Arc<store::StoreLink>,
 }
 
 impl StatusSource for LiveStatus {
@@ -366,6 +380,10 @@ impl StatusSource for LiveStatus {
             objects: counts(self.cache.counts()),
             ..AgentStatus::default()
         };
+        let store = self.store.state();
+        st.store = Some(store.backend);
+        st.store_disconnected = store.disconnected;
+        st.store_skipped = store.skipped;
         if let Some(agent) = self.agent.upgrade() {
             let id = agent.identity();
             st.mode = Some(agent.mode().to_string());
@@ -648,6 +666,15 @@ impl AgentStatus {
         }
         if let Some(d) = &self.dns {
             writeln!(o, "dns:        {d}")?;
+        }
+        if let Some(s) = &self.store {
+            writeln!(o, "store:      {s}")?;
+        }
+        if let Some(down) = &self.store_disconnected {
+            writeln!(o, "            StoreDisconnected {down}")?;
+        }
+        if let Some(skipped) = &self.store_skipped {
+            writeln!(o, "            {skipped}")?;
         }
         if let Some(n) = &self.node {
             writeln!(o, "node:       {} ({})", n.node_id, n.hostname)?;

@@ -504,8 +504,34 @@ fn other_commands_read_the_variables_of_their_settings() {
     for (command, keys) in [
         ("cleanup", &["stateDir", "bpfPinDir"][..]),
         ("preflight", &["stateDir", "dataplane", "cgroup"]),
-        ("status", &["stateDir"]),
-        ("get", &["stateDir"]),
+        (
+            "status",
+            &[
+                "stateDir",
+                "etcdEndpoints",
+                "etcdCa",
+                "etcdCert",
+                "etcdKey",
+                "etcdInsecure",
+                "etcdPrefix",
+                "etcdMaxTxnOps",
+                "etcdMaxRequestBytes",
+            ],
+        ),
+        (
+            "get",
+            &[
+                "stateDir",
+                "etcdEndpoints",
+                "etcdCa",
+                "etcdCert",
+                "etcdKey",
+                "etcdInsecure",
+                "etcdPrefix",
+                "etcdMaxTxnOps",
+                "etcdMaxRequestBytes",
+            ],
+        ),
     ] {
         let (got, _) = run_probe(&[command.to_owned()], &variables);
         let json = serde_json::to_value(&got).unwrap();

@@ -405,3 +405,72 @@ fn port_backends_keep_endpoints_sharing_an_address_apart() {
         ]
     );
 }
+
+/// A store that answered once and then went away: its watch breaks and every later
+/// snapshot fails (etcd down).
+struct VanishingLog {
+    snapshots: Mutex<u32>,
+}
+
+#[async_trait::async_trait]
+impl OrderedLog for VanishingLog {
+    async fn snapshot(&self) -> Result<Snapshot, LogError> {
+        let mut n = self.snapshots.lock().unwrap();
+        *n += 1;
+        if *n == 1 {
+            return Ok(Snapshot {
+                revision: 3,
+                objects: vec![service("a", 80), endpoints("a", &["198.18.1.2"])],
+            });
+        }
+        Err(LogError::Unavailable {
+            endpoints: "http://127.0.0.1:2379".into(),
+            message: "connection refused".into(),
+        })
+    }
+
+    async fn watch(&self, _from: Revision) -> Result<crate::orderedlog::EventStream, LogError> {
+        let err = LogError::Unavailable {
+            endpoints: "http://127.0.0.1:2379".into(),
+            message: "connection reset".into(),
+        };
+        Ok(futures::stream::iter([Err(err)]).boxed())
+    }
+}
+
+/// Static stability: a store that goes away never empties the cache, never takes
+/// readiness back, and wakes no subscriber (nothing is re-programmed).
+#[tokio::test]
+async fn a_store_that_goes_away_leaves_the_cache_and_readiness_as_they_were() {
+    let log = Arc::new(VanishingLog {
+        snapshots: Mutex::new(0),
+    });
+    let cache = Arc::new(EndpointCache::new());
+    let feed = CacheFeed::new(log.clone(), cache.clone(), Arc::new(Metrics::new()));
+    let ctx = StartContext::new(CancellationToken::new(), crate::config::Mode::Dev);
+    feed.start(&ctx).await.unwrap();
+    let ready = feed.ready();
+    tokio::time::timeout(Duration::from_secs(5), ready.wait())
+        .await
+        .expect("ready after the first snapshot");
+    let mut sub = cache.subscribe();
+    assert!(sub.try_next().unwrap().full);
+    // Several failed snapshots (backoff 100, 200, 400 ms…).
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while *log.snapshots.lock().unwrap() < 4 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the feed keeps retrying");
+    assert!(ready.is_ready(), "readiness stays once synced");
+    assert_eq!(cache.revision(), 3);
+    let a = cache.view(&ServiceKey::new("default", "a")).unwrap();
+    assert_eq!(a.endpoint_list().len(), 1);
+    assert!(sub.try_next().is_none(), "nothing to re-program");
+    ctx.cancel.cancel();
+    tokio::time::timeout(Duration::from_secs(5), feed.stop())
+        .await
+        .unwrap()
+        .unwrap();
+}

@@ -166,6 +166,12 @@ pub struct Metrics {
     pub dataplane_mode: Family<DataplaneModeLabels, Gauge>,
     /// `rune_preflight_check{check}`: 1 passed, 0 failed at the last start.
     pub preflight_check: Family<PreflightCheckLabels, Gauge>,
+    /// `rune_store_connected`: 1 while the store answers (always with the embedded
+    /// store), 0 while etcd does not.
+    pub store_connected: Gauge,
+    /// `rune_store_skipped_keys_total`: etcd keys skipped because their value is not
+    /// a valid object or their kind is unknown.
+    pub store_skipped_keys: Counter,
 }
 
 impl Metrics {
@@ -265,6 +271,18 @@ impl Metrics {
             "1 when the preflight check passed at start, 0 when it failed",
             preflight_check.clone(),
         );
+        let store_connected = Gauge::default();
+        registry.register(
+            "store_connected",
+            "1 while the store holding the objects answers, 0 while etcd does not",
+            store_connected.clone(),
+        );
+        let store_skipped_keys = Counter::default();
+        registry.register(
+            "store_skipped_keys",
+            "etcd keys skipped because their value is not a valid object or their kind is unknown",
+            store_skipped_keys.clone(),
+        );
         let dataplane = Arc::new(DataplaneCollector::default());
         registry.register_collector(Box::new(dataplane.clone()));
         Self {
@@ -285,6 +303,8 @@ impl Metrics {
             dns_query_duration,
             dataplane_mode,
             preflight_check,
+            store_connected,
+            store_skipped_keys,
         }
     }
 

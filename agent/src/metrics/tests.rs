@@ -40,6 +40,8 @@ fn every_metric_is_registered_under_its_documented_name() {
         })
         .set(1);
     metrics.revision_applied.set(7);
+    metrics.store_connected.set(1);
+    metrics.store_skipped_keys.inc_by(2);
     metrics.set_dataplane(
         "ebpf",
         &[("btf".to_owned(), true), ("nft".to_owned(), false)],
@@ -57,6 +59,8 @@ fn every_metric_is_registered_under_its_documented_name() {
         "rune_dataplane_mode{mode=\"ebpf\"} 1",
         "rune_preflight_check{check=\"btf\"} 1",
         "rune_preflight_check{check=\"nft\"} 0",
+        "rune_store_connected 1",
+        "rune_store_skipped_keys_total 2",
     ] {
         assert!(
             text.lines().any(|l| l == line),

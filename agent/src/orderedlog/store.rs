@@ -11,7 +11,12 @@ use async_trait::async_trait;
 use std::{
     collections::{HashMap, HashSet},
     net::IpAddr,
+    ops::ControlFlow,
 };
+
+/// What [`ObjectStore::scan`] hands each object to: called on the blocking pool, so
+/// it may block (e.g. send into a bounded channel); breaking stops the scan.
+pub type ScanFn = Box<dyn FnMut(Revision, Object) -> ControlFlow<()> + Send>;
 
 /// What the CLI and the local API write and read through, whichever backend holds
 /// the objects: an [`OrderedLog`] that can also be written.
@@ -32,6 +37,36 @@ pub trait ObjectStore: OrderedLog {
         namespace: Option<&str>,
         name: Option<&str>,
     ) -> Result<(Revision, Vec<Object>), LogError>;
+
+    /// The store's current revision (what a delete of a missing object answers).
+    async fn current_revision(&self) -> Result<Revision, LogError>;
+
+    /// The objects matching the filters, in key order, handed to `each` on the
+    /// blocking pool until it breaks; returns the revision they were read at. By
+    /// default one [`ObjectStore::get`] and then each object; a store that can read
+    /// one object at a time streams instead (the embedded store: a large store never
+    /// sits in memory whole).
+    async fn scan(
+        &self,
+        kind: Option<Kind>,
+        namespace: Option<String>,
+        name: Option<String>,
+        mut each: ScanFn,
+    ) -> Result<Revision, LogError> {
+        let (revision, objects) = self
+            .get(kind, namespace.as_deref(), name.as_deref())
+            .await?;
+        tokio::task::spawn_blocking(move || {
+            for o in objects {
+                if each(revision, o).is_break() {
+                    break;
+                }
+            }
+        })
+        .await
+        .map_err(task_failed)?;
+        Ok(revision)
+    }
 }
 
 #[async_trait]
@@ -61,6 +96,25 @@ impl ObjectStore for EmbeddedLog {
         let (namespace, name) = (namespace.map(str::to_owned), name.map(str::to_owned));
         tokio::task::spawn_blocking(move || {
             EmbeddedLog::get(&store, kind, namespace.as_deref(), name.as_deref())
+        })
+        .await
+        .map_err(task_failed)?
+    }
+
+    async fn current_revision(&self) -> Result<Revision, LogError> {
+        Ok(EmbeddedLog::revision(self))
+    }
+
+    async fn scan(
+        &self,
+        kind: Option<Kind>,
+        namespace: Option<String>,
+        name: Option<String>,
+        each: ScanFn,
+    ) -> Result<Revision, LogError> {
+        let store = self.clone();
+        tokio::task::spawn_blocking(move || {
+            EmbeddedLog::scan(&store, kind, namespace.as_deref(), name.as_deref(), each)
         })
         .await
         .map_err(task_failed)?

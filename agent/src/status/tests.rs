@@ -118,3 +118,29 @@ fn backend_counters_tell_endpoints_on_one_address_apart() {
         ]
     );
 }
+
+#[test]
+fn render_shows_the_store_and_since_when_it_is_disconnected() {
+    let st = AgentStatus {
+        running: true,
+        store: Some("etcd http://127.0.0.1:2379 (prefix /rune/v1/)".into()),
+        store_disconnected: Some("since 2026-12-02T04:40:01Z, etcd is unavailable".into()),
+        store_skipped: Some("2 keys skipped; last: /rune/v1/gadget/default/x".into()),
+        ..AgentStatus::default()
+    };
+    let text = st.render();
+    for line in [
+        "store:      etcd http://127.0.0.1:2379 (prefix /rune/v1/)\n",
+        "            StoreDisconnected since 2026-12-02T04:40:01Z, etcd is unavailable\n",
+        "            2 keys skipped; last: /rune/v1/gadget/default/x\n",
+    ] {
+        assert!(text.contains(line), "{line:?} in:\n{text}");
+    }
+    let json = serde_json::to_value(&st).unwrap();
+    assert_eq!(
+        json["storeDisconnected"],
+        "since 2026-12-02T04:40:01Z, etcd is unavailable"
+    );
+    let back: AgentStatus = serde_json::from_value(json).unwrap();
+    assert_eq!(back, st);
+}

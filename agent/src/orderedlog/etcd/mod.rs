@@ -230,6 +230,10 @@ impl ObjectStore for EtcdLog {
     ) -> Result<(Revision, Vec<Object>), LogError> {
         EtcdLog::get(self, kind, namespace, name).await
     }
+
+    async fn current_revision(&self) -> Result<Revision, LogError> {
+        EtcdLog::revision(self).await
+    }
 }
 
 #[cfg(test)]
