@@ -3,12 +3,18 @@
 //! [`FactsSource`] (data plane mode and why, failed preflight checks, map fill,
 //! readiness), which `run` fills with closures over what it built.
 
+use crate::{
+    agent::Agent,
+    config::{DataplaneMode, Mode},
+    dataplane::{DataPlane, PortState},
+    preflight::Check,
+};
 use serde::{Deserialize, Serialize};
 use std::{
     ffi::CStr,
     net::IpAddr,
     path::{Path, PathBuf},
-    sync::Arc,
+    sync::{Arc, Weak},
 };
 
 /// The facts of a node document.
@@ -81,7 +87,8 @@ pub struct FactsSource {
     /// `Ok` when the agent is ready, else why not (the `Ready` condition).
     pub ready: Fact<Result<(), String>>,
     /// Why the data plane is degraded (fell back from eBPF, ports failing), if it
-    /// is (the `DataplaneDegraded` condition).
+    /// is (the `DataplaneDegraded` condition). Asked with the facts (every 60 s):
+    /// it may walk every service port.
     pub degraded: Fact<Option<String>>,
     /// The state dir, whose filesystem's free space is the `DiskPressure`
     /// condition.
@@ -97,6 +104,78 @@ impl std::fmt::Debug for FactsSource {
 }
 
 impl FactsSource {
+    /// What `run` has: the agent (held weakly: the agent owns the registrar),
+    /// its data plane, preflight's reason and checks (none in dev mode), and the
+    /// state dir. The data plane is degraded when, in production, it is not eBPF
+    /// while checks eBPF needs failed, or when service ports fail. Maps are not
+    /// reported yet (`maps` stays empty until the data planes count their fill).
+    pub fn for_agent(
+        agent: Weak<Agent>,
+        mode: Mode,
+        plane: Arc<dyn DataPlane>,
+        reason: String,
+        checks: Vec<Check>,
+        state_dir: PathBuf,
+    ) -> Self {
+        let failed: Vec<String> = checks
+            .iter()
+            .filter(|c| !c.passed)
+            .map(|c| c.name.clone())
+            .collect();
+        let ebpf_blocked: Vec<String> = checks
+            .iter()
+            .filter(|c| !c.passed && c.needed_by.contains(&DataplaneMode::Ebpf))
+            .map(|c| c.name.clone())
+            .collect();
+        let dataplane = DataplaneFacts {
+            mode: plane.mode().to_owned(),
+            reason,
+            failed_checks: failed,
+        };
+        let facts_plane = dataplane.clone();
+        let status_plane = plane.clone();
+        Self {
+            dataplane: Arc::new(move || facts_plane.clone()),
+            maps: Arc::new(Vec::new),
+            ready: Arc::new(move || match agent.upgrade() {
+                None => Err("the agent is gone".to_owned()),
+                Some(a) => a.ready_err().map_or(Ok(()), |e| Err(e.to_string())),
+            }),
+            degraded: Arc::new(move || {
+                let mut why = Vec::new();
+                if mode == Mode::Production
+                    && status_plane.mode() != "ebpf"
+                    && !ebpf_blocked.is_empty()
+                {
+                    why.push(format!(
+                        "{} instead of ebpf: {} failed",
+                        status_plane.mode(),
+                        ebpf_blocked.join(", ")
+                    ));
+                }
+                let failing: Vec<String> = status_plane
+                    .status()
+                    .into_iter()
+                    .filter_map(|p| match p.state {
+                        PortState::Failed { reason } => {
+                            Some(format!("{}:{}/{}: {reason}", p.service, p.port, p.protocol))
+                        }
+                        PortState::Listening => None,
+                    })
+                    .collect();
+                if !failing.is_empty() {
+                    why.push(format!(
+                        "{} service port(s) failing: {}",
+                        failing.len(),
+                        failing.join("; ")
+                    ));
+                }
+                (!why.is_empty()).then(|| why.join("; "))
+            }),
+            state_dir,
+        }
+    }
+
     /// A source that reports `mode` ready and not degraded, with no maps: what a
     /// test or a minimal agent has.
     pub fn fixed(mode: &str, reason: &str, state_dir: PathBuf) -> Self {
@@ -124,7 +203,8 @@ pub struct HostSample {
     pub disk: Option<(u64, u64)>,
 }
 
-/// The node's facts and host readings now.
+/// The node's facts and host readings now (the data plane's degradation is
+/// asked separately: see [`FactsSource::degraded`]).
 pub fn gather(source: &FactsSource) -> (Facts, HostSample) {
     let (kernel_release, architecture) = uname();
     let memory = std::fs::read_to_string("/proc/meminfo")
@@ -259,6 +339,73 @@ mod tests {
         let (free, size) = sample.disk.unwrap();
         assert!(free <= size && size > 0);
         assert!(addresses().iter().all(|a| !a.is_loopback()));
+    }
+
+    /// A data plane whose one port failed to bind.
+    struct Failing;
+
+    #[async_trait::async_trait]
+    impl DataPlane for Failing {
+        fn mode(&self) -> &'static str {
+            "nftables"
+        }
+        async fn apply(
+            &self,
+            _: &crate::endpoints::Delta,
+        ) -> Result<(), crate::dataplane::DataPlaneError> {
+            Ok(())
+        }
+        fn status(&self) -> Vec<crate::dataplane::ServicePortStatus> {
+            vec![crate::dataplane::ServicePortStatus {
+                service: "default/web".into(),
+                port: 80,
+                protocol: crate::model::Protocol::Tcp,
+                listen: None,
+                state: PortState::Failed {
+                    reason: "address in use".into(),
+                },
+                endpoints_known: true,
+                backends: Vec::new(),
+                counters: None,
+            }]
+        }
+        async fn shutdown(&self) {}
+    }
+
+    #[test]
+    fn the_agents_source_says_why_the_data_plane_is_degraded() {
+        let checks = vec![
+            Check {
+                name: "btf".into(),
+                passed: false,
+                detail: "no BTF".into(),
+                needed_by: vec![DataplaneMode::Ebpf],
+            },
+            Check {
+                name: "nft".into(),
+                passed: true,
+                detail: String::new(),
+                needed_by: vec![DataplaneMode::Nftables],
+            },
+        ];
+        let source = FactsSource::for_agent(
+            Weak::new(),
+            Mode::Production,
+            Arc::new(Failing),
+            "auto: eBPF unavailable".into(),
+            checks,
+            PathBuf::from("/"),
+        );
+        let facts = (source.dataplane)();
+        assert_eq!(facts.mode, "nftables");
+        assert_eq!(facts.failed_checks, vec!["btf".to_owned()]);
+        let why = (source.degraded)().expect("degraded");
+        assert!(
+            why.contains("nftables instead of ebpf: btf failed"),
+            "{why}"
+        );
+        assert!(why.contains("default/web:80/TCP: address in use"), "{why}");
+        assert_eq!((source.ready)(), Err("the agent is gone".to_owned()));
     }
 
     #[test]

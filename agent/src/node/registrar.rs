@@ -6,8 +6,9 @@
 //!   renews the lease. The document is rewritten only when it changed (facts,
 //!   conditions, applied revision; never for its write time alone), so a quiet
 //!   node costs etcd one keep-alive per heartbeat and no revision.
-//! * **Facts** are gathered every [`RegistrarOptions::facts_interval`] (60 s);
-//!   readiness, degradation and the applied revision at every step (a new applied
+//! * **Facts** (and the data plane's degradation) are gathered every
+//!   [`RegistrarOptions::facts_interval`] (60 s); readiness and the applied
+//!   revision at every step (a new applied
 //!   revision is written at once, coalesced over [`APPLIED_COALESCE`]).
 //! * **Lease lost** (etcd was unreachable longer than the TTL, or revoked it): a
 //!   new lease is granted and the document written again, same node id.
@@ -183,6 +184,8 @@ struct Gathered {
     facts: Facts,
     host: HostSample,
     addresses: Vec<IpAddr>,
+    /// Why the data plane is degraded, if it is.
+    degraded: Option<String>,
     at: Instant,
 }
 
@@ -216,14 +219,15 @@ impl Keeper {
                 let source = self.source.clone();
                 let read = tokio::task::spawn_blocking(move || {
                     let (facts, host) = facts::gather(&source);
-                    (facts, host, facts::addresses())
+                    (facts, host, facts::addresses(), (source.degraded)())
                 })
                 .await;
-                if let Ok((facts, host, addresses)) = read {
+                if let Ok((facts, host, addresses, degraded)) = read {
                     gathered = Some(Gathered {
                         facts,
                         host,
                         addresses,
+                        degraded,
                         at: Instant::now(),
                     });
                 }
@@ -320,19 +324,16 @@ impl Keeper {
         let now = Timestamp::now();
         let inputs = Inputs {
             ready: (self.source.ready)(),
-            degraded: (self.source.degraded)(),
+            degraded: g.degraded.clone(),
             store_error: self.store_error.clone(),
             maps: &g.facts.maps,
             host: g.host,
         };
         self.conditions.update(observe(&inputs), now);
-        let mut facts = g.facts.clone();
-        // Readiness and the data plane's choice can change between gatherings.
-        facts.dataplane = (self.source.dataplane)();
         NodeDocument {
             identity: self.identity.clone(),
             addresses: g.addresses.clone(),
-            facts,
+            facts: g.facts.clone(),
             conditions: self.conditions.conditions().to_vec(),
             applied_revision: self.applied.get(),
             heartbeat_time: now,
