@@ -106,15 +106,17 @@ impl std::fmt::Debug for FactsSource {
 impl FactsSource {
     /// What `run` has: the agent (held weakly: the agent owns the registrar),
     /// its data plane, preflight's reason and checks (none in dev mode), and the
-    /// state dir. The data plane is degraded when, in production, it is not eBPF
-    /// while checks eBPF needs failed, or when service ports fail. Maps are not
-    /// reported yet (`maps` stays empty until the data planes count their fill).
+    /// state dir, and the data plane's maps with their capacities (eBPF: from
+    /// its map sizes; their fill is `None` until the data plane counts it). The
+    /// data plane is degraded when, in production, it is not eBPF while checks
+    /// eBPF needs failed, or when service ports fail.
     pub fn for_agent(
         agent: Weak<Agent>,
         mode: Mode,
         plane: Arc<dyn DataPlane>,
         reason: String,
         checks: Vec<Check>,
+        maps: Vec<MapFill>,
         state_dir: PathBuf,
     ) -> Self {
         let failed: Vec<String> = checks
@@ -136,7 +138,7 @@ impl FactsSource {
         let status_plane = plane.clone();
         Self {
             dataplane: Arc::new(move || facts_plane.clone()),
-            maps: Arc::new(Vec::new),
+            maps: Arc::new(move || maps.clone()),
             ready: Arc::new(move || match agent.upgrade() {
                 None => Err("the agent is gone".to_owned()),
                 Some(a) => a.ready_err().map_or(Ok(()), |e| Err(e.to_string())),
@@ -394,6 +396,7 @@ mod tests {
             Arc::new(Failing),
             "auto: eBPF unavailable".into(),
             checks,
+            Vec::new(),
             PathBuf::from("/"),
         );
         let facts = (source.dataplane)();
