@@ -11,7 +11,10 @@ use rune_agent::{
     applied::AppliedRevision,
     cli::nodes::{DocumentFormat, WaitError, get_node, list_nodes, wait_applied, write_table},
     config::Mode,
+    dataplane::{DataPlane, DataPlaneError, ServicePortStatus, reconciler::Reconciler},
+    endpoints::{CacheFeed, Delta, EndpointCache},
     identity::Identity,
+    metrics::Metrics,
     model::Kind,
     node::{
         NodeDocument,
@@ -410,4 +413,93 @@ async fn the_object_snapshot_and_watch_ignore_the_nodes_keys() {
     assert_eq!(log.skipped().count, 0, "{:?}", log.skipped().last);
     let (_, objects) = log.get(None, None, None).await.unwrap();
     assert_eq!(objects.len(), 1);
+}
+
+/// A data plane that takes every delta (the chain's last link, without a kernel).
+struct NullPlane;
+
+/// The trait's methods as `async_trait` expands them (this crate does not
+/// depend on the macro).
+type Boxed<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+impl DataPlane for NullPlane {
+    fn mode(&self) -> &'static str {
+        "userspace"
+    }
+    fn apply<'life0, 'life1, 'async_trait>(
+        &'life0 self,
+        _: &'life1 Delta,
+    ) -> Boxed<'async_trait, Result<(), DataPlaneError>>
+    where
+        'life0: 'async_trait,
+        'life1: 'async_trait,
+        Self: 'async_trait,
+    {
+        Box::pin(async { Ok(()) })
+    }
+    fn status(&self) -> Vec<ServicePortStatus> {
+        Vec::new()
+    }
+    fn shutdown<'life0, 'async_trait>(&'life0 self) -> Boxed<'async_trait, ()>
+    where
+        'life0: 'async_trait,
+        Self: 'async_trait,
+    {
+        Box::pin(async {})
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_apply_reaches_the_applied_revision_through_the_watch_the_cache_and_the_data_plane() {
+    let etcd = Etcd::start();
+    let log = connect(etcd.endpoint()).await;
+    let metrics = Arc::new(Metrics::new());
+    let cache = Arc::new(EndpointCache::new());
+    let applied = AppliedRevision::with_metrics(&metrics);
+    let feed = CacheFeed::new(Arc::new(log.clone()), cache.clone(), metrics.clone())
+        .with_applied(applied.clone());
+    let plane = Reconciler::new(Arc::new(NullPlane), cache.clone())
+        .with_applied(applied.consumer("dataplane"));
+    let id = identity("e0000000000000000000000000000000", "node-e");
+    let registrar = Registrar::new(
+        log.clone(),
+        id.clone(),
+        FactsSource::fixed("userspace", "dev mode", std::env::temp_dir()),
+        applied.clone(),
+        short(),
+    );
+    let cancel = CancellationToken::new();
+    let ctx = StartContext::new(cancel.clone(), Mode::Dev);
+    for s in [&feed as &dyn Subsystem, &plane, &registrar] {
+        s.start(&ctx).await.unwrap();
+    }
+    until(&log, &id.node_id, "registration", |r| r.is_some()).await;
+
+    let outcome = log
+        .apply(vec![
+            svc("web", "198.18.100.1"),
+            eps("web", &["198.18.11.2"]),
+        ])
+        .await
+        .unwrap();
+    let ready = wait_applied(&log, outcome.revision, PATIENCE)
+        .await
+        .unwrap();
+    assert_eq!(ready, 1);
+    let doc = document(&log.get_node(&id.node_id).await.unwrap().unwrap());
+    assert_eq!(doc.applied_revision, outcome.revision);
+    let text = metrics.encode();
+    assert!(
+        text.contains(&format!("rune_applied_revision {}", outcome.revision)),
+        "{text}"
+    );
+    assert!(
+        !text.contains("rune_watch_lag_seconds_count 0"),
+        "the apply's events were measured: {text}"
+    );
+
+    cancel.cancel();
+    for s in [&registrar as &dyn Subsystem, &plane, &feed] {
+        s.stop().await.unwrap();
+    }
 }
