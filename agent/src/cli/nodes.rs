@@ -6,6 +6,7 @@ use crate::{
     node::{NodeDocument, format_age},
     orderedlog::{
         LogError, Revision,
+        embedded::{ApplyOutcome, Change},
         etcd::{EtcdLog, NodeChange, NodeRecord},
     },
 };
@@ -240,6 +241,18 @@ pub enum WaitError {
     Log(#[from] LogError),
 }
 
+/// The revision `apply --wait` waits for after `outcome`: `None` when the apply
+/// changed nothing. Its revision is then etcd's current one, which may be a node
+/// document's write that no object watch ever applies (the nodes' subtree is
+/// skipped), so waiting for it could only time out.
+pub fn revision_to_wait_for(outcome: &ApplyOutcome) -> Option<Revision> {
+    outcome
+        .results
+        .iter()
+        .any(|(_, change)| *change != Change::Unchanged)
+        .then_some(outcome.revision)
+}
+
 /// Waits until every Ready node's applied revision is at least `revision`
 /// (`apply --wait`), following the nodes' keys with a watch (no polling). Nodes
 /// that are not Ready, and nodes that register meanwhile, count only while Ready;
@@ -360,5 +373,38 @@ fn give_up(
             timeout,
             lagging,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Kind, ObjectKey};
+
+    #[test]
+    fn an_apply_that_changed_nothing_is_not_waited_for() {
+        let key = ObjectKey::new(Kind::Service, "default", "web");
+        let mut outcome = ApplyOutcome {
+            revision: 42,
+            results: vec![(key.clone(), Change::Unchanged)],
+        };
+        assert_eq!(revision_to_wait_for(&outcome), None);
+        outcome.results.push((key, Change::Configured));
+        assert_eq!(revision_to_wait_for(&outcome), Some(42));
+    }
+
+    #[test]
+    fn the_table_aligns_columns_and_marks_unreadable_documents() {
+        let entries = vec![NodeEntry {
+            id: "abc".into(),
+            document: Err("node abc: not a node document: EOF".into()),
+            heartbeat_age: Some(Duration::from_secs(4)),
+        }];
+        let mut out = Vec::new();
+        write_table(&entries, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "NAME   STATE     DATAPLANE   APPLIED   HEARTBEAT");
+        assert_eq!(lines[1], "abc    Unknown   -           -         4s");
     }
 }
