@@ -26,7 +26,7 @@ use rune_agent::{
         Event, OrderedLog,
         etcd::{EtcdLog, NodeRecord},
     },
-    subsystem::{StartContext, Subsystem},
+    subsystem::{Readiness, StartContext, Subsystem},
 };
 use rune_harness::etcd::{Etcd, Gate};
 use std::{
@@ -502,4 +502,56 @@ async fn an_apply_reaches_the_applied_revision_through_the_watch_the_cache_and_t
     for s in [&registrar as &dyn Subsystem, &plane, &feed] {
         s.stop().await.unwrap();
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_of_readiness_is_written_at_once_not_at_the_next_heartbeat() {
+    let etcd = Etcd::start();
+    let log = connect(etcd.endpoint()).await;
+    let (setter, readiness) = Readiness::new();
+    let mut source = FactsSource::fixed("userspace", "dev mode", std::env::temp_dir());
+    let flag = readiness.clone();
+    source.ready = Arc::new(move || {
+        if flag.is_ready() {
+            Ok(())
+        } else {
+            Err("watch is not ready".to_owned())
+        }
+    });
+    source.ready_changes = Some(readiness);
+    let id = identity("f0000000000000000000000000000000", "node-f");
+    // The default 10 s heartbeat: only the readiness change can write in time.
+    let registrar = Registrar::new(
+        log.clone(),
+        id.clone(),
+        source,
+        AppliedRevision::new(),
+        RegistrarOptions::default(),
+    );
+    let cancel = CancellationToken::new();
+    registrar
+        .start(&StartContext::new(cancel.clone(), Mode::Dev))
+        .await
+        .unwrap();
+    let first = until(&log, &id.node_id, "registration", |r| r.is_some())
+        .await
+        .unwrap();
+    let ready = document(&first);
+    assert!(!ready.is_ready());
+    assert_eq!(
+        ready.condition(Condition::Ready).unwrap().message,
+        "watch is not ready"
+    );
+    setter.set_ready();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let doc = document(&log.get_node(&id.node_id).await.unwrap().unwrap());
+        if doc.is_ready() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "Ready not written within 3 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cancel.cancel();
+    registrar.stop().await.unwrap();
 }

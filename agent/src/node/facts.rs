@@ -8,6 +8,7 @@ use crate::{
     config::{DataplaneMode, Mode},
     dataplane::{DataPlane, PortState},
     preflight::Check,
+    subsystem::Readiness,
 };
 use serde::{Deserialize, Serialize};
 use std::{
@@ -86,6 +87,9 @@ pub struct FactsSource {
     pub maps: Fact<Vec<MapFill>>,
     /// `Ok` when the agent is ready, else why not (the `Ready` condition).
     pub ready: Fact<Result<(), String>>,
+    /// A flag that changes when `ready` may have: the registrar writes the
+    /// document again at once rather than at the next heartbeat.
+    pub ready_changes: Option<Readiness>,
     /// Why the data plane is degraded (fell back from eBPF, ports failing), if it
     /// is (the `DataplaneDegraded` condition). Asked with the facts (every 60 s):
     /// it may walk every service port.
@@ -136,7 +140,9 @@ impl FactsSource {
         };
         let facts_plane = dataplane.clone();
         let status_plane = plane.clone();
+        let ready_changes = agent.upgrade().map(|a| a.readiness());
         Self {
+            ready_changes,
             dataplane: Arc::new(move || facts_plane.clone()),
             maps: Arc::new(move || maps.clone()),
             ready: Arc::new(move || match agent.upgrade() {
@@ -190,6 +196,7 @@ impl FactsSource {
             dataplane: Arc::new(move || dataplane.clone()),
             maps: Arc::new(Vec::new),
             ready: Arc::new(|| Ok(())),
+            ready_changes: None,
             degraded: Arc::new(|| None),
             state_dir,
         }

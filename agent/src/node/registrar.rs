@@ -7,8 +7,8 @@
 //!   conditions, applied revision; never for its write time alone), so a quiet
 //!   node costs etcd one keep-alive per heartbeat and no revision.
 //! * **Facts** (and the data plane's degradation) are gathered every
-//!   [`RegistrarOptions::facts_interval`] (60 s); readiness and the applied
-//!   revision at every step (a new applied
+//!   [`RegistrarOptions::facts_interval`] (60 s); readiness (written at once when
+//!   [`FactsSource::ready_changes`] changes) and the applied revision at every step (a new applied
 //!   revision is written at once, coalesced over [`APPLIED_COALESCE`]).
 //! * **Lease lost** (etcd was unreachable longer than the TTL, or revoked it): a
 //!   new lease is granted and the document written again, same node id.
@@ -194,11 +194,25 @@ impl Keeper {
         let mut heartbeat = tokio::time::interval(self.options.heartbeat);
         heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut applied = self.applied.subscribe();
+        let mut ready_changes = self.source.ready_changes.clone();
         let mut gathered: Option<Gathered> = None;
         loop {
+            let readiness_changed = async {
+                match ready_changes.as_mut() {
+                    Some(r) => r.changed().await,
+                    None => std::future::pending().await,
+                }
+            };
             let beat = tokio::select! {
                 () = cancel.cancelled() => return,
                 _ = heartbeat.tick() => true,
+                alive = readiness_changed => {
+                    if !alive {
+                        // Its setter is gone: it will not change again.
+                        ready_changes = None;
+                    }
+                    false
+                }
                 changed = applied.changed() => {
                     if changed.is_err() {
                         // Cannot happen while `self.applied` lives; never spin.
