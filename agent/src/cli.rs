@@ -11,6 +11,7 @@
 //! `status --all`; see [`output`]); a reader that closes the pipe early ends the
 //! command quietly with exit status 141 ([`StdoutClosed`]).
 
+pub mod nodes;
 mod output;
 
 pub use output::StdoutClosed;

@@ -8,6 +8,7 @@
 //! queues unbounded work: it catches up with the newest state in one step.
 
 use crate::{
+    applied::AppliedRevision,
     lock::lock,
     metrics::{KindLabels, Metrics},
     model::{Endpoint, Endpoints, Kind, Object, ObjectKey, Service, ServiceKey, ServicePort},
@@ -115,6 +116,16 @@ pub struct Delta {
     pub removed: Vec<ServiceKey>,
 }
 
+impl Delta {
+    /// Whether the delta only moves the revision: the cache moved on (events of
+    /// other kinds of change, a snapshot that changed nothing) and what the
+    /// subscriber holds is already right at `revision`; it acknowledges it
+    /// ([`crate::applied`]) without work.
+    pub fn only_revision(&self) -> bool {
+        !self.full && self.upserted.is_empty() && self.removed.is_empty()
+    }
+}
+
 /// The objects the cache holds under one service key; never both missing.
 #[derive(Clone, Debug, Default, PartialEq)]
 struct Entry {
@@ -168,6 +179,9 @@ struct Pending {
 struct Dirty {
     full: bool,
     keys: BTreeSet<ServiceKey>,
+    /// The revision of the last delta handed out: a later cache revision is a
+    /// delta of its own even when no key changed (see [`Delta::only_revision`]).
+    delivered: Revision,
 }
 
 /// The cache. Cheap to share behind an `Arc`; every method takes `&self`.
@@ -272,11 +286,14 @@ impl EndpointCache {
     fn mark(st: &mut State, keys: BTreeSet<ServiceKey>) {
         // Drop subscribers that went away while we are here.
         st.subscribers.retain(|w| w.strong_count() > 0);
-        if keys.is_empty() {
-            return;
-        }
         for sub in st.subscribers.iter().filter_map(Weak::upgrade) {
-            lock(&sub.dirty).keys.extend(keys.iter().cloned());
+            let mut dirty = lock(&sub.dirty);
+            // Woken for a new revision too, changed keys or not.
+            if keys.is_empty() && dirty.delivered == st.revision {
+                continue;
+            }
+            dirty.keys.extend(keys.iter().cloned());
+            drop(dirty);
             sub.notify.notify_one();
         }
     }
@@ -354,6 +371,7 @@ impl EndpointCache {
             dirty: Mutex::new(Dirty {
                 full: true,
                 keys: BTreeSet::new(),
+                delivered: 0,
             }),
             notify: Notify::new(),
         });
@@ -392,9 +410,10 @@ impl Subscription {
             return None;
         }
         let mut dirty = lock(&self.pending.dirty);
-        if !dirty.full && dirty.keys.is_empty() {
+        if !dirty.full && dirty.keys.is_empty() && dirty.delivered == st.revision {
             return None;
         }
+        dirty.delivered = st.revision;
         let full = std::mem::take(&mut dirty.full);
         let keys = std::mem::take(&mut dirty.keys);
         drop(dirty);
@@ -440,6 +459,8 @@ pub struct CacheFeed {
     /// The first snapshot, when its read was started before this subsystem (see
     /// [`CacheFeed::with_first_snapshot`]).
     first: Mutex<Option<FirstSnapshot>>,
+    /// Told when each batch of events was received ([`CacheFeed::with_applied`]).
+    applied: Option<AppliedRevision>,
 }
 
 /// A first snapshot being read into the cache already ([`read_first_snapshot`]).
@@ -488,7 +509,16 @@ impl CacheFeed {
             readiness,
             tasks: TaskTracker::new(),
             first: Mutex::new(None),
+            applied: None,
         }
+    }
+
+    /// Records when each batch of events was received in `applied`, for
+    /// `rune_watch_lag_seconds` (receipt to effect in the kernel).
+    #[must_use]
+    pub fn with_applied(mut self, applied: AppliedRevision) -> Self {
+        self.applied = Some(applied);
+        self
     }
 
     /// Goes on from `first` (`log`'s snapshot read into the cache earlier, e.g. while
@@ -515,6 +545,7 @@ impl Subsystem for CacheFeed {
             self.synced.clone(),
             ctx.cancel.clone(),
             lock(&self.first).take(),
+            self.applied.clone(),
         ));
         Ok(())
     }
@@ -557,6 +588,7 @@ async fn follow(
     synced: ReadySetter,
     cancel: CancellationToken,
     mut first: Option<FirstSnapshot>,
+    applied: Option<AppliedRevision>,
 ) {
     let mut backoff = INITIAL_BACKOFF;
     let pause = |d: Duration| {
@@ -629,6 +661,7 @@ async fn follow(
             };
             match item {
                 Some(Ok(event)) => {
+                    let received = std::time::Instant::now();
                     // Take every event already waiting (one `apply` writes several)
                     // and apply them as one step.
                     let mut batch = vec![event];
@@ -642,6 +675,9 @@ async fn follow(
                             }
                             None => break,
                         }
+                    }
+                    if let (Some(applied), Some(last)) = (&applied, batch.last()) {
+                        applied.received(last.revision(), received);
                     }
                     cache.apply_events(&batch);
                     publish(&cache, &metrics);

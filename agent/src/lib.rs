@@ -6,6 +6,7 @@
 //! of which keeps the contract of [`subsystem`].
 
 pub mod agent;
+pub mod applied;
 pub mod cli;
 pub mod config;
 pub mod dataplane;
@@ -19,6 +20,7 @@ mod lock;
 pub mod maglev;
 pub mod metrics;
 pub mod model;
+pub mod node;
 pub mod orderedlog;
 pub mod outbox;
 pub mod preflight;

@@ -29,6 +29,7 @@ pub use zone::{
 };
 
 use crate::{
+    applied::Acker,
     config::Mode,
     endpoints::EndpointCache,
     lock::lock,
@@ -123,6 +124,8 @@ pub struct DnsServer {
     serving: ReadySetter,
     readiness: Readiness,
     tasks: TaskTracker,
+    /// Acknowledges each zone swapped in ([`DnsServer::with_applied`]).
+    acker: Mutex<Option<Acker>>,
 }
 
 impl DnsServer {
@@ -144,7 +147,16 @@ impl DnsServer {
             serving,
             readiness,
             tasks: TaskTracker::new(),
+            acker: Mutex::new(None),
         })
+    }
+
+    /// Acknowledges to `acker` (the node's applied revision) the revision of every
+    /// zone swapped in. DNS turned off (dev mode) drops it and holds nothing back.
+    #[must_use]
+    pub fn with_applied(self, acker: Acker) -> Self {
+        *lock(&self.acker) = Some(acker);
+        self
     }
 
     /// Whether and where the server answers (for `status`).
@@ -274,6 +286,7 @@ impl Subsystem for DnsServer {
                 .join("; ");
             if bound.is_empty() {
                 tracing::warn!(%reason, "dev mode: DNS is off; continuing without it");
+                lock(&self.acker).take();
                 *lock(&self.state) = DnsState::Disabled { reason };
                 self.serving.set_ready();
                 return Ok(());
@@ -330,6 +343,7 @@ impl Subsystem for DnsServer {
             self.config.zone.clone(),
             self.zone.clone(),
             self.serving.clone(),
+            lock(&self.acker).take(),
             ctx.cancel.clone(),
         ));
         tracing::info!(
@@ -364,6 +378,7 @@ async fn follow(
     config: ZoneConfig,
     zone: Arc<ArcSwap<Zone>>,
     ready: ReadySetter,
+    acker: Option<Acker>,
     cancel: CancellationToken,
 ) {
     let mut writer = match ZoneWriter::new(&config) {
@@ -391,12 +406,22 @@ async fn follow(
             }
         };
         let revision = delta.revision;
+        if delta.only_revision() {
+            // The zone is right at this revision already.
+            if let Some(a) = &acker {
+                a.ack(revision);
+            }
+            continue;
+        }
         // A bulk change may come as several deltas: they add up.
         changed_since_trim += delta.upserted.len() + delta.removed.len() + usize::from(delta.full);
         writer.apply(delta);
         // The SOA serial is 32 bits; the revision wraps into it.
         zone.store(Arc::new(writer.publish(revision as u32)));
         ready.set_ready();
+        if let Some(a) = &acker {
+            a.ack(revision);
+        }
         tracing::debug!(revision, services = writer.services(), "DNS zone updated");
     }
 }

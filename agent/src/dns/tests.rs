@@ -344,11 +344,13 @@ async fn the_zone_follows_the_cache() {
     ));
     let (ready, readiness) = Readiness::new();
     let cancel = CancellationToken::new();
+    let applied = crate::applied::AppliedRevision::new();
     let task = tokio::spawn(follow(
         cache.clone(),
         config(Mode::Production),
         zone.clone(),
         ready,
+        Some(applied.consumer("dns")),
         cancel.clone(),
     ));
     tokio::time::timeout(Duration::from_secs(5), readiness.wait())
@@ -378,6 +380,23 @@ async fn the_zone_follows_the_cache() {
         drop(z);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    // Each swap is acknowledged; a revision that changes nothing in DNS too.
+    let mut rx = applied.subscribe();
+    tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|r| *r == 2))
+        .await
+        .expect("revision 2 acknowledged")
+        .unwrap();
+    cache.apply_snapshot(&Snapshot {
+        revision: 3,
+        objects: vec![
+            Object::Service((*web().service).clone()),
+            Object::Service((*headless().service).clone()),
+        ],
+    });
+    tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|r| *r == 3))
+        .await
+        .expect("revision 3 acknowledged without a change")
+        .unwrap();
     cancel.cancel();
     tokio::time::timeout(Duration::from_secs(5), task)
         .await

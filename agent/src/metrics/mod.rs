@@ -172,6 +172,8 @@ pub struct Metrics {
     /// `rune_store_skipped_keys_total`: etcd keys skipped because their value is not
     /// a valid object or their kind is unknown.
     pub store_skipped_keys: Counter,
+    /// `rune_applied_revision` and `rune_watch_lag_seconds` ([`AppliedMetrics`]).
+    pub applied: AppliedMetrics,
 }
 
 impl Metrics {
@@ -283,6 +285,7 @@ impl Metrics {
             "etcd keys skipped because their value is not a valid object or their kind is unknown",
             store_skipped_keys.clone(),
         );
+        let applied = AppliedMetrics::register(&mut registry);
         let dataplane = Arc::new(DataplaneCollector::default());
         registry.register_collector(Box::new(dataplane.clone()));
         Self {
@@ -305,6 +308,7 @@ impl Metrics {
             preflight_check,
             store_connected,
             store_skipped_keys,
+            applied,
         }
     }
 
@@ -345,6 +349,47 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+// ---- Applied revision (crate::applied): what is in this node's kernel ----
+
+/// The buckets of `rune_watch_lag_seconds`: 1 ms to about 65 s.
+fn watch_lag_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 4.0, 9))
+}
+
+/// The applied revision's metrics, kept by [`crate::applied::AppliedRevision`].
+#[derive(Clone, Debug)]
+pub struct AppliedMetrics {
+    /// `rune_applied_revision`: the highest revision in effect in the kernel.
+    pub applied_revision: Gauge,
+    /// `rune_watch_lag_seconds`: receipt of a batch of events to its effect.
+    pub watch_lag: Histogram,
+}
+
+impl AppliedMetrics {
+    /// Registers both metrics in `registry`.
+    fn register(registry: &mut Registry) -> Self {
+        let applied_revision = Gauge::default();
+        registry.register(
+            "applied_revision",
+            "The highest ordered-log revision whose effect is in this node's kernel \
+             (data plane written and DNS zone swapped); rune_revision_applied is what the \
+             cache received",
+            applied_revision.clone(),
+        );
+        let watch_lag = watch_lag_histogram();
+        registry.register(
+            "watch_lag_seconds",
+            "Time from the agent receiving a batch of ordered-log events (etcd keeps no \
+             write times, so not from the write) to their effect in the kernel",
+            watch_lag.clone(),
+        );
+        Self {
+            applied_revision,
+            watch_lag,
+        }
     }
 }
 

@@ -3,16 +3,22 @@
 //! * `<prefix><kind>/<namespace>/<name>` → the object's JSON document, exactly as the
 //!   embedded store writes it (`kind` in lower case: `service`, `endpoints`);
 //! * `<prefix>_index/vip/<vip>` → the service that owns the VIP, as
-//!   `service/<namespace>/<name>`.
+//!   `service/<namespace>/<name>`;
+//! * `<prefix>nodes/<node-id>` → a node's document (JSON, under the node's lease:
+//!   see `crate::node`).
 //!
-//! Segments that start with `_` are the store's own bookkeeping: readers skip them
-//! silently. Names and namespaces are DNS labels, so a key splits unambiguously.
+//! Segments that start with `_` are the store's own bookkeeping, and `nodes/` holds
+//! the nodes, not objects: the object readers skip both silently. Names and
+//! namespaces are DNS labels, so a key splits unambiguously.
 
 use crate::model::{Kind, ObjectKey};
 use std::net::IpAddr;
 
 /// The first segment of the VIP index's keys.
 const INDEX: &str = "_index/vip/";
+/// The first segment of the nodes' keys. Not a kind's segment (those are
+/// `service` and `endpoints`), so no object key can fall under it.
+const NODES: &str = "nodes/";
 
 /// The segment naming `kind` in a key.
 pub(super) fn kind_segment(kind: Kind) -> &'static str {
@@ -34,6 +40,9 @@ pub(super) enum Parsed {
     Object(ObjectKey),
     /// The store's own bookkeeping (the VIP index): not an object.
     Internal,
+    /// A key under `nodes/`: a node's document (the id after `nodes/`, possibly
+    /// malformed), not an object.
+    Node(String),
     /// Not a key this agent understands: the reason, for the log.
     Unknown(String),
 }
@@ -79,6 +88,16 @@ impl Layout {
         format!("{}{INDEX}", self.prefix)
     }
 
+    /// The key of node `id`'s document.
+    pub fn node(&self, id: &str) -> String {
+        format!("{}{NODES}{id}", self.prefix)
+    }
+
+    /// The prefix of every node's key.
+    pub fn nodes(&self) -> String {
+        format!("{}{NODES}", self.prefix)
+    }
+
     /// What `key` is; keys outside the prefix are [`Parsed::Unknown`].
     pub fn parse(&self, key: &[u8]) -> Parsed {
         let Ok(key) = std::str::from_utf8(key) else {
@@ -89,6 +108,9 @@ impl Layout {
         };
         if rest.starts_with('_') {
             return Parsed::Internal;
+        }
+        if let Some(id) = rest.strip_prefix(NODES) {
+            return Parsed::Node(id.to_owned());
         }
         match parse_relative(rest) {
             Ok(key) => Parsed::Object(key),
@@ -131,4 +153,32 @@ pub(super) fn range_end(prefix: &[u8]) -> Vec<u8> {
     }
     // Every byte 0xff: to the end of the key space.
     vec![0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_keys_are_nodes_not_objects_of_an_unknown_kind() {
+        let layout = Layout::new("/rune/v1/".to_owned());
+        assert_eq!(layout.node("abc"), "/rune/v1/nodes/abc");
+        assert_eq!(layout.nodes(), "/rune/v1/nodes/");
+        assert_eq!(
+            layout.parse(b"/rune/v1/nodes/abc"),
+            Parsed::Node("abc".to_owned())
+        );
+        assert_eq!(
+            layout.parse(b"/rune/v1/nodes/a/b"),
+            Parsed::Node("a/b".to_owned())
+        );
+        assert!(matches!(
+            layout.parse(b"/rune/v1/node/abc"),
+            Parsed::Unknown(_)
+        ));
+        assert_eq!(
+            layout.parse(b"/rune/v1/service/default/web"),
+            Parsed::Object(ObjectKey::new(Kind::Service, "default", "web"))
+        );
+    }
 }

@@ -21,17 +21,21 @@
 //!   no update; VIP ownership is kept in index keys inside the same transaction.
 //!   An apply larger than one transaction allows is refused before anything is
 //!   written ([`LogError::TooLarge`]).
+//! * **Nodes** ([`nodes`]): each agent's document under `nodes/<node-id>`, held
+//!   by a lease it keeps alive; the object readers skip that subtree.
 //!
 //! The user-facing description is docs/etcd.md.
 
 mod error;
 mod keys;
+mod nodes;
 mod options;
 mod read;
 mod watch;
 mod write;
 
 pub use error::SkippedKey;
+pub use nodes::{Lease, NodeChange, NodeRecord, NodeStream};
 pub use options::{
     ConnectError, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TXN_OPS, DEFAULT_PAGE_SIZE,
     DEFAULT_PREFIX, DEFAULT_WRITE_ATTEMPTS, EtcdOptions,
@@ -47,7 +51,7 @@ use crate::{
     model::{Kind, Object, ObjectKey},
 };
 use async_trait::async_trait;
-use etcd_client::{Client, GetOptions, KvClient, WatchClient};
+use etcd_client::{Client, GetOptions, KvClient, LeaseClient, WatchClient};
 use keys::Layout;
 use std::{
     fmt,
@@ -71,6 +75,8 @@ pub struct EtcdLog {
 struct Shared {
     kv: KvClient,
     watch: WatchClient,
+    /// Leases of the nodes' documents ([`nodes`]).
+    lease: LeaseClient,
     layout: Layout,
     /// The endpoints, comma-separated, for messages.
     endpoints: String,
@@ -119,6 +125,7 @@ impl EtcdLog {
                 watch: client
                     .watch_client()
                     .max_decoding_message_size(MAX_MESSAGE_BYTES),
+                lease: client.lease_client(),
                 layout: Layout::new(prefix),
                 endpoints,
                 options,

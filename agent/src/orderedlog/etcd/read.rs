@@ -153,7 +153,8 @@ impl Shared {
         let revision = kv.mod_revision().max(0) as Revision;
         let key = match self.layout.parse(kv.key()) {
             Parsed::Object(key) => key,
-            Parsed::Internal => return None,
+            // Bookkeeping and node documents are not objects: skipped silently.
+            Parsed::Internal | Parsed::Node(_) => return None,
             Parsed::Unknown(reason) => {
                 self.skip(kv.key(), revision, reason);
                 return None;

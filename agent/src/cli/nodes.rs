@@ -1,0 +1,410 @@
+//! The CLI's node commands against etcd: `get nodes` (a table), `get node NAME`
+//! (the whole document as YAML or JSON), and [`wait_applied`], what `apply --wait`
+//! waits with until every Ready node has the apply in its kernel.
+
+use crate::{
+    node::{NodeDocument, format_age},
+    orderedlog::{
+        LogError, Revision,
+        embedded::{ApplyOutcome, Change},
+        etcd::{EtcdLog, NodeChange, NodeRecord},
+    },
+};
+use futures::StreamExt;
+use std::{
+    collections::BTreeMap,
+    fmt,
+    io::Write,
+    time::{Duration, Instant},
+};
+
+/// Pause before listing again after the nodes' watch broke.
+const REWATCH: Duration = Duration::from_millis(500);
+
+/// A node as stored: its document, or why it could not be read, and its lease.
+#[derive(Clone, Debug)]
+pub struct NodeEntry {
+    /// The node id (the key's last segment).
+    pub id: String,
+    /// The document, or why the stored value is not one.
+    pub document: Result<NodeDocument, String>,
+    /// Seconds since the last keep-alive (granted TTL minus remaining), when the
+    /// lease is known.
+    pub heartbeat_age: Option<Duration>,
+}
+
+impl NodeEntry {
+    fn from_record(r: NodeRecord) -> Self {
+        Self {
+            document: NodeDocument::parse(&r.id, &r.value),
+            heartbeat_age: r
+                .ttl
+                .map(|(left, granted)| Duration::from_secs((granted - left).max(0) as u64)),
+            id: r.id,
+        }
+    }
+
+    /// The name shown: the host name, else the id.
+    pub fn name(&self) -> &str {
+        match &self.document {
+            Ok(d) if !d.identity.hostname.is_empty() => &d.identity.hostname,
+            _ => &self.id,
+        }
+    }
+}
+
+/// Every registered node, ordered by name then id.
+pub async fn list_nodes(log: &EtcdLog) -> Result<Vec<NodeEntry>, LogError> {
+    let (_, records) = log.list_nodes(true).await?;
+    let mut entries: Vec<NodeEntry> = records.into_iter().map(NodeEntry::from_record).collect();
+    entries.sort_by(|a, b| (a.name(), &a.id).cmp(&(b.name(), &b.id)));
+    Ok(entries)
+}
+
+/// `get nodes`: NAME, STATE (Ready/NotReady), DATAPLANE, APPLIED and HEARTBEAT
+/// (time since the last keep-alive), one node a line.
+pub fn write_table(entries: &[NodeEntry], out: &mut dyn Write) -> std::io::Result<()> {
+    let mut rows = vec![[
+        "NAME".to_owned(),
+        "STATE".to_owned(),
+        "DATAPLANE".to_owned(),
+        "APPLIED".to_owned(),
+        "HEARTBEAT".to_owned(),
+    ]];
+    for e in entries {
+        let age = e.heartbeat_age.map_or("-".to_owned(), format_age);
+        rows.push(match &e.document {
+            Ok(d) => [
+                e.name().to_owned(),
+                if d.is_ready() { "Ready" } else { "NotReady" }.to_owned(),
+                d.facts.dataplane.mode.clone(),
+                d.applied_revision.to_string(),
+                age,
+            ],
+            Err(_) => [
+                e.id.clone(),
+                "Unknown".to_owned(),
+                "-".to_owned(),
+                "-".to_owned(),
+                age,
+            ],
+        });
+    }
+    let widths: Vec<usize> = (0..5)
+        .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0))
+        .collect();
+    for r in rows {
+        let line: Vec<String> = r
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        writeln!(out, "{}", line.join("   ").trim_end())?;
+    }
+    Ok(())
+}
+
+/// The shapes `get node NAME -o` prints.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DocumentFormat {
+    /// YAML.
+    Yaml,
+    /// Pretty JSON.
+    Json,
+}
+
+/// Why `get node NAME` printed nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum GetNodeError {
+    /// etcd failed.
+    #[error(transparent)]
+    Log(#[from] LogError),
+    /// No node has that id or host name.
+    #[error("no node named {0} (get nodes lists them)")]
+    NotFound(String),
+    /// Several nodes have that host name.
+    #[error("{name} names several nodes ({ids}): give the node id instead")]
+    Ambiguous {
+        /// The name asked for.
+        name: String,
+        /// Their ids, comma-separated.
+        ids: String,
+    },
+    /// The stored value is not a node document.
+    #[error("{0}")]
+    Invalid(String),
+    /// The output could not be written.
+    #[error("writing the output: {0}")]
+    Output(String),
+}
+
+/// `get node NAME -o yaml|json`: the whole document of the node with that id, or
+/// else that host name.
+pub async fn get_node(
+    log: &EtcdLog,
+    name: &str,
+    format: DocumentFormat,
+    out: &mut dyn Write,
+) -> Result<(), GetNodeError> {
+    let document = match log.get_node(name).await? {
+        Some(record) => {
+            NodeDocument::parse(&record.id, &record.value).map_err(GetNodeError::Invalid)?
+        }
+        None => {
+            let matches: Vec<NodeEntry> = list_nodes(log)
+                .await?
+                .into_iter()
+                .filter(|e| {
+                    e.document
+                        .as_ref()
+                        .is_ok_and(|d| d.identity.hostname == name)
+                })
+                .collect();
+            match matches.len() {
+                0 => return Err(GetNodeError::NotFound(name.to_owned())),
+                1 => matches
+                    .into_iter()
+                    .next()
+                    .and_then(|e| e.document.ok())
+                    .ok_or_else(|| GetNodeError::NotFound(name.to_owned()))?,
+                _ => {
+                    let ids: Vec<&str> = matches.iter().map(|e| e.id.as_str()).collect();
+                    return Err(GetNodeError::Ambiguous {
+                        name: name.to_owned(),
+                        ids: ids.join(", "),
+                    });
+                }
+            }
+        }
+    };
+    let text = match format {
+        DocumentFormat::Yaml => serde_yaml_ng::to_string(&document).map_err(|e| e.to_string()),
+        DocumentFormat::Json => serde_json::to_string_pretty(&document)
+            .map(|t| t + "\n")
+            .map_err(|e| e.to_string()),
+    }
+    .map_err(GetNodeError::Output)?;
+    out.write_all(text.as_bytes())
+        .map_err(|e| GetNodeError::Output(e.to_string()))
+}
+
+/// A Ready node that had not applied the revision when the wait ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Laggard {
+    /// Its host name (else its id).
+    pub name: String,
+    /// Its id.
+    pub id: String,
+    /// Its applied revision.
+    pub applied: Revision,
+}
+
+/// The Ready nodes that had not applied `revision` within the timeout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaggingNodes {
+    /// The revision waited for.
+    pub revision: Revision,
+    /// How long it waited.
+    pub timeout: Duration,
+    /// The nodes behind, ordered by name.
+    pub lagging: Vec<Laggard>,
+}
+
+impl fmt::Display for LaggingNodes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let nodes: Vec<String> = self
+            .lagging
+            .iter()
+            .map(|l| format!("{} ({}) at {}", l.name, l.id, l.applied))
+            .collect();
+        write!(
+            f,
+            "revision {} is not applied on every Ready node after {:?}: {} behind: {}",
+            self.revision,
+            self.timeout,
+            self.lagging.len(),
+            nodes.join(", ")
+        )
+    }
+}
+
+impl std::error::Error for LaggingNodes {}
+
+/// Why [`wait_applied`] gave up.
+#[derive(Debug, thiserror::Error)]
+pub enum WaitError {
+    /// Ready nodes were still behind at the timeout.
+    #[error(transparent)]
+    Lagging(#[from] LaggingNodes),
+    /// etcd could not be read until the timeout.
+    #[error("waiting for the nodes: {0}")]
+    Log(#[from] LogError),
+}
+
+/// The revision `apply --wait` waits for after `outcome`: `None` when the apply
+/// changed nothing. Its revision is then etcd's current one, which may be a node
+/// document's write that no object watch ever applies (the nodes' subtree is
+/// skipped), so waiting for it could only time out.
+pub fn revision_to_wait_for(outcome: &ApplyOutcome) -> Option<Revision> {
+    outcome
+        .results
+        .iter()
+        .any(|(_, change)| *change != Change::Unchanged)
+        .then_some(outcome.revision)
+}
+
+/// Waits until every Ready node's applied revision is at least `revision`
+/// (`apply --wait`), following the nodes' keys with a watch (no polling). Nodes
+/// that are not Ready, and nodes that register meanwhile, count only while Ready;
+/// a node whose key vanishes (stopped, or dead for a lease's TTL) no longer
+/// counts. Returns how many Ready nodes have it.
+pub async fn wait_applied(
+    log: &EtcdLog,
+    revision: Revision,
+    timeout: Duration,
+) -> Result<usize, WaitError> {
+    let deadline = Instant::now() + timeout;
+    let mut nodes: BTreeMap<String, NodeDocument> = BTreeMap::new();
+    let mut last_error: Option<LogError> = None;
+    loop {
+        let listed = tokio::time::timeout_at(deadline.into(), log.list_nodes(false)).await;
+        let at = match listed {
+            Err(_) => return Err(give_up(&nodes, revision, timeout, last_error)),
+            Ok(Err(e)) => {
+                last_error = Some(e);
+                if tokio::time::timeout_at(deadline.into(), tokio::time::sleep(REWATCH))
+                    .await
+                    .is_err()
+                {
+                    return Err(give_up(&nodes, revision, timeout, last_error));
+                }
+                continue;
+            }
+            Ok(Ok((at, records))) => {
+                nodes = records
+                    .into_iter()
+                    .filter_map(|r| {
+                        Some((r.id.clone(), NodeDocument::parse(&r.id, &r.value).ok()?))
+                    })
+                    .collect();
+                at
+            }
+        };
+        if let Some(n) = settled(&nodes, revision) {
+            return Ok(n);
+        }
+        let mut changes = match log.watch_nodes(at).await {
+            Ok(s) => s,
+            Err(e) => {
+                last_error = Some(e);
+                continue;
+            }
+        };
+        loop {
+            let next = tokio::time::timeout_at(deadline.into(), changes.next()).await;
+            match next {
+                Err(_) => return Err(give_up(&nodes, revision, timeout, None)),
+                Ok(Some(Ok(NodeChange::Put(r)))) => {
+                    if let Ok(doc) = NodeDocument::parse(&r.id, &r.value) {
+                        nodes.insert(r.id, doc);
+                    }
+                }
+                Ok(Some(Ok(NodeChange::Delete { id, .. }))) => {
+                    nodes.remove(&id);
+                }
+                Ok(Some(Err(e))) => {
+                    last_error = Some(e);
+                    break;
+                }
+                Ok(None) => break,
+            }
+            if let Some(n) = settled(&nodes, revision) {
+                return Ok(n);
+            }
+        }
+        if tokio::time::timeout_at(deadline.into(), tokio::time::sleep(REWATCH))
+            .await
+            .is_err()
+        {
+            return Err(give_up(&nodes, revision, timeout, last_error));
+        }
+    }
+}
+
+/// How many Ready nodes there are, when none of them is behind `revision`.
+fn settled(nodes: &BTreeMap<String, NodeDocument>, revision: Revision) -> Option<usize> {
+    let ready = nodes.values().filter(|d| d.is_ready());
+    let mut count = 0;
+    for d in ready {
+        if d.applied_revision < revision {
+            return None;
+        }
+        count += 1;
+    }
+    Some(count)
+}
+
+/// The error at the timeout: the laggards, or etcd's failure when nothing could
+/// be read.
+fn give_up(
+    nodes: &BTreeMap<String, NodeDocument>,
+    revision: Revision,
+    timeout: Duration,
+    error: Option<LogError>,
+) -> WaitError {
+    let mut lagging: Vec<Laggard> = nodes
+        .iter()
+        .filter(|(_, d)| d.is_ready() && d.applied_revision < revision)
+        .map(|(id, d)| Laggard {
+            name: if d.identity.hostname.is_empty() {
+                id.clone()
+            } else {
+                d.identity.hostname.clone()
+            },
+            id: id.clone(),
+            applied: d.applied_revision,
+        })
+        .collect();
+    lagging.sort_by(|a, b| (&a.name, &a.id).cmp(&(&b.name, &b.id)));
+    match error {
+        Some(e) if lagging.is_empty() => WaitError::Log(e),
+        _ => WaitError::Lagging(LaggingNodes {
+            revision,
+            timeout,
+            lagging,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Kind, ObjectKey};
+
+    #[test]
+    fn an_apply_that_changed_nothing_is_not_waited_for() {
+        let key = ObjectKey::new(Kind::Service, "default", "web");
+        let mut outcome = ApplyOutcome {
+            revision: 42,
+            results: vec![(key.clone(), Change::Unchanged)],
+        };
+        assert_eq!(revision_to_wait_for(&outcome), None);
+        outcome.results.push((key, Change::Configured));
+        assert_eq!(revision_to_wait_for(&outcome), Some(42));
+    }
+
+    #[test]
+    fn the_table_aligns_columns_and_marks_unreadable_documents() {
+        let entries = vec![NodeEntry {
+            id: "abc".into(),
+            document: Err("node abc: not a node document: EOF".into()),
+            heartbeat_age: Some(Duration::from_secs(4)),
+        }];
+        let mut out = Vec::new();
+        write_table(&entries, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "NAME   STATE     DATAPLANE   APPLIED   HEARTBEAT");
+        assert_eq!(lines[1], "abc    Unknown   -           -         4s");
+    }
+}

@@ -1,0 +1,369 @@
+//! The `node` subsystem: keeps this node's document in etcd under a lease.
+//!
+//! * **Registration:** a lease of [`RegistrarOptions::ttl`] (30 s) is granted and
+//!   the document written under it.
+//! * **Heartbeat:** every [`RegistrarOptions::heartbeat`] (10 s) one keep-alive
+//!   renews the lease. The document is rewritten only when it changed (facts,
+//!   conditions, applied revision; never for its write time alone), so a quiet
+//!   node costs etcd one keep-alive per heartbeat and no revision.
+//! * **Facts** (and the data plane's degradation) are gathered every
+//!   [`RegistrarOptions::facts_interval`] (60 s); readiness (written at once when
+//!   [`FactsSource::ready_changes`] changes) and the applied revision at every step (a new applied
+//!   revision is written at once, coalesced over [`APPLIED_COALESCE`]).
+//! * **Lease lost** (etcd was unreachable longer than the TTL, or revoked it): a
+//!   new lease is granted and the document written again, same node id.
+//! * **Stop** revokes the lease, so the key is deleted at once; an agent that dies
+//!   leaves it to expire after the TTL.
+//!
+//! Ready from the start: registration is best-effort and its trouble shows in the
+//! `StoreDisconnected` condition and the logs, never in the agent's readiness (on
+//! which the `Ready` condition itself depends).
+
+use super::{
+    NodeDocument, NodeIdentity, Timestamp,
+    conditions::{ConditionSet, Inputs, observe},
+    facts::{self, Facts, FactsSource, HostSample},
+};
+use crate::{
+    applied::AppliedRevision,
+    identity::Identity,
+    lock::lock,
+    orderedlog::etcd::{EtcdLog, Lease},
+    subsystem::{Readiness, StartContext, Subsystem, SubsystemError},
+};
+use std::{
+    net::IpAddr,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+/// How long a new applied revision waits for the next before it is written: at
+/// most one write per this interval while revisions stream in.
+pub const APPLIED_COALESCE: Duration = Duration::from_millis(100);
+/// How long stop waits for etcd to revoke the lease.
+const REVOKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The registrar's timing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegistrarOptions {
+    /// The lease's time to live: how long the key outlives a dead agent.
+    pub ttl: Duration,
+    /// The interval of keep-alives (well under the TTL: two may fail).
+    pub heartbeat: Duration,
+    /// The interval at which facts and host readings are gathered again.
+    pub facts_interval: Duration,
+}
+
+impl Default for RegistrarOptions {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(30),
+            heartbeat: Duration::from_secs(10),
+            facts_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The `node` subsystem.
+pub struct Registrar {
+    log: EtcdLog,
+    identity: Identity,
+    source: FactsSource,
+    applied: AppliedRevision,
+    options: RegistrarOptions,
+    /// The lease held now, for stop to revoke.
+    lease: Arc<Mutex<Option<Lease>>>,
+    /// The document last written (tests and `status` read it).
+    written: Arc<Mutex<Option<NodeDocument>>>,
+    tasks: TaskTracker,
+}
+
+impl Registrar {
+    /// Keeps `identity`'s document in `log`, from `source`'s facts and `applied`.
+    pub fn new(
+        log: EtcdLog,
+        identity: Identity,
+        source: FactsSource,
+        applied: AppliedRevision,
+        options: RegistrarOptions,
+    ) -> Self {
+        Self {
+            log,
+            identity,
+            source,
+            applied,
+            options,
+            lease: Arc::new(Mutex::new(None)),
+            written: Arc::new(Mutex::new(None)),
+            tasks: TaskTracker::new(),
+        }
+    }
+
+    /// The lease held now, if any.
+    pub fn lease(&self) -> Option<Lease> {
+        *lock(&self.lease)
+    }
+
+    /// The document last written, if any.
+    pub fn written(&self) -> Option<NodeDocument> {
+        lock(&self.written).clone()
+    }
+}
+
+#[async_trait::async_trait]
+impl Subsystem for Registrar {
+    fn name(&self) -> &str {
+        "node"
+    }
+
+    async fn start(&self, ctx: &StartContext) -> Result<(), SubsystemError> {
+        let keeper = Keeper {
+            log: self.log.clone(),
+            identity: NodeIdentity {
+                id: self.identity.node_id.clone(),
+                hostname: self.identity.hostname.clone(),
+                labels: self.identity.labels.clone(),
+            },
+            source: self.source.clone(),
+            applied: self.applied.clone(),
+            options: self.options,
+            lease: self.lease.clone(),
+            written: self.written.clone(),
+            conditions: ConditionSet::default(),
+            store_error: None,
+        };
+        self.tasks.spawn(keeper.run(ctx.cancel.clone()));
+        Ok(())
+    }
+
+    fn ready(&self) -> Readiness {
+        Readiness::ready()
+    }
+
+    async fn stop(&self) -> Result<(), SubsystemError> {
+        self.tasks.close();
+        self.tasks.wait().await;
+        let Some(lease) = lock(&self.lease).take() else {
+            return Ok(());
+        };
+        match tokio::time::timeout(REVOKE_TIMEOUT, self.log.revoke_lease(lease)).await {
+            Ok(Ok(())) => {
+                tracing::info!(node_id = %self.identity.node_id, "node deregistered (lease revoked)");
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, ttl = lease.ttl, "revoking the node's lease failed; its key goes when the lease expires");
+            }
+            Err(_) => {
+                tracing::warn!(
+                    ttl = lease.ttl,
+                    "etcd did not revoke the node's lease in time; its key goes when the lease expires"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The registrar's loop and what it remembers between steps.
+struct Keeper {
+    log: EtcdLog,
+    identity: NodeIdentity,
+    source: FactsSource,
+    applied: AppliedRevision,
+    options: RegistrarOptions,
+    lease: Arc<Mutex<Option<Lease>>>,
+    written: Arc<Mutex<Option<NodeDocument>>>,
+    conditions: ConditionSet,
+    /// The last etcd failure, until a request succeeds.
+    store_error: Option<String>,
+}
+
+/// The facts last gathered.
+struct Gathered {
+    facts: Facts,
+    host: HostSample,
+    addresses: Vec<IpAddr>,
+    /// Why the data plane is degraded, if it is.
+    degraded: Option<String>,
+    at: Instant,
+}
+
+impl Keeper {
+    async fn run(mut self, cancel: CancellationToken) {
+        let mut heartbeat = tokio::time::interval(self.options.heartbeat);
+        heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut applied = self.applied.subscribe();
+        let mut ready_changes = self.source.ready_changes.clone();
+        let mut gathered: Option<Gathered> = None;
+        loop {
+            let readiness_changed = async {
+                match ready_changes.as_mut() {
+                    Some(r) => r.changed().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let beat = tokio::select! {
+                () = cancel.cancelled() => return,
+                _ = heartbeat.tick() => true,
+                alive = readiness_changed => {
+                    if !alive {
+                        // Its setter is gone: it will not change again.
+                        ready_changes = None;
+                    }
+                    false
+                }
+                changed = applied.changed() => {
+                    if changed.is_err() {
+                        // Cannot happen while `self.applied` lives; never spin.
+                        std::future::pending::<()>().await;
+                    }
+                    tokio::select! {
+                        () = cancel.cancelled() => return,
+                        () = tokio::time::sleep(APPLIED_COALESCE) => {}
+                    }
+                    false
+                }
+            };
+            let _ = applied.borrow_and_update();
+            let stale = gathered
+                .as_ref()
+                .is_none_or(|g| g.at.elapsed() >= self.options.facts_interval);
+            if stale {
+                let source = self.source.clone();
+                let read = tokio::task::spawn_blocking(move || {
+                    let (facts, host) = facts::gather(&source);
+                    (facts, host, facts::addresses(), (source.degraded)())
+                })
+                .await;
+                if let Ok((facts, host, addresses, degraded)) = read {
+                    gathered = Some(Gathered {
+                        facts,
+                        host,
+                        addresses,
+                        degraded,
+                        at: Instant::now(),
+                    });
+                }
+            }
+            let Some(g) = &gathered else { continue };
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = self.step(beat, g) => {}
+            }
+        }
+    }
+
+    /// One step: renew the lease on a heartbeat, and write the document when it
+    /// changed or the lease is new.
+    async fn step(&mut self, beat: bool, g: &Gathered) {
+        let mut lease = *lock(&self.lease);
+        if beat && let Some(held) = lease {
+            match self.log.keep_alive(held).await {
+                Ok(true) => self.connected(),
+                Ok(false) => {
+                    tracing::warn!(
+                        lease = held.id,
+                        "the node's lease expired (etcd unreachable longer than its TTL, or revoked); registering again"
+                    );
+                    self.connected();
+                    lease = None;
+                }
+                Err(e) => self.failed("renewing the node's lease", &e),
+            }
+        }
+        // Up to three writes: a lease that vanished between the keep-alive and the
+        // write gets one more grant, and a document written while it still said
+        // StoreDisconnected is written again at once, saying the store is back.
+        for _ in 0..3 {
+            let held = match lease {
+                Some(l) => l,
+                None => match self.log.grant_lease(self.options.ttl).await {
+                    Ok(l) => {
+                        self.connected();
+                        *lock(&self.written) = None;
+                        *lock(&self.lease) = Some(l);
+                        lease = Some(l);
+                        l
+                    }
+                    Err(e) => {
+                        *lock(&self.lease) = None;
+                        return self.failed("granting the node's lease", &e);
+                    }
+                },
+            };
+            let was_disconnected = self.store_error.is_some();
+            let doc = self.document(g);
+            let unchanged = lock(&self.written)
+                .as_ref()
+                .is_some_and(|w| !doc.differs_from(w));
+            if unchanged {
+                return;
+            }
+            let bytes = match serde_json::to_vec(&doc) {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::error!(error = %e, "the node document does not serialize");
+                    return;
+                }
+            };
+            match self.log.put_node(&self.identity.id, bytes, held).await {
+                Ok(Some(revision)) => {
+                    tracing::debug!(
+                        revision,
+                        applied = doc.applied_revision,
+                        "node document written"
+                    );
+                    self.connected();
+                    *lock(&self.written) = Some(doc);
+                    if !was_disconnected {
+                        return;
+                    }
+                }
+                Ok(None) => {
+                    tracing::warn!(
+                        lease = held.id,
+                        "the node's lease is gone; registering again"
+                    );
+                    *lock(&self.lease) = None;
+                    lease = None;
+                }
+                Err(e) => return self.failed("writing the node document", &e),
+            }
+        }
+    }
+
+    /// The document now, its conditions brought up to date.
+    fn document(&mut self, g: &Gathered) -> NodeDocument {
+        let now = Timestamp::now();
+        let inputs = Inputs {
+            ready: (self.source.ready)(),
+            degraded: g.degraded.clone(),
+            store_error: self.store_error.clone(),
+            maps: &g.facts.maps,
+            host: g.host,
+        };
+        self.conditions.update(observe(&inputs), now);
+        NodeDocument {
+            identity: self.identity.clone(),
+            addresses: g.addresses.clone(),
+            facts: g.facts.clone(),
+            conditions: self.conditions.conditions().to_vec(),
+            applied_revision: self.applied.get(),
+            heartbeat_time: now,
+        }
+    }
+
+    fn connected(&mut self) {
+        if self.store_error.take().is_some() {
+            tracing::info!("etcd answers the node registrar again");
+        }
+    }
+
+    fn failed(&mut self, what: &str, e: &crate::orderedlog::LogError) {
+        if self.store_error.is_none() {
+            tracing::warn!(error = %e, "{what} failed; retrying at the next heartbeat");
+        }
+        self.store_error = Some(format!("{what}: {e}"));
+    }
+}
