@@ -60,13 +60,26 @@ pub enum Command {
         /// The file, or `-` for standard input.
         #[arg(short = 'f', long = "filename", value_name = "FILE|-")]
         file: String,
+        /// With etcd: return once every Ready node has the change in its kernel
+        /// (its applied revision reached the write's), or fail after TIMEOUT naming
+        /// the nodes behind [default TIMEOUT: 60s].
+        #[arg(
+            long,
+            value_name = "TIMEOUT",
+            num_args = 0..=1,
+            require_equals = true,
+            default_missing_value = "60s",
+            value_parser = nodes::parse_timeout
+        )]
+        wait: Option<std::time::Duration>,
         /// `--etcd-endpoints` and the rest: write to etcd directly.
         #[command(flatten)]
         etcd: EtcdSettings,
     },
-    /// List objects.
+    /// List objects, or with etcd the nodes (`get nodes`, `get node NAME -o yaml`).
     Get {
-        /// Kind: service (svc) or endpoints (ep); every kind when omitted.
+        /// Kind: service (svc), endpoints (ep) or node(s) (etcd only); every object
+        /// kind when omitted.
         kind: Option<String>,
         /// Name; every object of the kind when omitted.
         name: Option<String>,
@@ -268,8 +281,8 @@ fn call_error(e: LocalApiError) -> anyhow::Error {
     }
 }
 
-/// `rune-agent apply -f FILE|-`.
-pub async fn apply(config: &Config, file: &str) -> Result<()> {
+/// `rune-agent apply -f FILE|- [--wait[=TIMEOUT]]`.
+pub async fn apply(config: &Config, file: &str, wait: Option<std::time::Duration>) -> Result<()> {
     let text = if file == "-" {
         let mut s = String::new();
         std::io::stdin()
@@ -284,19 +297,43 @@ pub async fn apply(config: &Config, file: &str) -> Result<()> {
     if objects.is_empty() {
         bail!("{file}: no objects found");
     }
-    let outcome = match target(config).await? {
+    let target = target(config).await?;
+    if wait.is_some() && !matches!(target, Target::Etcd(_)) {
+        bail!(
+            "--wait needs the etcd store (--etcd-endpoints): it waits for every node of a \
+             cluster, and without etcd there is one node, whose agent applies as it answers"
+        );
+    }
+    let mut waits_on = None;
+    let outcome = match target {
         Target::Agent(mut c) => {
             let lines = c.apply(&objects).await.map_err(call_error)?.0;
             return print_lines(lines);
         }
         Target::Store(store) => tokio::task::spawn_blocking(move || store.apply(objects)).await??,
-        Target::Etcd(etcd) => etcd.apply(objects).await?,
+        Target::Etcd(etcd) => {
+            let outcome = etcd.apply(objects).await?;
+            waits_on = Some(etcd);
+            outcome
+        }
     };
     let lines = outcome
         .results
         .iter()
         .map(|(k, c)| localapi::format_change(k, *c));
-    print_lines(lines)
+    print_lines(lines)?;
+    if let (Some(timeout), Some(etcd)) = (wait, &waits_on) {
+        match nodes::revision_to_wait_for(&outcome) {
+            Some(revision) => {
+                let ready = nodes::wait_applied(etcd, revision, timeout).await?;
+                print_lines([format!(
+                    "revision {revision} applied on every Ready node ({ready})"
+                )])?;
+            }
+            None => print_lines(["nothing changed: nothing to wait for".to_owned()])?,
+        }
+    }
+    Ok(())
 }
 
 /// Prints each line of an apply's answer.
@@ -318,6 +355,11 @@ pub async fn get(
     namespace: Option<&str>,
     output: Option<Format>,
 ) -> Result<()> {
+    if let Some(k) = kind
+        && matches!(k, "node" | "nodes" | "no")
+    {
+        return get_nodes(config, name, output).await;
+    }
     let kind = kind.map(parse_kind).transpose()?;
     if name.is_some() && kind.is_none() {
         bail!("a name needs a kind: rune-agent get KIND NAME");
@@ -367,6 +409,34 @@ pub async fn get(
         );
     }
     printer.finish(&mut out).map_err(output_error)
+}
+
+/// `rune-agent get nodes` (a table, or every document with `-o`) and `get node
+/// NAME` (its document, YAML unless `-o json`): the nodes registered in etcd.
+async fn get_nodes(config: &Config, name: Option<&str>, output: Option<Format>) -> Result<()> {
+    let Some(options) = config.etcd_options()? else {
+        bail!("nodes are registered in etcd: give --etcd-endpoints (and its TLS flags)");
+    };
+    let etcd = EtcdLog::connect(options).await?;
+    let format = |f: Format| match f {
+        Format::Yaml => nodes::DocumentFormat::Yaml,
+        Format::Json => nodes::DocumentFormat::Json,
+    };
+    let mut out = Vec::new();
+    match (name, output) {
+        (Some(name), output) => {
+            nodes::get_node(&etcd, name, format(output.unwrap_or(Format::Yaml)), &mut out).await?
+        }
+        (None, None) => nodes::write_table(&nodes::list_nodes(&etcd).await?, &mut out)?,
+        (None, Some(f)) => {
+            nodes::write_documents(&nodes::list_nodes(&etcd).await?, format(f), &mut out)?
+        }
+    }
+    let mut stdout = Out::default();
+    stdout
+        .write(&String::from_utf8_lossy(&out))
+        .map_err(output_error)?;
+    stdout.flush().map_err(output_error)
 }
 
 /// `rune-agent delete KIND NAME`.

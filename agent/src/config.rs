@@ -319,6 +319,15 @@ settings! {
         ready_timeout_seconds: u64 => ready_timeout: Duration = |s| {
             resolve::at_least_1(s, 30).map(Duration::from_secs)
         },
+        /// Seconds of this node's lease in etcd: its node key outlives a dead agent by
+        /// at most this long; keep-alives go every third of it [default: 30].
+        #[arg(long = "node-lease-seconds", env = "RUNE_NODE_LEASE_SECONDS", value_name = "S")]
+        node_lease_seconds: u64 => node_lease: Duration = |s: Option<u64>| {
+            match s {
+                Some(s) if s < 3 => Err(format!("{s} is below 3 seconds")),
+                s => Ok(Duration::from_secs(s.unwrap_or(30))),
+            }
+        },
         /// Outbox capacity [default: 4096].
         #[arg(long = "outbox-capacity", env = "RUNE_OUTBOX_CAPACITY", value_name = "N")]
         outbox_capacity: usize => outbox_capacity: usize = |n| {

@@ -45,7 +45,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match &cli.command {
             Command::Run(_) => rune_agent::run::run(config).await,
-            Command::Apply { file, .. } => cli::apply(&config, file).await,
+            Command::Apply { file, wait, .. } => cli::apply(&config, file, *wait).await,
             Command::Get {
                 kind,
                 name,

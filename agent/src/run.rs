@@ -11,6 +11,11 @@
 
 use crate::{
     agent::{Agent, AgentConfig},
+    applied::AppliedRevision,
+    node::{
+        facts::{FactsSource, MapFill},
+        registrar::{Registrar, RegistrarOptions},
+    },
     config::{Config, DataplaneMode, Mode},
     dataplane::{
         DataPlane, DataPlaneError,
@@ -51,6 +56,8 @@ pub async fn run(config: Config) -> Result<()> {
     // Creates the state dir when missing.
     let identity = Identity::load_or_create(&config.state_dir)?;
     let metrics = Arc::new(Metrics::new());
+    // What the data plane and DNS have in the kernel, acknowledged per revision.
+    let applied = AppliedRevision::with_metrics(&metrics);
     let (store, link) = open_store(&config, etcd_options).await?;
     // With etcd, the probe runs until `run` returns (the guard cancels it).
     let probe = CancellationToken::new();
@@ -118,11 +125,27 @@ pub async fn run(config: Config) -> Result<()> {
         },
         cache.clone(),
         metrics.clone(),
-    )?);
+    )?
+    .with_applied(applied.consumer("dns")));
 
     if mode == Mode::Dev {
         metrics.set_dataplane(plane.mode(), &[]);
     }
+    // The node's facts, for its key in etcd.
+    let facts = FactsSource::for_agent(
+        Arc::downgrade(&agent),
+        mode,
+        plane.clone(),
+        selected
+            .as_ref()
+            .map_or_else(|| "dev mode".to_owned(), |s| s.reason.clone()),
+        selected
+            .as_ref()
+            .map(|s| s.checks.clone())
+            .unwrap_or_default(),
+        map_capacities(&config, plane.mode()),
+        config.state_dir.clone(),
+    );
     let status = LiveStatus {
         agent: Arc::downgrade(&agent),
         cache: cache.clone(),
@@ -144,10 +167,30 @@ pub async fn run(config: Config) -> Result<()> {
         status,
     )))?;
     agent.register(Arc::new(
-        CacheFeed::new(log, cache.clone(), metrics).with_first_snapshot(first_snapshot),
+        CacheFeed::new(log, cache.clone(), metrics)
+            .with_first_snapshot(first_snapshot)
+            .with_applied(applied.clone()),
     ))?;
-    agent.register(Arc::new(Reconciler::new(plane, cache)))?;
+    agent.register(Arc::new(
+        Reconciler::new(plane, cache).with_applied(applied.consumer("dataplane")),
+    ))?;
     agent.register(dns)?;
+    // Registered last, so stopped first: the node's key is revoked while the
+    // rest still serves.
+    if let Link::Etcd(_, etcd) = &link {
+        let ttl = config.node_lease;
+        agent.register(Arc::new(Registrar::new(
+            etcd.clone(),
+            identity.clone(),
+            facts,
+            applied,
+            RegistrarOptions {
+                ttl,
+                heartbeat: ttl / 3,
+                ..RegistrarOptions::default()
+            },
+        )))?;
+    }
 
     tracing::info!(
         mode = %mode,
@@ -208,6 +251,27 @@ impl Link {
             Link::Embedded(link) | Link::Etcd(link, _) => link.clone(),
         }
     }
+}
+
+/// The capacities of the data plane's maps (eBPF: its map sizes; the other modes
+/// keep no fixed-size tables), for the node's facts.
+fn map_capacities(config: &Config, mode: &str) -> Vec<MapFill> {
+    if mode != DataplaneMode::Ebpf.as_str() {
+        return Vec::new();
+    }
+    [
+        ("frontends", u64::from(config.lb_max_frontends)),
+        ("backends", u64::from(config.lb_max_backends)),
+        ("flows", u64::from(config.lb_max_flows)),
+        ("affinity", u64::from(config.lb_max_flows)),
+    ]
+    .into_iter()
+    .map(|(name, capacity)| MapFill {
+        name: name.to_owned(),
+        capacity,
+        used: None,
+    })
+    .collect()
 }
 
 /// The store the agent reads and writes: etcd with `options` (connecting sends

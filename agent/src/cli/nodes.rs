@@ -188,6 +188,58 @@ pub async fn get_node(
         .map_err(|e| GetNodeError::Output(e.to_string()))
 }
 
+/// `get nodes -o yaml|json`: every node's whole document (a JSON array, or YAML
+/// documents one after another); a value that is not a node document is named on
+/// standard error and left out.
+pub fn write_documents(
+    entries: &[NodeEntry],
+    format: DocumentFormat,
+    out: &mut dyn Write,
+) -> Result<(), GetNodeError> {
+    let mut documents = Vec::with_capacity(entries.len());
+    for e in entries {
+        match &e.document {
+            Ok(d) => documents.push(d),
+            Err(why) => eprintln!("warning: node {}: {why}", e.id),
+        }
+    }
+    let text = match format {
+        DocumentFormat::Json => serde_json::to_string_pretty(&documents)
+            .map(|t| t + "\n")
+            .map_err(|e| e.to_string()),
+        DocumentFormat::Yaml => documents
+            .iter()
+            .map(|d| serde_yaml_ng::to_string(d).map(|t| format!("---\n{t}")))
+            .collect::<Result<String, _>>()
+            .map_err(|e| e.to_string()),
+    }
+    .map_err(GetNodeError::Output)?;
+    out.write_all(text.as_bytes())
+        .map_err(|e| GetNodeError::Output(e.to_string()))
+}
+
+/// Parses `apply --wait`'s timeout: `90`, `90s`, `500ms`, `2m`.
+pub fn parse_timeout(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let (number, unit) = match t.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => t.split_at(i),
+        None => (t, "s"),
+    };
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration (e.g. 30s, 500ms, 2m)"))?;
+    let d = match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n * 60),
+        _ => return Err(format!("{text:?}: unit {unit:?} is not ms, s or m")),
+    };
+    if d.is_zero() {
+        return Err(format!("{text:?}: the timeout must be above zero"));
+    }
+    Ok(d)
+}
+
 /// A Ready node that had not applied the revision when the wait ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Laggard {
