@@ -9,6 +9,7 @@
 //! `status --all`; see [`output`]); a reader that closes the pipe early ends the
 //! command quietly with exit status 141 ([`StdoutClosed`]).
 
+pub mod certs;
 mod output;
 
 pub use output::StdoutClosed;
@@ -101,6 +102,12 @@ pub enum Command {
         #[command(flatten)]
         dataplane: DataplaneSettings,
     },
+    /// Make the certificates of etcd's mutual TLS and set up etcd's roles for them.
+    Certs {
+        /// `init`, `issue` or `etcd-rbac`.
+        #[command(subcommand)]
+        command: certs::CertsCommand,
+    },
     /// Print the version.
     Version,
 }
@@ -176,6 +183,7 @@ impl Command {
             | Command::Get { .. }
             | Command::Delete { .. }
             | Command::Status(_)
+            | Command::Certs { .. }
             | Command::Version => FileConfig::default(),
         }
     }

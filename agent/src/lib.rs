@@ -6,6 +6,7 @@
 //! of which keeps the contract of [`subsystem`].
 
 pub mod agent;
+pub mod certs;
 pub mod cli;
 pub mod config;
 pub mod dataplane;
