@@ -348,6 +348,17 @@ async fn nodes_read_the_prefix_and_write_only_their_own_key_and_the_admin_writes
         assert!(denied(&register(&mut n3, "n1").await.unwrap_err()));
         // n1 kept its rights.
         register(&mut raw, "n1").await.unwrap();
+
+        // Deleting a node's user takes its access away, certificate or not.
+        let n2 = cluster.log(cluster.node("n2")).await;
+        n2.snapshot().await.unwrap();
+        cluster.etcd.ctl_ok(&["user", "delete", "n2"]);
+        let err = n2.snapshot().await.unwrap_err();
+        assert!(
+            matches!(err, LogError::Refused { .. })
+                && err.to_string().contains("permission denied"),
+            "{err:?}"
+        );
     })
     .await;
 }

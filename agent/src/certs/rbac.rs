@@ -303,34 +303,34 @@ impl Auth {
     }
 }
 
-/// etcd's message without the transport's wrappers, with what to do when etcd
-/// refused.
+/// etcd's message and its causes, each once, without the transport's wrappers; with
+/// what to do when etcd refused for lack of permission.
 fn describe(e: &etcd_client::Error) -> String {
-    match e {
-        etcd_client::Error::GRpcStatus(s) => {
-            let mut message = s.message().to_owned();
-            if s.code() == tonic::Code::PermissionDenied || message.contains("permission denied") {
-                message.push_str(
-                    " (authentication is on and this client's user, its certificate's CN, may \
-                     not manage users and roles: connect with the admin certificate, CN \
-                     rune-admin)",
-                );
-            }
-            message
+    let (mut message, denied, mut source) = match e {
+        etcd_client::Error::GRpcStatus(s) => (
+            s.message().to_owned(),
+            s.code() == tonic::Code::PermissionDenied,
+            std::error::Error::source(s),
+        ),
+        etcd_client::Error::TransportError(t) => {
+            (t.to_string(), false, std::error::Error::source(t))
         }
-        other => {
-            let mut message = other.to_string();
-            let mut source = std::error::Error::source(other);
-            while let Some(s) = source {
-                let text = s.to_string();
-                if !message.contains(&text) {
-                    message = format!("{message}: {text}");
-                }
-                source = s.source();
-            }
-            message
+        other => (other.to_string(), false, std::error::Error::source(other)),
+    };
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !message.contains(&text) {
+            message = format!("{message}: {text}");
         }
+        source = s.source();
     }
+    if denied {
+        message.push_str(
+            " (authentication is on and this client's user, its certificate's CN, may not \
+             manage users and roles: connect with the admin certificate, CN rune-admin)",
+        );
+    }
+    message
 }
 
 #[cfg(test)]

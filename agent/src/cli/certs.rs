@@ -17,10 +17,11 @@ use std::{fmt::Write as _, path::PathBuf};
 /// The subcommands of `certs`.
 #[derive(Debug, Subcommand)]
 pub enum CertsCommand {
-    /// Create a CA (ca.pem, ca-key.pem), the etcd members' server certificate
-    /// (server.pem, server-key.pem; also a client certificate, for etcd's peers) and
-    /// the admin's client certificate (admin.pem, admin-key.pem; CN rune-admin) in
-    /// DIR (made 0700; keys 0600).
+    /// Create a CA, the etcd members' certificate and the admin's in DIR.
+    ///
+    /// Files: ca.pem, ca-key.pem (the CA); server.pem, server-key.pem (every etcd
+    /// member; also a client certificate, for etcd's peers); admin.pem,
+    /// admin-key.pem (CN rune-admin). DIR is made 0700, keys 0600.
     Init {
         /// The directory.
         dir: PathBuf,
@@ -39,8 +40,10 @@ pub enum CertsCommand {
         #[arg(long)]
         force: bool,
     },
-    /// Issue node NODE_ID's client certificate (CN NODE_ID; node-NODE_ID.pem and
-    /// node-NODE_ID-key.pem) signed by DIR's CA.
+    /// Issue a node's client certificate, signed by DIR's CA.
+    ///
+    /// CN NODE_ID (its etcd user name); files node-NODE_ID.pem and
+    /// node-NODE_ID-key.pem (0600) in DIR.
     Issue {
         /// The node's id (`rune-agent status` shows it; in
         /// <state-dir>/node-identity.json).
@@ -54,10 +57,12 @@ pub enum CertsCommand {
         #[arg(long)]
         force: bool,
     },
-    /// Create etcd's roles and users for rune (rune-admin: everything; each --node:
-    /// read the prefix, write its own <prefix>nodes/<id> key) and enable
-    /// authentication. etcd must run with --client-cert-auth: the CN of a client
-    /// certificate is then its user. Safe to run again (to add nodes).
+    /// Create etcd's users and roles for rune and enable authentication.
+    ///
+    /// rune-admin may do everything; each --node may read the prefix and write its
+    /// own <prefix>nodes/<id> key. etcd must run with --client-cert-auth: the CN of
+    /// a client certificate is then its user. Safe to run again (to add nodes);
+    /// once authentication is on, only the admin certificate may run it.
     EtcdRbac(RbacArgs),
 }
 
