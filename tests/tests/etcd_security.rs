@@ -85,6 +85,11 @@ struct Cluster {
 impl Cluster {
     /// `certs init` in a new directory, and etcd started on its server certificate.
     fn start() -> Cluster {
+        Cluster::start_with(true)
+    }
+
+    /// [`Cluster::start`], with `--client-cert-auth` or not.
+    fn start_with(client_cert_auth: bool) -> Cluster {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("pki");
         let out = agent_ok(&tmp.path().join("state"), &["certs", "init", s(&dir)]);
@@ -100,7 +105,12 @@ impl Cluster {
         ] {
             fs::copy(dir.join(ours), theirs).unwrap();
         }
-        let etcd = Etcd::builder().tls(&pki).client_cert_auth().start();
+        let builder = Etcd::builder().tls(&pki);
+        let etcd = if client_cert_auth {
+            builder.client_cert_auth().start()
+        } else {
+            builder.start()
+        };
         Cluster {
             tmp,
             dir,
@@ -475,6 +485,35 @@ async fn clients_without_a_valid_certificate_of_the_clusters_ca_are_refused() {
         // The valid node certificate of the same name works, and nothing was written.
         let node = cluster.log(cluster.node("n1")).await;
         assert!(node.snapshot().await.unwrap().objects.is_empty());
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_that_does_not_take_certificate_cns_as_users_is_not_locked() {
+    bounded(async {
+        // A --trusted-ca-file without --client-cert-auth: etcd asks for client
+        // certificates but does not take their CN as the user.
+        let cluster = Cluster::start_with(false);
+        cluster.issue("n1");
+        let out = cluster.rbac_as(
+            &cluster.dir.join(certs::ADMIN_CERT),
+            &cluster.dir.join(certs::ADMIN_KEY),
+            &["n1"],
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && err.contains("does not take a client certificate's CN as its user")
+                && err.contains("--client-cert-auth")
+                && err.contains("switched off again"),
+            "{err}"
+        );
+        // Authentication is off again: clients work as before.
+        let admin = cluster.log(cluster.admin()).await;
+        admin.apply(vec![svc("web", "198.18.100.1")]).await.unwrap();
+        let node = cluster.log(cluster.node("n1")).await;
+        node.apply(vec![svc("db", "198.18.100.2")]).await.unwrap();
     })
     .await;
 }

@@ -6,13 +6,19 @@
 //!
 //! | user | roles | may |
 //! |---|---|---|
-//! | `root` | `root` | everything; etcd requires it before enabling auth; no certificate is issued for it |
+//! | `root` | `root` | everything; etcd requires it before enabling auth; no certificate is issued for it; made with a random password never stored (see below) |
 //! | `rune-admin` | `root`, `rune-admin` | everything, users and roles included (`rune-admin`: readwrite on the prefix) |
 //! | `<node id>` | `rune-node-<id>` | read the prefix; read and write `<prefix>nodes/<id>` |
 //!
 //! Running it again converges: missing roles and users are added, the permissions
 //! of the `rune-*` roles are set to exactly the above (others are revoked), node
 //! users lose roles not their own, and auth stays enabled.
+//!
+//! Fails closed before changing anything when etcd accepts a client without a
+//! certificate (no `--client-cert-auth`). etcd with `--trusted-ca-file` alone asks
+//! for certificates but takes no CN as a user, which shows only once auth is on:
+//! every client is then refused, so auth is switched off again as `root`, whose
+//! random password this run made (when it made the root user).
 
 use super::{ADMIN_CN, CertsError, check_node_id};
 use crate::orderedlog::etcd::{ConnectError, EtcdOptions};
@@ -43,6 +49,51 @@ pub enum RbacError {
     /// A node id that cannot be a user.
     #[error(transparent)]
     NodeId(#[from] CertsError),
+    /// Not mutual TLS: with authentication on, a client would then have no user
+    /// (the users have no password) and nobody could reach etcd any more.
+    #[error(
+        "etcd-rbac needs https:// endpoints, the CA, and the admin's client certificate \
+         and key: etcd takes the certificate's CN as the user, and these users have no \
+         password"
+    )]
+    NotMutualTls,
+    /// etcd accepted a client without a certificate: it does not run with
+    /// `--client-cert-auth`, so it would not take certificates' CNs as users and
+    /// enabling authentication would lock every client out.
+    #[error(
+        "etcd at {endpoints} accepts clients without a certificate, so it does not run \
+         with --client-cert-auth: it would not take a certificate's CN as its user, and \
+         enabling authentication would lock every client out. Nothing was changed: \
+         restart every member with --client-cert-auth (and --trusted-ca-file) first"
+    )]
+    NoClientCertAuth {
+        /// The endpoints, comma-separated.
+        endpoints: String,
+    },
+    /// etcd asks for client certificates but does not take their CN as the user
+    /// (a `--trusted-ca-file` without `--client-cert-auth`): found once
+    /// authentication was on, which was then switched off again when possible.
+    #[error(
+        "etcd at {endpoints} does not take a client certificate's CN as its user: it runs \
+         without --client-cert-auth (a --trusted-ca-file alone makes it ask for \
+         certificates, not use them). {}",
+        if *.switched_off {
+            "Authentication was switched off again, so clients work as before (the users \
+             and roles made stay): restart every member with --client-cert-auth and run \
+             this again"
+        } else {
+            "Authentication is on and every client is refused until every member runs \
+             with --client-cert-auth; the admin certificate then works again (it could \
+             not be switched off: the root user existed before, with a password this \
+             command does not know)"
+        }
+    )]
+    CnNotUsed {
+        /// The endpoints, comma-separated.
+        endpoints: String,
+        /// Authentication was switched off again.
+        switched_off: bool,
+    },
     /// etcd refused or failed a step.
     #[error("etcd at {endpoints}: {step}: {message}")]
     Etcd {
@@ -135,12 +186,24 @@ fn plan(prefix: &str, nodes: &[String]) -> Vec<(String, Vec<Want>)> {
 /// prefix; the client certificate must be the admin's once auth is on) for
 /// `nodes`, and enables authentication. Idempotent.
 pub async fn apply(options: &EtcdOptions, nodes: &[String]) -> Result<RbacReport, RbacError> {
+    let mut unique: Vec<String> = Vec::with_capacity(nodes.len());
     for id in nodes {
         check_node_id(id)?;
+        if !unique.contains(id) {
+            unique.push(id.clone());
+        }
+    }
+    let nodes = unique.as_slice();
+    let https = options.endpoints.iter().all(|e| e.starts_with("https://"));
+    if !https || options.cert_file.is_none() || options.key_file.is_none() {
+        return Err(RbacError::NotMutualTls);
     }
     let prefix = options.normalized_prefix()?;
     let connect = options.connect_options()?;
     let endpoints = options.endpoints_text();
+    if accepts_without_certificate(options).await? {
+        return Err(RbacError::NoClientCertAuth { endpoints });
+    }
     let client = Client::connect(&options.endpoints, Some(connect))
         .await
         .map_err(|e| RbacError::Etcd {
@@ -182,8 +245,20 @@ pub async fn apply(options: &EtcdOptions, nodes: &[String]) -> Result<RbacReport
         ),
     ];
     grants.extend(nodes.iter().map(|id| (id.clone(), vec![node_role(id)])));
+    // The password of a root user made now: never stored or shown, only used to
+    // switch authentication off again should etcd not take certificates' CNs.
+    let mut root_password = None;
     for (user, roles) in &grants {
-        if !users.contains(user) {
+        if !users.contains(user) && user == ROOT {
+            let password = random_password();
+            let (u, p) = (user.clone(), password.clone());
+            auth.call(&format!("adding user {user}"), |c| {
+                Box::pin(c.user_add(u, p, None))
+            })
+            .await?;
+            root_password = Some(password);
+            report.users_added.push(user.clone());
+        } else if !users.contains(user) {
             let u = user.clone();
             // No password: the user is only ever the CN of a certificate.
             auth.call(&format!("adding user {user}"), |c| {
@@ -208,7 +283,60 @@ pub async fn apply(options: &EtcdOptions, nodes: &[String]) -> Result<RbacReport
     // whether it is: no AuthStatus).
     auth.call("enabling authentication", |c| Box::pin(c.auth_enable()))
         .await?;
-    Ok(report)
+    // Only a request that needs a user shows whether etcd takes the CN as one.
+    match auth.client.role_list().await {
+        Ok(_) => Ok(report),
+        Err(etcd_client::Error::GRpcStatus(s)) if s.message().contains("user name is empty") => {
+            let switched_off = match root_password {
+                Some(password) => switch_off(options, &password).await.is_ok(),
+                None => false,
+            };
+            Err(RbacError::CnNotUsed {
+                endpoints: auth.endpoints,
+                switched_off,
+            })
+        }
+        Err(e) => Err(RbacError::Etcd {
+            endpoints: auth.endpoints,
+            step: "checking the admin's access with authentication on".to_owned(),
+            message: describe(&e),
+        }),
+    }
+}
+
+/// Whether etcd completes a request of a client without a certificate: then it
+/// does not run with `--client-cert-auth` (etcd's status needs no user, so it
+/// answers whenever the TLS handshake passed).
+async fn accepts_without_certificate(options: &EtcdOptions) -> Result<bool, RbacError> {
+    let mut anonymous = options.clone();
+    anonymous.cert_file = None;
+    anonymous.key_file = None;
+    let client = Client::connect(&anonymous.endpoints, Some(anonymous.connect_options()?)).await;
+    let Ok(mut client) = client else {
+        return Ok(false);
+    };
+    Ok(client.status().await.is_ok())
+}
+
+/// 32 random bytes, hex.
+fn random_password() -> String {
+    let bytes: [u8; 32] = rand::random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Switches authentication off as `root` with `password`.
+async fn switch_off(options: &EtcdOptions, password: &str) -> Result<(), RbacError> {
+    let connect = options.connect_options()?.with_user(ROOT, password);
+    let step = |e: etcd_client::Error| RbacError::Etcd {
+        endpoints: options.endpoints_text(),
+        step: "switching authentication off again".to_owned(),
+        message: describe(&e),
+    };
+    let client = Client::connect(&options.endpoints, Some(connect))
+        .await
+        .map_err(step)?;
+    client.auth_client().auth_disable().await.map_err(step)?;
+    Ok(())
 }
 
 /// The auth API of one cluster, every error naming the step.
@@ -336,6 +464,23 @@ fn describe(e: &etcd_client::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn only_mutual_tls_is_accepted_before_anything_is_sent() {
+        let mut options = EtcdOptions::new(["http://127.0.0.1:1"]);
+        let err = apply(&options, &[]).await.unwrap_err();
+        assert!(matches!(err, RbacError::NotMutualTls), "{err}");
+        options.endpoints = vec!["https://127.0.0.1:1".to_owned()];
+        options.ca_file = Some("/nonexistent/ca.pem".into());
+        let err = apply(&options, &[]).await.unwrap_err();
+        assert!(matches!(err, RbacError::NotMutualTls), "{err}");
+        options.cert_file = Some("/nonexistent/admin.pem".into());
+        options.key_file = Some("/nonexistent/admin-key.pem".into());
+        let err = apply(&options, &["n1".to_owned(), "a/b".to_owned()])
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RbacError::NodeId(_)), "{err}");
+    }
 
     #[test]
     fn a_prefix_range_ends_after_its_last_key() {
