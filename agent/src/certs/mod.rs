@@ -165,6 +165,17 @@ impl Validity {
     }
 }
 
+impl Validity {
+    /// This validity, ending no later than `ca` does: a certificate is of no use
+    /// once its CA has expired.
+    pub fn within(&self, ca: &Validity) -> Validity {
+        Validity {
+            not_before: self.not_before,
+            not_after: self.not_after.min(ca.not_after),
+        }
+    }
+}
+
 /// What [`init`] makes.
 #[derive(Clone, Debug)]
 pub struct InitOptions {
@@ -181,8 +192,9 @@ pub struct InitOptions {
 
 /// Creates in `dir` (made 0700) a CA, the etcd server certificate for `sans` plus
 /// [`DEFAULT_SANS`] (serverAuth and clientAuth: etcd members use it towards their
-/// peers too) and the admin client certificate (CN [`ADMIN_CN`]). Nothing is
-/// written when any of the files exists, unless `force`.
+/// peers too) and the admin client certificate (CN [`ADMIN_CN`]), these ending no
+/// later than the CA. Nothing is written when any of the files exists, unless
+/// `force`.
 pub fn init(dir: &Path, options: &InitOptions) -> Result<Vec<Written>, CertsError> {
     let sans = server_sans(&options.sans)?;
     let targets = [
@@ -215,6 +227,7 @@ pub fn init(dir: &Path, options: &InitOptions) -> Result<Vec<Written>, CertsErro
         .self_signed(&ca_key)
         .map_err(|e| generate("the CA certificate", e))?;
     let issuer = Issuer::new(ca, ca_key);
+    let validity = options.validity.within(&options.ca_validity);
 
     let server = leaf(
         &issuer,
@@ -224,14 +237,14 @@ pub fn init(dir: &Path, options: &InitOptions) -> Result<Vec<Written>, CertsErro
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
         ],
-        &options.validity,
+        &validity,
     )?;
     let admin = leaf(
         &issuer,
         ADMIN_CN,
         Vec::new(),
         &[ExtendedKeyUsagePurpose::ClientAuth],
-        &options.validity,
+        &validity,
     )?;
 
     private_dir(dir)?;
@@ -265,8 +278,8 @@ pub fn node_key_file(dir: &Path, node_id: &str) -> PathBuf {
 }
 
 /// Signs with `dir`'s CA a client certificate for node `node_id` (CN = the node
-/// id, clientAuth only): `node-<id>.pem` and `node-<id>-key.pem` (0600). Refused
-/// when either exists, unless `force`.
+/// id, clientAuth only), ending no later than the CA: `node-<id>.pem` and
+/// `node-<id>-key.pem` (0600). Refused when either exists, unless `force`.
 pub fn issue_node(
     dir: &Path,
     node_id: &str,
@@ -278,13 +291,13 @@ pub fn issue_node(
     if !force {
         files::refuse_existing(&[cert_path.clone(), key_path.clone()])?;
     }
-    let issuer = load_ca(dir)?;
+    let (issuer, ca_validity) = load_ca(dir)?;
     let (cert, key) = leaf(
         &issuer,
         node_id,
         Vec::new(),
         &[ExtendedKeyUsagePurpose::ClientAuth],
-        validity,
+        &validity.within(&ca_validity),
     )?;
     private_dir(dir)?;
     Ok(vec![
@@ -415,8 +428,9 @@ fn leaf(
     Ok((cert.pem(), key.serialize_pem()))
 }
 
-/// `dir`'s CA, checked: a CA certificate whose public key is its key's.
-fn load_ca(dir: &Path) -> Result<Issuer<'static, KeyPair>, CertsError> {
+/// `dir`'s CA, checked: a CA certificate whose public key is its key's; and when it
+/// is valid.
+fn load_ca(dir: &Path) -> Result<(Issuer<'static, KeyPair>, Validity), CertsError> {
     let (cert_path, key_path) = (dir.join(CA_CERT), dir.join(CA_KEY));
     for path in [&cert_path, &key_path] {
         if !path.exists() {
@@ -439,14 +453,16 @@ fn load_ca(dir: &Path) -> Result<Issuer<'static, KeyPair>, CertsError> {
     };
     let key = KeyPair::from_pem(&key_pem)
         .map_err(|e| bad(&key_path, format!("not a private key rcgen can use: {e}")))?;
-    check_ca(&cert_path, &cert_pem, &key)?;
-    Issuer::from_ca_cert_pem(&cert_pem, key)
-        .map_err(|e| bad(&cert_path, format!("not a certificate: {e}")))
+    let validity = check_ca(&cert_path, &cert_pem, &key)?;
+    let issuer = Issuer::from_ca_cert_pem(&cert_pem, key)
+        .map_err(|e| bad(&cert_path, format!("not a certificate: {e}")))?;
+    Ok((issuer, validity))
 }
 
 /// Refuses a CA certificate that is not a CA, has expired, or whose public key is
-/// not `key`'s (certificates signed with it would not verify).
-fn check_ca(path: &Path, pem: &str, key: &KeyPair) -> Result<(), CertsError> {
+/// not `key`'s (certificates signed with it would not verify); returns when it is
+/// valid.
+fn check_ca(path: &Path, pem: &str, key: &KeyPair) -> Result<Validity, CertsError> {
     let bad = |message: String| CertsError::BadCa {
         path: path.to_owned(),
         message,
@@ -473,7 +489,14 @@ fn check_ca(path: &Path, pem: &str, key: &KeyPair) -> Result<(), CertsError> {
             cert.validity().not_after
         )));
     }
-    Ok(())
+    let instant = |t: i64| {
+        OffsetDateTime::from_unix_timestamp(t)
+            .map_err(|e| bad(format!("a validity date out of range: {e}")))
+    };
+    Ok(Validity {
+        not_before: instant(cert.validity().not_before.timestamp())?,
+        not_after: instant(not_after)?,
+    })
 }
 
 fn generate(what: &str, e: rcgen::Error) -> CertsError {

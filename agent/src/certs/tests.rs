@@ -216,3 +216,31 @@ fn bad_sans_and_validities_are_refused() {
     let now = OffsetDateTime::now_utc();
     assert!(Validity::between(now, now - Duration::days(1)).is_err());
 }
+
+#[test]
+fn certificates_end_no_later_than_their_ca() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut short_ca = options(&[]);
+    short_ca.validity = Validity::days(30).unwrap();
+    short_ca.ca_validity = Validity::days(2).unwrap();
+    init(dir, &short_ca).unwrap();
+    issue_node(dir, "n1", &Validity::days(30).unwrap(), false).unwrap();
+    let ca_der = der(&dir.join(CA_CERT));
+    let ca_end = X509Certificate::from_der(&ca_der)
+        .unwrap()
+        .1
+        .validity()
+        .not_after
+        .timestamp();
+    for path in [dir.join(SERVER_CERT), node_cert_file(dir, "n1")] {
+        let cert_der = der(&path);
+        let (_, cert) = X509Certificate::from_der(&cert_der).unwrap();
+        assert_eq!(
+            cert.validity().not_after.timestamp(),
+            ca_end,
+            "{}",
+            path.display()
+        );
+    }
+}
