@@ -2,7 +2,7 @@
 //! everything, each node may read the prefix and write only its own registration
 //! key. With `--client-cert-auth`, etcd takes a client certificate's CN as the
 //! user name, so the certificates of [`super::init`] and [`super::issue_node`]
-//! are these users; no password is set or used.
+//! are these users, without a password (`root` has a random one, never stored).
 //!
 //! | user | roles | may |
 //! |---|---|---|
@@ -54,7 +54,7 @@ pub enum RbacError {
     #[error(
         "etcd-rbac needs https:// endpoints, the CA, and the admin's client certificate \
          and key: etcd takes the certificate's CN as the user, and these users have no \
-         password"
+         password (the CN is the credential)"
     )]
     NotMutualTls,
     /// etcd accepted a client without a certificate: it does not run with
