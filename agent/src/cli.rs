@@ -11,6 +11,7 @@
 //! `status --all`; see [`output`]); a reader that closes the pipe early ends the
 //! command quietly with exit status 141 ([`StdoutClosed`]).
 
+pub mod certs;
 pub mod nodes;
 mod output;
 
@@ -130,6 +131,12 @@ pub enum Command {
         #[command(flatten)]
         dataplane: DataplaneSettings,
     },
+    /// Make the certificates of etcd's mutual TLS and set up etcd's roles for them.
+    Certs {
+        /// `init`, `issue` or `etcd-rbac`.
+        #[command(subcommand)]
+        command: certs::CertsCommand,
+    },
     /// Print the version.
     Version,
 }
@@ -214,7 +221,7 @@ impl Command {
             | Command::Get { etcd, .. }
             | Command::Delete { etcd, .. }
             | Command::Status(StatusArgs { etcd, .. }) => etcd.clone().into(),
-            Command::Version => FileConfig::default(),
+            Command::Certs { .. } | Command::Version => FileConfig::default(),
         }
     }
 }

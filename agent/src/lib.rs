@@ -7,6 +7,7 @@
 
 pub mod agent;
 pub mod applied;
+pub mod certs;
 pub mod cli;
 pub mod config;
 pub mod dataplane;

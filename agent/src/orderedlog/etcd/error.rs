@@ -49,10 +49,19 @@ pub(super) fn is_transient(e: &Error) -> bool {
     }
 }
 
+/// What a refusal for lack of permission means, with etcd authentication on.
+pub(super) const PERMISSION_HINT: &str = " (etcd's authentication is on and does not \
+    allow this request to this client's user, the CN of its certificate: a node may \
+    read the prefix and write only its own nodes/<node id> key; writing objects takes \
+    the admin certificate. See `rune-agent certs etcd-rbac`)";
+
 /// `e` as a [`LogError`]: [`LogError::Unavailable`] when it may pass,
-/// [`LogError::Refused`] when etcd said no.
+/// [`LogError::Refused`] when etcd said no (for lack of permission: saying so).
 pub(super) fn log_error(endpoints: &str, e: &Error) -> LogError {
-    let message = describe(e);
+    let mut message = describe(e);
+    if matches!(e, Error::GRpcStatus(s) if s.code() == Code::PermissionDenied) {
+        message.push_str(PERMISSION_HINT);
+    }
     if is_transient(e) {
         LogError::Unavailable {
             endpoints: endpoints.to_owned(),

@@ -242,7 +242,8 @@ fn errors_say_the_cause_without_the_transports_wrappers() {
     assert!(matches!(
         error::log_error("https://etcd-a:2379", &denied),
         LogError::Refused { endpoints, message }
-            if endpoints == "https://etcd-a:2379" && message == "etcdserver: permission denied"
+            if endpoints == "https://etcd-a:2379"
+                && message == format!("etcdserver: permission denied{}", error::PERMISSION_HINT)
     ));
     let compacted = etcd_client::Error::GRpcStatus(tonic::Status::out_of_range(
         "etcdserver: mvcc: required revision has been compacted",
