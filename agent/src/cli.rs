@@ -432,7 +432,13 @@ async fn get_nodes(config: &Config, name: Option<&str>, output: Option<Format>) 
     let mut out = Vec::new();
     match (name, output) {
         (Some(name), output) => {
-            nodes::get_node(&etcd, name, format(output.unwrap_or(Format::Yaml)), &mut out).await?
+            nodes::get_node(
+                &etcd,
+                name,
+                format(output.unwrap_or(Format::Yaml)),
+                &mut out,
+            )
+            .await?
         }
         (None, None) => nodes::write_table(&nodes::list_nodes(&etcd).await?, &mut out)?,
         (None, Some(f)) => {

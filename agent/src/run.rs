@@ -12,10 +12,6 @@
 use crate::{
     agent::{Agent, AgentConfig},
     applied::AppliedRevision,
-    node::{
-        facts::{FactsSource, MapFill},
-        registrar::{Registrar, RegistrarOptions},
-    },
     config::{Config, DataplaneMode, Mode},
     dataplane::{
         DataPlane, DataPlaneError,
@@ -30,6 +26,10 @@ use crate::{
     identity::Identity,
     localapi::{self, LocalApiServer},
     metrics::{Metrics, server::MetricsServer},
+    node::{
+        facts::{FactsSource, MapFill},
+        registrar::{Registrar, RegistrarOptions},
+    },
     orderedlog::{
         OrderedLog,
         embedded::{EmbeddedLog, EmbeddedOptions},
@@ -107,26 +107,28 @@ pub async fn run(config: Config) -> Result<()> {
         metrics: metrics.clone(),
     })?);
 
-    let dns = Arc::new(DnsServer::new(
-        DnsConfig {
-            addrs: config.dns_addrs.clone(),
-            zone: ZoneConfig {
-                domain: config.dns_domain.clone(),
-                ttl: config.dns_ttl_seconds,
-                mode,
-                dev_port_offset: config.dev_port_offset,
+    let dns = Arc::new(
+        DnsServer::new(
+            DnsConfig {
+                addrs: config.dns_addrs.clone(),
+                zone: ZoneConfig {
+                    domain: config.dns_domain.clone(),
+                    ttl: config.dns_ttl_seconds,
+                    mode,
+                    dev_port_offset: config.dev_port_offset,
+                },
+                forward: ForwardConfig {
+                    upstreams: config.dns_upstreams.clone(),
+                    resolv_conf: Some(config.dns_resolv_conf.clone()),
+                    timeout: config.dns_upstream_timeout,
+                    cache_size: config.dns_cache_size,
+                },
             },
-            forward: ForwardConfig {
-                upstreams: config.dns_upstreams.clone(),
-                resolv_conf: Some(config.dns_resolv_conf.clone()),
-                timeout: config.dns_upstream_timeout,
-                cache_size: config.dns_cache_size,
-            },
-        },
-        cache.clone(),
-        metrics.clone(),
-    )?
-    .with_applied(applied.consumer("dns")));
+            cache.clone(),
+            metrics.clone(),
+        )?
+        .with_applied(applied.consumer("dns")),
+    );
 
     if mode == Mode::Dev {
         metrics.set_dataplane(plane.mode(), &[]);

@@ -9,7 +9,7 @@
 //!   (read in pages, all at that revision); a watch delivers etcd's events after
 //!   it. The objects one transaction writes share its revision.
 //! * **Read side** ([`OrderedLog`]): the watch reconnects by itself (backoff 100 ms
-//!   doubling to 5 s) and resumes after the last revision it received, so no event
+//!   doubling to 1 s) and resumes after the last revision it received, so no event
 //!   is lost or repeated across an etcd restart; history etcd compacted meanwhile
 //!   ends it with [`LogError::Compacted`] (the consumer takes a new snapshot). A value
 //!   another client wrote that is not a valid object, or a key of an unknown kind,

@@ -1,0 +1,270 @@
+//! Several nodes on one etcd (`rune_harness::cluster`): agents in their own node
+//! namespaces, eBPF on each node's pod interface, etcd with TLS, client
+//! certificates per node and etcd roles. A service whose endpoints are pods on
+//! nodes 1 and 2 is reached from the pod on node 3; `apply --wait` returns once
+//! every node has the change in its kernel; an agent killed with SIGKILL leaves its
+//! data plane serving and its node goes away with its lease; an etcd outage loses
+//! no request; compaction while an agent is stopped is resynced on its restart.
+//!
+//! Needs root. Traffic stays in the cluster's namespaces; etcd is on loopback.
+
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    process::Output,
+    time::{Duration, Instant},
+};
+
+use rune_harness::{
+    agent::agent_bin,
+    cluster::{
+        POD_TCP_PORT,
+        running::{ClusterConfig, RunningCluster},
+    },
+    netns::require_root,
+};
+
+const VIP: Ipv4Addr = Ipv4Addr::new(198, 18, 200, 10);
+const VIP_PORT: u16 = 80;
+/// How long an agent may take to become ready.
+const READY: Duration = Duration::from_secs(60);
+
+fn vip() -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(VIP), VIP_PORT)
+}
+
+fn ok(out: &Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The service on the VIP, with endpoints on the pods of `nodes` (0-based).
+fn service_yaml(c: &RunningCluster, nodes: &[usize]) -> String {
+    let eps: Vec<String> = nodes
+        .iter()
+        .map(|&i| {
+            let n = &c.topology().nodes()[i];
+            format!("{{address: {}, node: {}}}", n.pod_addr(), n.name())
+        })
+        .collect();
+    format!(
+        "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: hello}}\n\
+         spec: {{ports: [{{port: {VIP_PORT}, targetPort: {POD_TCP_PORT}}}], discovery: {{vips: [{VIP}]}}}}\n\
+         ---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: hello}}\n\
+         spec: {{endpoints: [{}]}}\n",
+        eps.join(", ")
+    )
+}
+
+/// `apply -f - --wait=20s` as the admin.
+fn apply_wait(c: &RunningCluster, yaml: &str) -> String {
+    ok(
+        &c.cli(&["apply", "-f", "-", "--wait=20s"], Some(yaml)),
+        "apply --wait",
+    )
+}
+
+/// The pods answering `count` new connections to the VIP from node `from`'s pod.
+fn answering_pods(c: &RunningCluster, from: usize, count: usize) -> BTreeSet<String> {
+    let node = &c.topology().nodes()[from];
+    (0..count)
+        .map(|i| {
+            let reply = node
+                .request_from_pod(vip(), &format!("r{i}"))
+                .unwrap_or_else(|e| panic!("request {i} from {}: {e:#}", node.name()));
+            reply.split(' ').next().unwrap().to_owned()
+        })
+        .collect()
+}
+
+fn start(nodes: usize, lease_seconds: Option<u64>) -> RunningCluster {
+    require_root().unwrap();
+    let mut config = ClusterConfig::new(nodes, agent_bin());
+    config.lease_seconds = lease_seconds;
+    RunningCluster::start(config, READY).unwrap()
+}
+
+#[test]
+fn a_service_with_endpoints_on_two_nodes_is_reached_from_a_third_and_apply_wait_is_live_everywhere()
+{
+    let c = start(3, None);
+    c.topology()
+        .wait_connected(Duration::from_secs(10))
+        .unwrap();
+    apply_wait(&c, &service_yaml(&c, &[0, 1]));
+    let pods = answering_pods(&c, 2, 40);
+    assert_eq!(
+        pods,
+        BTreeSet::from(["pod-1".to_owned(), "pod-2".to_owned()]),
+        "through the VIP from node-3"
+    );
+
+    // A change with --wait: live on every node when the command returns (the
+    // clients are pods that are not the backend: a pod reaching itself through a
+    // VIP, hairpin, needs source NAT the data plane does not do).
+    apply_wait(&c, &service_yaml(&c, &[1]));
+    for from in [0, 2] {
+        let pods = answering_pods(&c, from, 20);
+        assert_eq!(
+            pods,
+            BTreeSet::from(["pod-2".to_owned()]),
+            "from node-{}",
+            from + 1
+        );
+    }
+
+    let nodes = ok(&c.cli(&["get", "nodes"], None), "get nodes");
+    for i in 1..=3 {
+        assert!(nodes.contains(&format!("node-{i}")), "{nodes}");
+    }
+    assert_eq!(
+        nodes.matches("Ready").count() - nodes.matches("NotReady").count(),
+        3,
+        "{nodes}"
+    );
+}
+
+#[test]
+fn a_killed_agent_leaves_its_data_plane_serving_its_node_goes_and_it_rejoins() {
+    let lease = 4;
+    let mut c = start(3, Some(lease));
+    c.topology()
+        .wait_connected(Duration::from_secs(10))
+        .unwrap();
+    apply_wait(&c, &service_yaml(&c, &[0, 1]));
+
+    c.kill_agent(2);
+    // Node-3's pinned data plane keeps serving its pod without its agent.
+    let pods = answering_pods(&c, 2, 20);
+    assert_eq!(pods.len(), 2, "{pods:?}");
+    // Its node key goes with its lease.
+    let deadline = Instant::now() + Duration::from_secs(lease * 3 + 5);
+    let id = c.node_id(2).to_owned();
+    loop {
+        let nodes = ok(&c.cli(&["get", "nodes", "-o", "json"], None), "get nodes");
+        if !nodes.contains(&id) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "node-3 still listed: {nodes}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    // A change while it is away: --wait waits for the Ready nodes only.
+    apply_wait(&c, &service_yaml(&c, &[0]));
+
+    c.start_agent(2).unwrap();
+    c.agent(2).try_wait_ready(READY).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let nodes = ok(&c.cli(&["get", "nodes", "-o", "json"], None), "get nodes");
+        if nodes.contains(&id) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not re-registered with the same id: {nodes}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // It caught up with the change made while it was away.
+    let pods = answering_pods(&c, 2, 10);
+    assert_eq!(pods, BTreeSet::from(["pod-1".to_owned()]));
+}
+
+#[test]
+fn an_etcd_outage_loses_no_request_and_a_change_after_it_is_live_within_two_seconds() {
+    let mut c = start(3, None);
+    c.topology()
+        .wait_connected(Duration::from_secs(10))
+        .unwrap();
+    apply_wait(&c, &service_yaml(&c, &[0, 1]));
+    // A connection established before the outage must live through it.
+    let mut long = c.topology().nodes()[2].open_from_pod(vip()).unwrap();
+    long.exchange("before").unwrap();
+
+    c.etcd().stop();
+    let until = Instant::now() + Duration::from_secs(10);
+    let (mut sent, mut failed) = (0, Vec::new());
+    while Instant::now() < until && sent < 5_000 {
+        if let Err(e) = c.topology().nodes()[2].request_from_pod(vip(), "during") {
+            failed.push(format!("{e:#}"));
+        }
+        sent += 1;
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of {sent} requests failed: {:?}",
+        failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+    for i in 0..3 {
+        let (code, _) = c.agent(i).http_get("/readyz").unwrap();
+        assert_eq!(
+            code,
+            200,
+            "node-{} must stay ready while etcd is away",
+            i + 1
+        );
+    }
+    c.etcd().start_again();
+    long.exchange("after").unwrap();
+
+    // Once every agent is back on etcd, a change is live everywhere within 2 s.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for i in 0..3 {
+        while !c.agent(i).metrics_text().contains("rune_store_connected 1") {
+            assert!(
+                Instant::now() < deadline,
+                "node-{} did not reconnect to etcd",
+                i + 1
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    ok(
+        &c.cli(
+            &["apply", "-f", "-", "--wait=2s"],
+            Some(&service_yaml(&c, &[1])),
+        ),
+        "apply --wait=2s after the outage",
+    );
+    let pods = answering_pods(&c, 0, 10);
+    assert_eq!(pods, BTreeSet::from(["pod-2".to_owned()]));
+}
+
+#[test]
+fn compaction_while_an_agent_is_stopped_is_resynced_on_its_restart_with_no_flow_dropped() {
+    let mut c = start(3, None);
+    c.topology()
+        .wait_connected(Duration::from_secs(10))
+        .unwrap();
+    apply_wait(&c, &service_yaml(&c, &[0, 1]));
+    // The client is node-3's pod; node-3's agent is the one stopped.
+    let mut long = c.topology().nodes()[2].open_from_pod(vip()).unwrap();
+    long.exchange("before").unwrap();
+
+    c.stop_agent(2, Duration::from_secs(20));
+    for round in 0..5 {
+        let nodes: &[usize] = if round % 2 == 0 { &[0] } else { &[0, 1] };
+        ok(
+            &c.cli(&["apply", "-f", "-"], Some(&service_yaml(&c, nodes))),
+            "apply",
+        );
+    }
+    let rev = c.etcd().revision();
+    c.etcd().compact(rev);
+
+    c.start_agent(2).unwrap();
+    c.agent(2).try_wait_ready(READY).unwrap();
+    long.exchange("after the resync").unwrap();
+    // The last apply (round 4) had both pods.
+    apply_wait(&c, &service_yaml(&c, &[0, 1]));
+    let pods = answering_pods(&c, 2, 30);
+    assert_eq!(pods.len(), 2, "{pods:?}");
+}
