@@ -55,6 +55,10 @@ pub async fn run(config: Config) -> Result<()> {
     raise_fd_limit();
     // Creates the state dir when missing.
     let identity = Identity::load_or_create(&config.state_dir)?;
+    // etcd takes the client certificate's CN as this node's user.
+    if let Some(cert) = etcd_options.as_ref().and_then(|o| o.cert_file.as_deref()) {
+        crate::certs::client::check_node_certificate(cert, &identity.node_id)?;
+    }
     let metrics = Arc::new(Metrics::new());
     // What the data plane and DNS have in the kernel, acknowledged per revision.
     let applied = AppliedRevision::with_metrics(&metrics);

@@ -215,18 +215,15 @@ fn an_etcd_outage_loses_no_request_and_a_change_after_it_is_live_within_two_seco
     c.etcd().start_again();
     long.exchange("after").unwrap();
 
-    // Once every agent is back on etcd, a change is live everywhere within 2 s.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    for i in 0..3 {
-        while !c.agent(i).metrics_text().contains("rune_store_connected 1") {
-            assert!(
-                Instant::now() < deadline,
-                "node-{} did not reconnect to etcd",
-                i + 1
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
+    // The first change after etcd returns reaches every node once its watch is
+    // back (a retry at most a second apart); its time is printed, not asserted.
+    let t = Instant::now();
+    apply_wait(&c, &service_yaml(&c, &[0]));
+    eprintln!(
+        "first change after the outage live everywhere after {:?}",
+        t.elapsed()
+    );
+    // With every watch back, a change is live everywhere within 2 s.
     ok(
         &c.cli(
             &["apply", "-f", "-", "--wait=2s"],
@@ -238,18 +235,49 @@ fn an_etcd_outage_loses_no_request_and_a_change_after_it_is_live_within_two_seco
     assert_eq!(pods, BTreeSet::from(["pod-2".to_owned()]));
 }
 
+/// Long-lived connections from node `from`'s pod through the VIP, until some
+/// reach each of `pods` (at most 64).
+fn long_lived_to_each(
+    c: &RunningCluster,
+    from: usize,
+    pods: &[&str],
+) -> Vec<(String, rune_harness::topology::LongLived)> {
+    let mut conns = Vec::new();
+    for i in 0..64 {
+        let mut conn = c.topology().nodes()[from].open_from_pod(vip()).unwrap();
+        let reply = conn.exchange(&format!("open {i}")).unwrap();
+        let pod = reply.split(' ').next().unwrap().to_owned();
+        conns.push((pod, conn));
+        if pods.iter().all(|p| conns.iter().any(|(q, _)| q == p)) {
+            return conns;
+        }
+    }
+    panic!("64 connections did not reach each of {pods:?}");
+}
+
+/// Every connection still answers, from its own pod.
+fn all_answer(conns: &mut [(String, rune_harness::topology::LongLived)], when: &str) {
+    for (pod, conn) in conns.iter_mut() {
+        let reply = conn
+            .exchange(when)
+            .unwrap_or_else(|e| panic!("a connection to {pod} {when}: {e:#}"));
+        assert_eq!(reply, format!("{pod} {when}"));
+    }
+}
+
 #[test]
-fn compaction_while_an_agent_is_stopped_is_resynced_on_its_restart_with_no_flow_dropped() {
+fn compaction_of_history_agents_need_is_resynced_with_no_flow_dropped() {
     let mut c = start(3, None);
     c.topology()
         .wait_connected(Duration::from_secs(10))
         .unwrap();
     apply_wait(&c, &service_yaml(&c, &[0, 1]));
-    // The client is node-3's pod; node-3's agent is the one stopped.
-    let mut long = c.topology().nodes()[2].open_from_pod(vip()).unwrap();
-    long.exchange("before").unwrap();
+    // The clients are node-3's pod; node-3's agent is stopped, and node-1's is cut
+    // off etcd while it runs (its watch must resume from compacted history).
+    let mut conns = long_lived_to_each(&c, 2, &["pod-1", "pod-2"]);
 
     c.stop_agent(2, Duration::from_secs(20));
+    c.topology().nodes()[0].cut_etcd();
     for round in 0..5 {
         let nodes: &[usize] = if round % 2 == 0 { &[0] } else { &[0, 1] };
         ok(
@@ -257,14 +285,24 @@ fn compaction_while_an_agent_is_stopped_is_resynced_on_its_restart_with_no_flow_
             "apply",
         );
     }
+    all_answer(&mut conns, "after-the-changes");
     let rev = c.etcd().revision();
     c.etcd().compact(rev);
 
+    c.topology().nodes()[0].reconnect_etcd();
+    // The last change (round 4) left pod-1 only: node-3's agent, restarted on its
+    // pinned maps, lets the flows to pod-2 drain as a running agent would have.
     c.start_agent(2).unwrap();
     c.agent(2).try_wait_ready(READY).unwrap();
-    long.exchange("after the resync").unwrap();
-    // The last apply (round 4) had both pods.
+    all_answer(&mut conns, "after-the-restart");
+    // A change every node applies, node-1 after a resync from a new snapshot.
     apply_wait(&c, &service_yaml(&c, &[0, 1]));
+    let log = c.agent(0).log();
+    assert!(
+        log.contains("compacted") && log.contains("taking a new snapshot"),
+        "node-1 did not resync after the compaction: {log}"
+    );
     let pods = answering_pods(&c, 2, 30);
     assert_eq!(pods.len(), 2, "{pods:?}");
+    all_answer(&mut conns, "at-the-end");
 }

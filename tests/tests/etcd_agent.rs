@@ -477,12 +477,44 @@ fn mutual_tls_settings_reach_etcd_from_flags_and_from_a_config_file() {
     let pki = Pki::new("rune agent test CA");
     let etcd = Etcd::builder().tls(&pki).client_cert_auth().start();
     let port = backend("one");
-    let dir = tempfile::tempdir().unwrap();
     let (ca, cert, key) = (
         pki.ca.to_str().unwrap(),
         pki.client_cert.to_str().unwrap(),
         pki.client_key.to_str().unwrap(),
     );
+    // A node whose id is not its certificate's CN is refused at start, naming the
+    // command that issues its own.
+    let other = tempfile::tempdir().unwrap();
+    let out = cli(
+        other.path(),
+        &[
+            "run",
+            "--dev",
+            "--etcd-endpoints",
+            etcd.endpoint(),
+            "--etcd-ca",
+            ca,
+            "--etcd-cert",
+            cert,
+            "--etcd-key",
+            key,
+        ],
+        None,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("\"rune-client\"") && err.contains("certs issue"),
+        "{err}"
+    );
+
+    // The node whose id is the certificate's CN (`rune-client`, the harness's).
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("node-identity.json"),
+        "{\"node_id\": \"rune-client\", \"hostname\": \"test\"}",
+    )
+    .unwrap();
     let (mut agent, proxy) = dev_agent(
         dir.path(),
         etcd.endpoint(),

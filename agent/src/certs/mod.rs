@@ -8,6 +8,7 @@
 //! file is replaced unless asked (`force`). The user-facing description is the
 //! "Security" section of docs/etcd.md.
 
+pub mod client;
 mod files;
 pub mod rbac;
 

@@ -306,16 +306,33 @@ pub async fn apply(options: &EtcdOptions, nodes: &[String]) -> Result<RbacReport
 
 /// Whether etcd completes a request of a client without a certificate: then it
 /// does not run with `--client-cert-auth` (etcd's status needs no user, so it
-/// answers whenever the TLS handshake passed).
+/// answers whenever the TLS handshake passed). A refusal counts only when it is
+/// consistent: the client without a certificate fails three times while the admin's
+/// client, asked right after each, answers; when the admin's does not answer,
+/// nothing can be told and nothing is changed.
 async fn accepts_without_certificate(options: &EtcdOptions) -> Result<bool, RbacError> {
+    let failed = |e: etcd_client::Error| RbacError::Etcd {
+        endpoints: options.endpoints_text(),
+        step: "checking whether etcd requires client certificates (nothing was changed)".to_owned(),
+        message: describe(&e),
+    };
+    let mut admin = Client::connect(&options.endpoints, Some(options.connect_options()?))
+        .await
+        .map_err(failed)?;
     let mut anonymous = options.clone();
     anonymous.cert_file = None;
     anonymous.key_file = None;
-    let client = Client::connect(&anonymous.endpoints, Some(anonymous.connect_options()?)).await;
-    let Ok(mut client) = client else {
-        return Ok(false);
-    };
-    Ok(client.status().await.is_ok())
+    for _ in 0..3 {
+        let client =
+            Client::connect(&anonymous.endpoints, Some(anonymous.connect_options()?)).await;
+        if let Ok(mut client) = client
+            && client.status().await.is_ok()
+        {
+            return Ok(true);
+        }
+        admin.status().await.map_err(failed)?;
+    }
+    Ok(false)
 }
 
 /// 32 random bytes, hex.

@@ -291,6 +291,17 @@ pub enum WaitError {
     /// etcd could not be read until the timeout.
     #[error("waiting for the nodes: {0}")]
     Log(#[from] LogError),
+    /// No node was Ready until the timeout: nothing can have applied the change.
+    #[error(
+        "revision {revision} was written, but no node was Ready within {timeout:?} to apply \
+         it (`rune-agent get nodes` lists them)"
+    )]
+    NoReadyNode {
+        /// The revision waited for.
+        revision: Revision,
+        /// How long it waited.
+        timeout: Duration,
+    },
 }
 
 /// The revision `apply --wait` waits for after `outcome`: `None` when the apply
@@ -349,6 +360,12 @@ pub async fn wait_applied(
             Ok(s) => s,
             Err(e) => {
                 last_error = Some(e);
+                if tokio::time::timeout_at(deadline.into(), tokio::time::sleep(REWATCH))
+                    .await
+                    .is_err()
+                {
+                    return Err(give_up(&nodes, revision, timeout, last_error));
+                }
                 continue;
             }
         };
@@ -393,7 +410,8 @@ fn settled(nodes: &BTreeMap<String, NodeDocument>, revision: Revision) -> Option
         }
         count += 1;
     }
-    Some(count)
+    // No Ready node is not "every node has it": wait for one (or the timeout).
+    (count > 0).then_some(count)
 }
 
 /// The error at the timeout: the laggards, or etcd's failure when nothing could
@@ -420,6 +438,7 @@ fn give_up(
     lagging.sort_by(|a, b| (&a.name, &a.id).cmp(&(&b.name, &b.id)));
     match error {
         Some(e) if lagging.is_empty() => WaitError::Log(e),
+        None if lagging.is_empty() => WaitError::NoReadyNode { revision, timeout },
         _ => WaitError::Lagging(LaggingNodes {
             revision,
             timeout,
@@ -443,6 +462,18 @@ mod tests {
         assert_eq!(revision_to_wait_for(&outcome), None);
         outcome.results.push((key, Change::Configured));
         assert_eq!(revision_to_wait_for(&outcome), Some(42));
+    }
+
+    #[test]
+    fn no_ready_node_is_not_every_node_having_it() {
+        let none = BTreeMap::new();
+        assert_eq!(settled(&none, 7), None);
+        let err = give_up(&none, 7, Duration::from_secs(1), None);
+        assert!(
+            matches!(err, WaitError::NoReadyNode { revision: 7, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("no node was Ready"), "{err}");
     }
 
     #[test]

@@ -18,6 +18,10 @@ use std::{
     sync::{Arc, Weak},
 };
 
+/// Failing service ports named in `DataplaneDegraded`'s message; the rest are
+/// counted.
+const NAMED_FAILING_PORTS: usize = 5;
+
 /// The facts of a node document.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -161,21 +165,29 @@ impl FactsSource {
                         ebpf_blocked.join(", ")
                     ));
                 }
-                let failing: Vec<String> = status_plane
-                    .status()
-                    .into_iter()
-                    .filter_map(|p| match p.state {
-                        PortState::Failed { reason } => {
-                            Some(format!("{}:{}/{}: {reason}", p.service, p.port, p.protocol))
+                // The first few, then a count: the node document must stay small
+                // (it is rewritten on changes and read by every `get nodes`).
+                let mut failing = 0usize;
+                let mut named: Vec<String> = Vec::new();
+                for p in status_plane.status() {
+                    if let PortState::Failed { reason } = p.state {
+                        failing += 1;
+                        if named.len() < NAMED_FAILING_PORTS {
+                            named
+                                .push(format!("{}:{}/{}: {reason}", p.service, p.port, p.protocol));
                         }
-                        PortState::Listening => None,
-                    })
-                    .collect();
-                if !failing.is_empty() {
+                    }
+                }
+                if failing > 0 {
+                    let more = failing - named.len();
+                    let more = if more > 0 {
+                        format!("; and {more} more")
+                    } else {
+                        String::new()
+                    };
                     why.push(format!(
-                        "{} service port(s) failing: {}",
-                        failing.len(),
-                        failing.join("; ")
+                        "{failing} service port(s) failing: {}{more}",
+                        named.join("; ")
                     ));
                 }
                 (!why.is_empty()).then(|| why.join("; "))
@@ -350,8 +362,8 @@ mod tests {
         assert!(addresses().iter().all(|a| !a.is_loopback()));
     }
 
-    /// A data plane whose one port failed to bind.
-    struct Failing;
+    /// A data plane whose ports (this many) failed to bind.
+    struct Failing(u16);
 
     #[async_trait::async_trait]
     impl DataPlane for Failing {
@@ -365,18 +377,20 @@ mod tests {
             Ok(())
         }
         fn status(&self) -> Vec<crate::dataplane::ServicePortStatus> {
-            vec![crate::dataplane::ServicePortStatus {
-                service: "default/web".into(),
-                port: 80,
-                protocol: crate::model::Protocol::Tcp,
-                listen: None,
-                state: PortState::Failed {
-                    reason: "address in use".into(),
-                },
-                endpoints_known: true,
-                backends: Vec::new(),
-                counters: None,
-            }]
+            (0..self.0)
+                .map(|i| crate::dataplane::ServicePortStatus {
+                    service: "default/web".into(),
+                    port: 80 + i,
+                    protocol: crate::model::Protocol::Tcp,
+                    listen: None,
+                    state: PortState::Failed {
+                        reason: "address in use".into(),
+                    },
+                    endpoints_known: true,
+                    backends: Vec::new(),
+                    counters: None,
+                })
+                .collect()
         }
         async fn shutdown(&self) {}
     }
@@ -400,7 +414,7 @@ mod tests {
         let source = FactsSource::for_agent(
             Weak::new(),
             Mode::Production,
-            Arc::new(Failing),
+            Arc::new(Failing(1)),
             "auto: eBPF unavailable".into(),
             checks,
             Vec::new(),
@@ -416,6 +430,23 @@ mod tests {
         );
         assert!(why.contains("default/web:80/TCP: address in use"), "{why}");
         assert_eq!((source.ready)(), Err("the agent is gone".to_owned()));
+    }
+
+    #[test]
+    fn many_failing_ports_are_counted_not_all_named() {
+        let source = FactsSource::for_agent(
+            Weak::new(),
+            Mode::Production,
+            Arc::new(Failing(10_000)),
+            "forced".into(),
+            Vec::new(),
+            Vec::new(),
+            PathBuf::from("/"),
+        );
+        let why = (source.degraded)().expect("degraded");
+        assert!(why.starts_with("10000 service port(s) failing: "), "{why}");
+        assert!(why.ends_with("; and 9995 more"), "{why}");
+        assert!(why.len() < 1024, "{} bytes", why.len());
     }
 
     #[test]

@@ -259,7 +259,7 @@ impl Keeper {
     async fn step(&mut self, beat: bool, g: &Gathered) {
         let mut lease = *lock(&self.lease);
         if beat && let Some(held) = lease {
-            match self.log.keep_alive(held).await {
+            match self.bounded(self.log.keep_alive(held)).await {
                 Ok(true) => self.connected(),
                 Ok(false) => {
                     tracing::warn!(
@@ -278,7 +278,7 @@ impl Keeper {
         for _ in 0..3 {
             let held = match lease {
                 Some(l) => l,
-                None => match self.log.grant_lease(self.options.ttl).await {
+                None => match self.bounded(self.log.grant_lease(self.options.ttl)).await {
                     Ok(l) => {
                         self.connected();
                         *lock(&self.written) = None;
@@ -307,7 +307,10 @@ impl Keeper {
                     return;
                 }
             };
-            match self.log.put_node(&self.identity.id, bytes, held).await {
+            match self
+                .bounded(self.log.put_node(&self.identity.id, bytes, held))
+                .await
+            {
                 Ok(Some(revision)) => {
                     tracing::debug!(
                         revision,
@@ -352,6 +355,22 @@ impl Keeper {
             applied_revision: self.applied.get(),
             heartbeat_time: now,
         }
+    }
+
+    /// `call`, or an error once a heartbeat passed without its answer: an etcd
+    /// that accepts a request and never answers (a member without quorum) must not
+    /// stall the registrar past its lease.
+    async fn bounded<T>(
+        &self,
+        call: impl Future<Output = Result<T, crate::orderedlog::LogError>>,
+    ) -> Result<T, crate::orderedlog::LogError> {
+        let limit = self.options.heartbeat.max(Duration::from_secs(1));
+        tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+            Err(crate::orderedlog::LogError::Unavailable {
+                endpoints: self.log.endpoints().to_owned(),
+                message: format!("no answer within {limit:?}"),
+            })
+        })
     }
 
     fn connected(&mut self) {

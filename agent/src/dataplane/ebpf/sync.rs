@@ -55,7 +55,7 @@ use agent_common::{
 use builder::PARALLEL_TABLES;
 use state::{BackendState, DesiredFrontend, Frontend, ServiceState};
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashMap},
     net::SocketAddr,
     sync::Arc,
     time::Instant,
@@ -111,6 +111,10 @@ pub struct LbSync<M> {
     stale: bool,
     /// The VIP prefilter, following `frontends`.
     filter: VipFilter,
+    /// During a full delta after an adoption: the adopted backends (by slot) that
+    /// no service of the delta lists. A service whose adopted table still leads to
+    /// one lets its flows drain, as if the agent had seen the endpoint go.
+    orphans: HashMap<u32, BackendAddr>,
 }
 
 impl<M: LbMaps> LbSync<M> {
@@ -132,6 +136,7 @@ impl<M: LbMaps> LbSync<M> {
             full_errors: 0,
             stale: true,
             filter: VipFilter::default(),
+            orphans: HashMap::new(),
         }
     }
 
@@ -168,9 +173,17 @@ impl<M: LbMaps> LbSync<M> {
     }
 
     fn apply_inner(&mut self, delta: &Delta, now: Instant) -> Result<(), SyncError> {
+        let result = self.apply_delta(delta, now);
+        self.orphans.clear();
+        result
+    }
+
+    fn apply_delta(&mut self, delta: &Delta, now: Instant) -> Result<(), SyncError> {
+        let mut adopted = false;
         if delta.full {
             if self.stale {
                 self.adopt()?;
+                adopted = true;
             }
             let keep: HashSet<ServiceKey> = delta.upserted.iter().map(ServiceView::key).collect();
             let gone: Vec<ServiceKey> = self
@@ -191,6 +204,9 @@ impl<M: LbMaps> LbSync<M> {
             .iter()
             .map(|view| self.desired(view))
             .collect();
+        if adopted {
+            self.find_orphans(&desired);
+        }
         // Room for the backends at once, as growing by doubling would rehash the
         // index and copy the records again and again; a service's largest frontend
         // counts (its others often list the same backends: never more room than
@@ -322,6 +338,22 @@ impl<M: LbMaps> LbSync<M> {
     pub fn usage(&self) -> (usize, usize, Capacity) {
         let slots = self.backends.values().filter(|b| b.id != 0).count();
         (self.frontends.len(), slots, self.capacity)
+    }
+
+    /// After an adoption: the adopted backends no desired frontend lists (endpoints
+    /// removed while no agent ran), by slot, for [`Self::prepare_backends`].
+    fn find_orphans(&mut self, desired: &[Vec<DesiredFrontend>]) {
+        let listed: HashSet<BackendAddr> = desired
+            .iter()
+            .flatten()
+            .flat_map(|f| f.eligible.iter().map(|a| BackendAddr::from(*a)))
+            .collect();
+        self.orphans = self
+            .backends
+            .iter()
+            .filter(|(addr, b)| b.id != 0 && b.users.is_empty() && !listed.contains(*addr))
+            .map(|(addr, b)| (b.id, *addr))
+            .collect();
     }
 
     /// Re-reads the maps: what they hold becomes the engine's "current" state.

@@ -485,6 +485,41 @@ fn restart_adopts_the_maps_without_writing() {
 }
 
 #[test]
+fn restart_drains_an_endpoint_removed_while_no_agent_ran() {
+    let t0 = Instant::now();
+    let addrs = ["198.18.5.1", "198.18.5.2", "198.18.5.3"];
+    let old = synced(&api(&addrs, 5), small(), t0);
+    let [a, b, c] = addrs.map(|x| old.backend_id(&sa(&format!("{x}:80"))).unwrap());
+    let fid = old
+        .frontend_id(&frontend_key(ip("198.18.100.20"), 80, lb::PROTO_TCP))
+        .unwrap();
+    let mut maps = old.maps().clone();
+    maps.flows = vec![a, b, c];
+
+    // The next agent starts after 198.18.5.1 left the service.
+    let t1 = t0 + Duration::from_secs(60);
+    let mut new = LbSync::new(maps, NODE);
+    new.apply(&full(&api(&addrs[1..], 5)), t1).unwrap();
+    let maps = new.maps();
+    assert!(!maps.table(fid).unwrap().contains(&a), "no new flows to it");
+    assert_eq!(
+        maps.backends[a as usize],
+        backend_value(sa("198.18.5.1:80"), BACKEND_DRAINING),
+        "its established flows drain, as with a running agent"
+    );
+    assert_eq!(maps.flows, [a, b, c]);
+    assert_eq!(new.backend_id(&sa("198.18.5.2:80")), Some(b), "ids kept");
+    check_invariants(maps);
+
+    new.expire(t1 + Duration::from_secs(4)).unwrap();
+    assert_eq!(new.maps().backends[a as usize].state, BACKEND_DRAINING);
+    new.expire(t1 + Duration::from_secs(5 + 1)).unwrap();
+    assert_eq!(new.maps().backends[a as usize], Backend::default());
+    assert_eq!(new.maps().flows, [b, c]);
+    check_invariants(new.maps());
+}
+
+#[test]
 fn restart_deletes_what_an_earlier_agent_left() {
     let now = Instant::now();
     let clean = synced(GOLDEN, small(), now);

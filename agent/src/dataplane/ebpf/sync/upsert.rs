@@ -76,6 +76,28 @@ impl<M: LbMaps> LbSync<M> {
                 uses.insert(addr, Use::Draining { until: now + drain });
             }
         }
+        // Backends this service's adopted tables still lead to but it no longer
+        // lists (an endpoint removed while no agent ran): their flows drain too.
+        if !self.orphans.is_empty() {
+            for f in desired {
+                let Some(id) = self
+                    .frontends
+                    .get(&f.key)
+                    .filter(|fr| fr.service.is_none())
+                    .map(|fr| fr.value.id)
+                else {
+                    continue;
+                };
+                let led_to: BTreeSet<u32> = self.maps.table(id)?.iter().copied().collect();
+                for slot in led_to {
+                    if let Some(addr) = self.orphans.get(&slot)
+                        && !uses.contains_key(addr)
+                    {
+                        uses.insert(*addr, Use::Draining { until: now + drain });
+                    }
+                }
+            }
+        }
 
         // Backends, before any table names them. In address order (`uses` is
         // sorted): ids must not depend on hash order (same maps for the same input,
