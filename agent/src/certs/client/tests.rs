@@ -37,7 +37,7 @@ fn a_node_certificate_is_accepted_for_its_own_node_only() {
 fn an_expired_or_unreadable_certificate_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     pki(tmp.path());
-    let now = time::OffsetDateTime::now_utc();
+    let now = OffsetDateTime::now_utc();
     let past = Validity::between(now - Duration::days(3), now - Duration::days(1)).unwrap();
     issue_node(tmp.path(), "old", &past, false).unwrap();
     let err = check_node_certificate(&node_cert_file(tmp.path(), "old"), "old").unwrap_err();
