@@ -16,7 +16,7 @@
 pub mod conditions;
 pub mod facts;
 pub mod registrar;
-mod time;
+pub mod time;
 
 pub use time::{Timestamp, format_age};
 

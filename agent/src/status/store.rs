@@ -4,19 +4,24 @@
 //!
 //! The etcd watch rides out outages by itself (it reconnects and resumes), so the
 //! feed never sees them: [`probe_etcd`] asks etcd for its revision every
-//! [`PROBE_INTERVAL`] and records the answer, keeping `rune_store_connected` and
+//! [`PROBE_INTERVAL`] ([`PROBE_RETRY`] while it does not answer) and records the answer, keeping `rune_store_connected` and
 //! `rune_store_skipped_keys_total` current. Nothing here touches the cache: while
 //! etcd is away the data planes keep serving the last state applied.
 
 use crate::{lock::lock, metrics::Metrics, orderedlog::etcd::EtcdLog};
 use std::{
     sync::{Arc, Mutex},
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, SystemTime},
 };
 use tokio_util::sync::CancellationToken;
 
-/// How often [`probe_etcd`] asks etcd whether it answers.
-pub const PROBE_INTERVAL: Duration = Duration::from_secs(1);
+/// How often [`probe_etcd`] asks etcd whether it answers, while it does (an idle
+/// node's traffic: one small request per interval besides its lease keep-alives).
+pub const PROBE_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How often it asks while etcd does not answer (`status` and the metric turn back
+/// within a second of etcd's return).
+pub const PROBE_RETRY: Duration = Duration::from_secs(1);
 
 /// How long one probe may take before etcd counts as unreachable (a cut network
 /// answers nothing at all).
@@ -152,42 +157,21 @@ pub async fn probe_etcd(
         }
         tokio::select! {
             () = cancel.cancelled() => return,
-            () = tokio::time::sleep(PROBE_INTERVAL) => {}
+            () = tokio::time::sleep(if link.connected() { PROBE_INTERVAL } else { PROBE_RETRY }) => {}
         }
     }
 }
 
-/// `t` as `2026-12-02T04:40:01Z` (UTC, whole seconds).
+/// `t` as `2026-12-02T04:40:01Z` (UTC, whole seconds), as the node documents
+/// write times.
 pub fn utc(t: SystemTime) -> String {
-    let secs = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let (days, rest) = (secs / 86_400, secs % 86_400);
-    let (y, m, d) = civil_from_days(days as i64);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rest / 3600,
-        rest % 3600 / 60,
-        rest % 60
-    )
-}
-
-/// The proleptic Gregorian date of `days` since 1970-01-01 (Howard Hinnant's
-/// `civil_from_days`).
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
+    crate::node::time::Timestamp::from(t).to_string()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::UNIX_EPOCH;
 
     #[test]
     fn utc_times_are_calendar_dates() {
