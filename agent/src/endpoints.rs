@@ -6,6 +6,9 @@
 //! [`ServiceView`] (the service with its endpoints at one revision). Changes are
 //! coalesced per service while a reconciler is busy, so a slow reconciler never
 //! queues unbounded work: it catches up with the newest state in one step.
+//!
+//! Endpoints on a drained node ([`EndpointCache::set_drained_nodes`]) are handed
+//! out as terminating ([`drained`]).
 
 use crate::{
     applied::AppliedRevision,
@@ -164,6 +167,9 @@ struct State {
     /// Services and Endpoints objects in one map, so each key is held once.
     objects: BTreeMap<ServiceKey, Entry>,
     subscribers: Vec<Weak<Pending>>,
+    /// Host names of the drained nodes: their endpoints are terminating in every
+    /// view ([`drained`]).
+    drained: BTreeSet<String>,
     /// Whether a snapshot was applied: before that the cache's emptiness means
     /// "not loaded yet", not "no services", and no delta is handed out.
     synced: bool,
@@ -312,8 +318,44 @@ impl EndpointCache {
         let entry = st.objects.get(key)?;
         entry.service.as_ref().map(|s| ServiceView {
             service: s.clone(),
-            endpoints: entry.endpoints.clone(),
+            endpoints: entry
+                .endpoints
+                .as_ref()
+                .map(|e| drained::terminating_on(e, &st.drained)),
         })
+    }
+
+    /// Sets the host names of the drained nodes (the whole set, replacing the
+    /// last): their endpoints (by [`Endpoint::node`]) are terminating in every view
+    /// from now on, and the services with endpoints on a node that entered or left
+    /// the set are handed to subscribers as changed, at the same revision.
+    pub fn set_drained_nodes(&self, nodes: BTreeSet<String>) {
+        let mut st = lock(&self.state);
+        if st.drained == nodes {
+            return;
+        }
+        let flipped: BTreeSet<&str> = st
+            .drained
+            .symmetric_difference(&nodes)
+            .map(String::as_str)
+            .collect();
+        let changed: BTreeSet<ServiceKey> = st
+            .objects
+            .iter()
+            .filter(|(_, e)| {
+                e.endpoints
+                    .as_ref()
+                    .is_some_and(|eps| drained::has_endpoint_on(eps, &flipped))
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        st.drained = nodes;
+        Self::mark(&mut st, changed);
+    }
+
+    /// The host names of the drained nodes ([`EndpointCache::set_drained_nodes`]).
+    pub fn drained_nodes(&self) -> BTreeSet<String> {
+        lock(&self.state).drained.clone()
     }
 
     /// Every service's view, ordered by key.
@@ -712,5 +754,6 @@ async fn follow(
     }
 }
 
+mod drained;
 #[cfg(test)]
 mod tests;
