@@ -90,13 +90,19 @@ async fn drain_and_undrain_write_the_record_named_by_id_or_host_name() {
     let (_, again) = log.list_drains().await.unwrap();
     assert_eq!(again, drains);
 
-    // `get nodes` shows it (no services: Drained at once).
-    let entries = list_nodes(&log).await.unwrap();
-    let mut out = Vec::new();
-    write_table(&entries, &mut out).unwrap();
-    let table = String::from_utf8(out).unwrap();
-    assert!(table.contains("node-1   NotReady,Drained"), "{table}");
-    assert!(table.contains("node-2   NotReady   "), "{table}");
+    // `get nodes` shows it: no services, so Drained after the margin (2 s).
+    let table = || async {
+        let entries = list_nodes(&log).await.unwrap();
+        let mut out = Vec::new();
+        write_table(&entries, &mut out).unwrap();
+        String::from_utf8(out).unwrap()
+    };
+    let now = table().await;
+    assert!(now.contains("node-1   NotReady,Draining"), "{now}");
+    assert!(now.contains("node-2   NotReady   "), "{now}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let later = table().await;
+    assert!(later.contains("node-1   NotReady,Drained "), "{later}");
 
     // The object readers see none of it: no event, nothing skipped.
     assert!(

@@ -128,6 +128,48 @@ mod tests {
     }
 
     #[test]
+    fn headless_dns_leaves_a_drained_nodes_endpoints_out() {
+        use crate::{
+            config::Mode,
+            dns::{Zone, ZoneConfig},
+        };
+        use hickory_proto::rr::{LowerName, RData, RecordType};
+        let cache = Arc::new(EndpointCache::new());
+        let mut objects = service("db", &[("198.18.1.1", "node-1"), ("198.18.2.1", "node-2")]);
+        if let Object::Service(s) = &mut objects[0] {
+            s.spec.discovery.headless = true;
+        }
+        cache.apply_snapshot(&Snapshot {
+            revision: 1,
+            objects,
+        });
+        let answers = |cache: &EndpointCache| {
+            let config = ZoneConfig {
+                domain: "rune.".into(),
+                ttl: 5,
+                mode: Mode::Production,
+                dev_port_offset: 0,
+            };
+            let zone = Zone::build(&config, 1, &cache.views()).unwrap();
+            let name: LowerName = "db.default.rune.".parse().unwrap();
+            let answer = zone.lookup(&name, RecordType::A);
+            answer
+                .answers
+                .iter()
+                .map(|r| match &r.data {
+                    RData::A(a) => a.0.to_string(),
+                    other => panic!("not an address: {other:?}"),
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(answers(&cache), ["198.18.1.1", "198.18.2.1"]);
+        cache.set_drained_nodes(drained(&["node-1"]));
+        assert_eq!(answers(&cache), ["198.18.2.1"]);
+        cache.set_drained_nodes(BTreeSet::new());
+        assert_eq!(answers(&cache), ["198.18.1.1", "198.18.2.1"]);
+    }
+
+    #[test]
     fn an_event_on_a_drained_node_stays_terminating_and_the_stored_object_is_untouched() {
         let cache = Arc::new(EndpointCache::loaded());
         cache.set_drained_nodes(drained(&["node-2"]));

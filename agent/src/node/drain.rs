@@ -11,7 +11,8 @@
 //!
 //! A drain is [`DrainState::Draining`] until it is older than the longest
 //! `drainSeconds` among the services with endpoints on the node (the longest any
-//! data plane keeps an established flow to them), then [`DrainState::Drained`].
+//! data plane keeps an established flow to them) plus [`DRAIN_MARGIN`], then
+//! [`DrainState::Drained`].
 
 use super::Timestamp;
 use crate::model::{Object, ServiceKey};
@@ -20,6 +21,11 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     time::Duration,
 };
+
+/// What a drain waits beyond the longest `drainSeconds` before it counts as
+/// Drained: its age counts whole seconds (a second may be missing from it), and the
+/// eBPF data plane ends drains on a one-second tick.
+pub const DRAIN_MARGIN: Duration = Duration::from_secs(2);
 
 /// What `<prefix>drains/<node-id>` holds (JSON, camelCase).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -58,16 +64,16 @@ impl DrainRecord {
 pub enum DrainState {
     /// New flows avoid the node; established ones may still be running.
     Draining,
-    /// Older than the longest `drainSeconds` of its services: every data plane
-    /// has let go of the flows it kept to the node's endpoints.
+    /// Older than the longest `drainSeconds` of its services and
+    /// [`DRAIN_MARGIN`]: the data planes that end draining flows have ended them.
     Drained,
 }
 
 impl DrainState {
-    /// The state of a drain `age` old whose node's services keep flows at most
-    /// `longest`.
+    /// The state of a drain `age` old (whole seconds) whose node's services keep
+    /// flows at most `longest`.
     pub fn of(age: Duration, longest: Duration) -> DrainState {
-        if age >= longest {
+        if age >= longest + DRAIN_MARGIN {
             DrainState::Drained
         } else {
             DrainState::Draining
@@ -186,15 +192,10 @@ mod tests {
             "no endpoints: nothing to wait for"
         );
 
-        let two = Duration::from_secs(2);
-        assert_eq!(
-            DrainState::of(Duration::from_secs(1), two),
-            DrainState::Draining
-        );
-        assert_eq!(DrainState::of(two, two), DrainState::Drained);
-        assert_eq!(
-            DrainState::of(Duration::ZERO, Duration::ZERO),
-            DrainState::Drained
-        );
+        let secs = Duration::from_secs;
+        assert_eq!(DrainState::of(secs(3), secs(2)), DrainState::Draining);
+        assert_eq!(DrainState::of(secs(4), secs(2)), DrainState::Drained);
+        assert_eq!(DrainState::of(secs(1), secs(0)), DrainState::Draining);
+        assert_eq!(DrainState::of(secs(2), secs(0)), DrainState::Drained);
     }
 }
