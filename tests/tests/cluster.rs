@@ -18,7 +18,7 @@ use std::{
 };
 
 use rune_harness::{
-    agent::agent_bin,
+    agent::{agent_bin, run_cli},
     cluster::{
         POD_TCP_PORT,
         running::{ClusterConfig, RunningCluster},
@@ -324,6 +324,28 @@ fn a_drained_node_takes_no_new_connections_keeps_established_ones_and_undrain_re
         stderr.contains("no node named unknown")
             && (1..=3).all(|i| stderr.contains(&format!("node-{i} ("))),
         "{stderr}"
+    );
+
+    // Only the admin writes drains: a node's certificate is refused by etcd.
+    let mut as_node: Vec<String> = vec!["drain".into(), "node-1".into()];
+    as_node.extend(c.admin_etcd_args());
+    let certs = c.certs_dir();
+    let (cert, key) = (as_node.len() - 3, as_node.len() - 1);
+    as_node[cert] = certs
+        .join(format!("node-{}.pem", c.node_id(2)))
+        .display()
+        .to_string();
+    as_node[key] = certs
+        .join(format!("node-{}-key.pem", c.node_id(2)))
+        .display()
+        .to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let as_node: Vec<&str> = as_node.iter().map(String::as_str).collect();
+    let out = run_cli(&agent_bin(), None, tmp.path(), &as_node, None);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("permission denied"),
+        "a node's certificate drained a node: {stderr}"
     );
 
     let said = ok(&c.cli(&["drain", "node-1"], None), "drain node-1");
