@@ -325,39 +325,6 @@ impl EndpointCache {
         })
     }
 
-    /// Sets the host names of the drained nodes (the whole set, replacing the
-    /// last): their endpoints (by [`Endpoint::node`]) are terminating in every view
-    /// from now on, and the services with endpoints on a node that entered or left
-    /// the set are handed to subscribers as changed, at the same revision.
-    pub fn set_drained_nodes(&self, nodes: BTreeSet<String>) {
-        let mut st = lock(&self.state);
-        if st.drained == nodes {
-            return;
-        }
-        let flipped: BTreeSet<&str> = st
-            .drained
-            .symmetric_difference(&nodes)
-            .map(String::as_str)
-            .collect();
-        let changed: BTreeSet<ServiceKey> = st
-            .objects
-            .iter()
-            .filter(|(_, e)| {
-                e.endpoints
-                    .as_ref()
-                    .is_some_and(|eps| drained::has_endpoint_on(eps, &flipped))
-            })
-            .map(|(k, _)| k.clone())
-            .collect();
-        st.drained = nodes;
-        Self::mark(&mut st, changed);
-    }
-
-    /// The host names of the drained nodes ([`EndpointCache::set_drained_nodes`]).
-    pub fn drained_nodes(&self) -> BTreeSet<String> {
-        lock(&self.state).drained.clone()
-    }
-
     /// Every service's view, ordered by key.
     pub fn views(&self) -> Vec<ServiceView> {
         self.summary().views

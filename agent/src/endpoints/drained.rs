@@ -3,8 +3,47 @@
 //! `drainSeconds`; not in headless DNS answers), whatever the stored object says,
 //! so a drain changes no object and an undrain restores them as stored.
 
-use crate::model::Endpoints;
+use super::EndpointCache;
+use crate::{
+    lock::lock,
+    model::{Endpoint, Endpoints, ServiceKey},
+};
 use std::{collections::BTreeSet, sync::Arc};
+
+impl EndpointCache {
+    /// Sets the host names of the drained nodes (the whole set, replacing the
+    /// last): their endpoints (by [`Endpoint::node`]) are terminating in every
+    /// view from now on, and the services with endpoints on a node that entered or
+    /// left the set are handed to subscribers as changed, at the same revision.
+    pub fn set_drained_nodes(&self, nodes: BTreeSet<String>) {
+        let mut st = lock(&self.state);
+        if st.drained == nodes {
+            return;
+        }
+        let flipped: BTreeSet<&str> = st
+            .drained
+            .symmetric_difference(&nodes)
+            .map(String::as_str)
+            .collect();
+        let changed: BTreeSet<ServiceKey> = st
+            .objects
+            .iter()
+            .filter(|(_, e)| {
+                e.endpoints
+                    .as_ref()
+                    .is_some_and(|eps| has_endpoint_on(eps, &flipped))
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        st.drained = nodes;
+        Self::mark(&mut st, changed);
+    }
+
+    /// The host names of the drained nodes ([`EndpointCache::set_drained_nodes`]).
+    pub fn drained_nodes(&self) -> BTreeSet<String> {
+        lock(&self.state).drained.clone()
+    }
+}
 
 /// `endpoints` with every endpoint whose node is in `drained` terminating; the
 /// same `Arc` (no copy) when none is affected, as when nothing is drained.
@@ -12,7 +51,7 @@ pub(super) fn terminating_on(
     endpoints: &Arc<Endpoints>,
     drained: &BTreeSet<String>,
 ) -> Arc<Endpoints> {
-    let affected = |e: &crate::model::Endpoint| !e.terminating && drained.contains(&*e.node);
+    let affected = |e: &Endpoint| !e.terminating && drained.contains(&*e.node);
     if drained.is_empty() || !endpoints.spec.endpoints.iter().any(affected) {
         return endpoints.clone();
     }
@@ -24,7 +63,7 @@ pub(super) fn terminating_on(
 }
 
 /// Whether an endpoint of `endpoints` is on one of `nodes`.
-pub(super) fn has_endpoint_on(endpoints: &Endpoints, nodes: &BTreeSet<&str>) -> bool {
+fn has_endpoint_on(endpoints: &Endpoints, nodes: &BTreeSet<&str>) -> bool {
     !nodes.is_empty()
         && endpoints
             .spec
