@@ -1,5 +1,5 @@
-//! The `rune-agent` command line: `run`, `apply`, `get`, `delete`, `status`,
-//! `cleanup`, `preflight`, `version`.
+//! The `rune-agent` command line: `run`, `apply`, `get`, `delete`, `drain`,
+//! `undrain`, `status`, `cleanup`, `preflight`, `certs`, `version`.
 //!
 //! `apply`, `get` and `delete` reach a running agent through its socket
 //! (`<state-dir>/agent.sock`); when no agent runs they open the embedded store
@@ -12,6 +12,7 @@
 //! command quietly with exit status 141 ([`StdoutClosed`]).
 
 pub mod certs;
+pub mod drain;
 pub mod nodes;
 mod output;
 
@@ -104,6 +105,24 @@ pub enum Command {
         #[arg(short = 'n', long, default_value = crate::model::DEFAULT_NAMESPACE)]
         namespace: String,
         /// `--etcd-endpoints` and the rest: delete in etcd directly.
+        #[command(flatten)]
+        etcd: EtcdSettings,
+    },
+    /// Drain a node (etcd only): every agent treats the endpoints on it as
+    /// terminating (no new connections; established ones end within their
+    /// services' drainSeconds) until `undrain`.
+    Drain {
+        /// The node: its id, or a host name only one node has.
+        node: String,
+        /// `--etcd-endpoints` and the rest (the admin's certificate).
+        #[command(flatten)]
+        etcd: EtcdSettings,
+    },
+    /// Undo `drain`: the node's endpoints take new connections again.
+    Undrain {
+        /// The node: its id, or a host name only one node has.
+        node: String,
+        /// `--etcd-endpoints` and the rest (the admin's certificate).
         #[command(flatten)]
         etcd: EtcdSettings,
     },
@@ -220,6 +239,8 @@ impl Command {
             Command::Apply { etcd, .. }
             | Command::Get { etcd, .. }
             | Command::Delete { etcd, .. }
+            | Command::Drain { etcd, .. }
+            | Command::Undrain { etcd, .. }
             | Command::Status(StatusArgs { etcd, .. }) => etcd.clone().into(),
             Command::Certs { .. } | Command::Version => FileConfig::default(),
         }
@@ -470,6 +491,22 @@ pub async fn delete(config: &Config, kind: &str, name: &str, namespace: &str) ->
         }
         None => bail!("{shown} not found"),
     }
+}
+
+/// `rune-agent drain NODE` (`undo`: `undrain NODE`): writes or deletes the node's
+/// drain record in etcd.
+pub async fn drain(config: &Config, node: &str, undo: bool) -> Result<()> {
+    let command = if undo { "undrain" } else { "drain" };
+    let Some(options) = config.etcd_options()? else {
+        bail!("drains are kept in etcd: {command} needs --etcd-endpoints (and its TLS flags)");
+    };
+    let etcd = EtcdLog::connect(options).await?;
+    let line = if undo {
+        drain::undrain(&etcd, node).await?
+    } else {
+        drain::drain(&etcd, node).await?
+    };
+    print_all(&(line + "\n"))
 }
 
 /// `rune-agent status [SERVICE | --all]`: the summary, one service, or every

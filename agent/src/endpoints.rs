@@ -6,6 +6,9 @@
 //! [`ServiceView`] (the service with its endpoints at one revision). Changes are
 //! coalesced per service while a reconciler is busy, so a slow reconciler never
 //! queues unbounded work: it catches up with the newest state in one step.
+//!
+//! Endpoints on a drained node ([`EndpointCache::set_drained_nodes`]) are handed
+//! out as terminating ([`drained`]).
 
 use crate::{
     applied::AppliedRevision,
@@ -164,6 +167,9 @@ struct State {
     /// Services and Endpoints objects in one map, so each key is held once.
     objects: BTreeMap<ServiceKey, Entry>,
     subscribers: Vec<Weak<Pending>>,
+    /// Host names of the drained nodes: their endpoints are terminating in every
+    /// view ([`drained`]).
+    drained: BTreeSet<String>,
     /// Whether a snapshot was applied: before that the cache's emptiness means
     /// "not loaded yet", not "no services", and no delta is handed out.
     synced: bool,
@@ -312,7 +318,10 @@ impl EndpointCache {
         let entry = st.objects.get(key)?;
         entry.service.as_ref().map(|s| ServiceView {
             service: s.clone(),
-            endpoints: entry.endpoints.clone(),
+            endpoints: entry
+                .endpoints
+                .as_ref()
+                .map(|e| drained::terminating_on(e, &st.drained)),
         })
     }
 
@@ -712,5 +721,6 @@ async fn follow(
     }
 }
 
+mod drained;
 #[cfg(test)]
 mod tests;

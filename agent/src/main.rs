@@ -68,6 +68,8 @@ fn main() -> ExitCode {
                 namespace,
                 ..
             } => cli::delete(&config, kind, name, namespace).await,
+            Command::Drain { node, .. } => cli::drain(&config, node, false).await,
+            Command::Undrain { node, .. } => cli::drain(&config, node, true).await,
             Command::Status(args) => cli::status(&config, args).await,
             Command::Cleanup { .. } => cli::cleanup(&config).await,
             Command::Preflight { json, .. } => cli::preflight(&config, *json),

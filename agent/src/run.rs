@@ -2,7 +2,9 @@
 //!
 //! Order of subsystems (started in this order, stopped in reverse): `metrics` first
 //! so `/readyz` answers 503 while the rest comes up, then `localapi`, `watch` (the
-//! ordered log into the cache), `dataplane`, and `dns` (which reads the cache).
+//! ordered log into the cache), with etcd `drains` (the drained nodes into the
+//! cache, before the data plane's first delta), `dataplane`, `dns` (which reads the
+//! cache), and with etcd `node` last.
 //!
 //! The objects live in the embedded store in the state dir, or with
 //! `--etcd-endpoints` in etcd (nothing is opened in the state dir then; the identity
@@ -27,6 +29,7 @@ use crate::{
     localapi::{self, LocalApiServer},
     metrics::{Metrics, server::MetricsServer},
     node::{
+        drain_follower::DrainFollower,
         facts::{FactsSource, MapFill},
         registrar::{Registrar, RegistrarOptions},
     },
@@ -177,6 +180,11 @@ pub async fn run(config: Config) -> Result<()> {
             .with_first_snapshot(first_snapshot)
             .with_applied(applied.clone()),
     ))?;
+    // Drained nodes' endpoints are terminating in the cache: known before the data
+    // plane and DNS take their first delta (its start waits a moment for that).
+    if let Link::Etcd(_, etcd) = &link {
+        agent.register(Arc::new(DrainFollower::new(etcd.clone(), cache.clone())))?;
+    }
     agent.register(Arc::new(
         Reconciler::new(plane, cache).with_applied(applied.consumer("dataplane")),
     ))?;

@@ -4,7 +4,9 @@
 //! nodes 1 and 2 is reached from the pod on node 3; `apply --wait` returns once
 //! every node has the change in its kernel; an agent killed with SIGKILL leaves its
 //! data plane serving and its node goes away with its lease; an etcd outage loses
-//! no request; compaction while an agent is stopped is resynced on its restart.
+//! no request; compaction while an agent is stopped is resynced on its restart; a
+//! drained node takes no new connections but keeps its established ones, and
+//! `undrain` brings it back.
 //!
 //! Needs root. Traffic stays in the cluster's namespaces; etcd is on loopback.
 
@@ -16,7 +18,7 @@ use std::{
 };
 
 use rune_harness::{
-    agent::agent_bin,
+    agent::{agent_bin, run_cli},
     cluster::{
         POD_TCP_PORT,
         running::{ClusterConfig, RunningCluster},
@@ -46,6 +48,11 @@ fn ok(out: &Output, what: &str) -> String {
 
 /// The service on the VIP, with endpoints on the pods of `nodes` (0-based).
 fn service_yaml(c: &RunningCluster, nodes: &[usize]) -> String {
+    service_yaml_draining(c, nodes, None)
+}
+
+/// [`service_yaml`] with `drainSeconds` when given.
+fn service_yaml_draining(c: &RunningCluster, nodes: &[usize], drain: Option<u32>) -> String {
     let eps: Vec<String> = nodes
         .iter()
         .map(|&i| {
@@ -53,9 +60,10 @@ fn service_yaml(c: &RunningCluster, nodes: &[usize]) -> String {
             format!("{{address: {}, node: {}}}", n.pod_addr(), n.name())
         })
         .collect();
+    let drain = drain.map_or(String::new(), |d| format!(", drainSeconds: {d}"));
     format!(
         "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: hello}}\n\
-         spec: {{ports: [{{port: {VIP_PORT}, targetPort: {POD_TCP_PORT}}}], discovery: {{vips: [{VIP}]}}}}\n\
+         spec: {{ports: [{{port: {VIP_PORT}, targetPort: {POD_TCP_PORT}}}], discovery: {{vips: [{VIP}]}}{drain}}}\n\
          ---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: hello}}\n\
          spec: {{endpoints: [{}]}}\n",
         eps.join(", ")
@@ -305,4 +313,131 @@ fn compaction_of_history_agents_need_is_resynced_with_no_flow_dropped() {
     let pods = answering_pods(&c, 2, 30);
     assert_eq!(pods.len(), 2, "{pods:?}");
     all_answer(&mut conns, "at-the-end");
+}
+
+/// The line of `get nodes` naming `node`.
+fn node_line(c: &RunningCluster, node: &str) -> String {
+    let table = ok(&c.cli(&["get", "nodes"], None), "get nodes");
+    table
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(node))
+        .unwrap_or_else(|| panic!("no line for {node} in:\n{table}"))
+        .to_owned()
+}
+
+/// Polls `check` every 200 ms until it returns `Some`, at most `patience`.
+fn eventually<T>(patience: Duration, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + patience;
+    loop {
+        if let Some(t) = check() {
+            return t;
+        }
+        assert!(Instant::now() < deadline, "not within {patience:?}: {what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn a_drained_node_takes_no_new_connections_keeps_established_ones_and_undrain_restores_it() {
+    let c = start(3, None);
+    c.topology()
+        .wait_connected(Duration::from_secs(10))
+        .unwrap();
+    apply_wait(&c, &service_yaml_draining(&c, &[0, 1], Some(2)));
+    // From node-3's pod, a connection that reached pod-1 before the drain.
+    let client = &c.topology().nodes()[2];
+    let mut long = (0..100)
+        .find_map(|i| {
+            let mut conn = client.open_from_pod(vip()).unwrap();
+            let reply = conn.exchange(&format!("open {i}")).unwrap();
+            reply.starts_with("pod-1 ").then_some(conn)
+        })
+        .expect("no connection of 100 reached pod-1");
+
+    // Unknown nodes are refused, naming the known ones.
+    let out = c.cli(&["drain", "unknown"], None);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "drain unknown succeeded: {stderr}");
+    assert!(
+        stderr.contains("no node named unknown")
+            && (1..=3).all(|i| stderr.contains(&format!("node-{i} ("))),
+        "{stderr}"
+    );
+
+    // Only the admin writes drains: a node's certificate is refused by etcd.
+    let mut as_node: Vec<String> = vec!["drain".into(), "node-1".into()];
+    as_node.extend(c.admin_etcd_args());
+    let certs = c.certs_dir();
+    let (cert, key) = (as_node.len() - 3, as_node.len() - 1);
+    as_node[cert] = certs
+        .join(format!("node-{}.pem", c.node_id(2)))
+        .display()
+        .to_string();
+    as_node[key] = certs
+        .join(format!("node-{}-key.pem", c.node_id(2)))
+        .display()
+        .to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let as_node: Vec<&str> = as_node.iter().map(String::as_str).collect();
+    let out = run_cli(&agent_bin(), None, tmp.path(), &as_node, None);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("permission denied"),
+        "a node's certificate drained a node: {stderr}"
+    );
+
+    let said = ok(&c.cli(&["drain", "node-1"], None), "drain node-1");
+    assert!(
+        said.contains("node-1") && said.contains("draining"),
+        "{said}"
+    );
+    // Draining for drainSeconds (2) and a margin.
+    let line = node_line(&c, "node-1");
+    assert!(line.contains("Ready,Draining"), "{line}");
+    // New connections all go to pod-2 once node-3 has the drain, while the
+    // established one stays on pod-1 (within the service's drainSeconds: 2).
+    eventually(
+        Duration::from_secs(2),
+        "new connections avoid pod-1",
+        || (answering_pods(&c, 2, 5) == BTreeSet::from(["pod-2".to_owned()])).then_some(()),
+    );
+    let reply = long.exchange("during the drain").unwrap();
+    assert!(reply.starts_with("pod-1 "), "{reply}");
+    let pods = answering_pods(&c, 2, 40);
+    assert_eq!(
+        pods,
+        BTreeSet::from(["pod-2".to_owned()]),
+        "after the drain"
+    );
+
+    for other in ["node-2", "node-3"] {
+        let line = node_line(&c, other);
+        assert!(!line.contains("Drain"), "{line}");
+    }
+    // A second drain keeps the first one's time.
+    let again = ok(&c.cli(&["drain", "node-1"], None), "drain node-1 again");
+    assert!(again.contains("drained already"), "{again}");
+
+    // Drained once older than drainSeconds (and a margin): the flow is gone.
+    eventually(Duration::from_secs(10), "node-1 Drained", || {
+        node_line(&c, "node-1")
+            .contains("Ready,Drained")
+            .then_some(())
+    });
+    assert!(
+        long.exchange("after the drain").is_err(),
+        "the flow to the drained pod outlived drainSeconds"
+    );
+
+    let said = ok(&c.cli(&["undrain", "node-1"], None), "undrain node-1");
+    assert!(said.contains("undrained"), "{said}");
+    eventually(
+        Duration::from_secs(10),
+        "new connections reach pod-1 again",
+        || answering_pods(&c, 2, 20).contains("pod-1").then_some(()),
+    );
+    let line = node_line(&c, "node-1");
+    assert!(!line.contains("Drain"), "{line}");
+    let again = ok(&c.cli(&["undrain", "node-1"], None), "undrain node-1 again");
+    assert!(again.contains("was not drained"), "{again}");
 }

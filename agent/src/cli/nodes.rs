@@ -1,9 +1,14 @@
-//! The CLI's node commands against etcd: `get nodes` (a table), `get node NAME`
-//! (the whole document as YAML or JSON), and [`wait_applied`], what `apply --wait`
-//! waits with until every Ready node has the apply in its kernel.
+//! The CLI's node commands against etcd: `get nodes` (a table, with each node's
+//! drain state), `get node NAME` (the whole document as YAML or JSON), and
+//! [`wait_applied`], what `apply --wait` waits with until every Ready node has the
+//! apply in its kernel.
 
 use crate::{
-    node::{NodeDocument, format_age},
+    node::{
+        NodeDocument,
+        drain::{DrainRecord, DrainState, longest_drain},
+        format_age,
+    },
     orderedlog::{
         LogError, Revision,
         embedded::{ApplyOutcome, Change},
@@ -12,7 +17,7 @@ use crate::{
 };
 use futures::StreamExt;
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fmt,
     io::Write,
     time::{Duration, Instant},
@@ -31,6 +36,21 @@ pub struct NodeEntry {
     /// Seconds since the last keep-alive (granted TTL minus remaining), when the
     /// lease is known.
     pub heartbeat_age: Option<Duration>,
+    /// Whether the node's key exists (its agent runs); `false` for a drained node
+    /// that is not registered, listed for its drain.
+    pub registered: bool,
+    /// The node's drain, when it is drained.
+    pub drain: Option<NodeDrain>,
+}
+
+/// A drained node's record and where its drain stands.
+#[derive(Clone, Debug)]
+pub struct NodeDrain {
+    /// The record.
+    pub record: DrainRecord,
+    /// Draining, or Drained once older than the longest `drainSeconds` among the
+    /// services with endpoints on the node.
+    pub state: DrainState,
 }
 
 impl NodeEntry {
@@ -41,28 +61,85 @@ impl NodeEntry {
                 .ttl
                 .map(|(left, granted)| Duration::from_secs((granted - left).max(0) as u64)),
             id: r.id,
+            registered: true,
+            drain: None,
         }
     }
 
-    /// The name shown: the host name, else the id.
+    /// The name shown: the host name, else the drain record's, else the id.
     pub fn name(&self) -> &str {
-        match &self.document {
-            Ok(d) if !d.identity.hostname.is_empty() => &d.identity.hostname,
+        match (&self.document, &self.drain) {
+            (Ok(d), _) if !d.identity.hostname.is_empty() => &d.identity.hostname,
+            (_, Some(drain)) => &drain.record.hostname,
             _ => &self.id,
+        }
+    }
+
+    /// The STATE column: `Ready`, `NotReady`, `Unknown` (the document cannot be
+    /// read) or `Absent` (not registered), then `,Draining` or `,Drained`.
+    pub fn state(&self) -> String {
+        let base = match &self.document {
+            _ if !self.registered => "Absent",
+            Ok(d) if d.is_ready() => "Ready",
+            Ok(_) => "NotReady",
+            Err(_) => "Unknown",
+        };
+        match &self.drain {
+            Some(drain) => format!("{base},{}", drain.state.as_str()),
+            None => base.to_owned(),
         }
     }
 }
 
-/// Every registered node, ordered by name then id.
+/// Every registered node, and every drained one (registered or not), ordered by
+/// name then id. With drains, the objects are read too (the services'
+/// `drainSeconds` say when a drain is over).
 pub async fn list_nodes(log: &EtcdLog) -> Result<Vec<NodeEntry>, LogError> {
     let (_, records) = log.list_nodes(true).await?;
     let mut entries: Vec<NodeEntry> = records.into_iter().map(NodeEntry::from_record).collect();
+    let (_, drains) = log.list_drains().await?;
+    if !drains.is_empty() {
+        let drains: Vec<DrainRecord> = drains
+            .iter()
+            .filter_map(|d| match DrainRecord::parse(&d.id, &d.value) {
+                Ok(r) => Some(r),
+                Err(why) => {
+                    eprintln!("warning: {why}");
+                    None
+                }
+            })
+            .collect();
+        let (_, objects) = log.get(None, None, None).await?;
+        let hostnames: BTreeSet<&str> = drains.iter().map(|d| d.hostname.as_str()).collect();
+        let longest = longest_drain(&objects, &hostnames);
+        for record in drains {
+            let limit = longest.get(&record.hostname).copied().unwrap_or_default();
+            let drain = NodeDrain {
+                state: DrainState::of(record.since.age(), limit),
+                record,
+            };
+            match entries.iter_mut().find(|e| e.id == drain.record.node_id) {
+                Some(e) => e.drain = Some(drain),
+                None => entries.push(NodeEntry {
+                    id: drain.record.node_id.clone(),
+                    document: Err(format!(
+                        "node {} is not registered (its agent does not run)",
+                        drain.record.node_id
+                    )),
+                    heartbeat_age: None,
+                    registered: false,
+                    drain: Some(drain),
+                }),
+            }
+        }
+    }
     entries.sort_by(|a, b| (a.name(), &a.id).cmp(&(b.name(), &b.id)));
     Ok(entries)
 }
 
-/// `get nodes`: NAME, STATE (Ready/NotReady), DATAPLANE, APPLIED and HEARTBEAT
-/// (time since the last keep-alive), one node a line.
+/// `get nodes`: NAME, STATE (Ready/NotReady, then Draining/Drained when drained),
+/// DATAPLANE, APPLIED and HEARTBEAT (time since the last keep-alive), one node a
+/// line.
 pub fn write_table(entries: &[NodeEntry], out: &mut dyn Write) -> std::io::Result<()> {
     let mut rows = vec![[
         "NAME".to_owned(),
@@ -76,14 +153,14 @@ pub fn write_table(entries: &[NodeEntry], out: &mut dyn Write) -> std::io::Resul
         rows.push(match &e.document {
             Ok(d) => [
                 e.name().to_owned(),
-                if d.is_ready() { "Ready" } else { "NotReady" }.to_owned(),
+                e.state(),
                 d.facts.dataplane.mode.clone(),
                 d.applied_revision.to_string(),
                 age,
             ],
             Err(_) => [
-                e.id.clone(),
-                "Unknown".to_owned(),
+                e.name().to_owned(),
+                e.state(),
                 "-".to_owned(),
                 "-".to_owned(),
                 age,
@@ -197,7 +274,7 @@ pub fn write_documents(
     out: &mut dyn Write,
 ) -> Result<(), GetNodeError> {
     let mut documents = Vec::with_capacity(entries.len());
-    for e in entries {
+    for e in entries.iter().filter(|e| e.registered) {
         match &e.document {
             Ok(d) => documents.push(d),
             Err(why) => eprintln!("warning: node {}: {why}", e.id),
@@ -482,6 +559,8 @@ mod tests {
             id: "abc".into(),
             document: Err("node abc: not a node document: EOF".into()),
             heartbeat_age: Some(Duration::from_secs(4)),
+            registered: true,
+            drain: None,
         }];
         let mut out = Vec::new();
         write_table(&entries, &mut out).unwrap();
@@ -489,5 +568,51 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[0], "NAME   STATE     DATAPLANE   APPLIED   HEARTBEAT");
         assert_eq!(lines[1], "abc    Unknown   -           -         4s");
+    }
+
+    #[test]
+    fn drained_nodes_show_their_drain_state_and_unregistered_ones_their_host_name() {
+        let drain = |id: &str, hostname: &str, state| NodeDrain {
+            record: DrainRecord {
+                node_id: id.into(),
+                hostname: hostname.into(),
+                since: crate::node::Timestamp(1_796_000_000),
+                by: String::new(),
+            },
+            state,
+        };
+        let entries = vec![
+            NodeEntry {
+                id: "abc".into(),
+                document: Err("node abc: not a node document: EOF".into()),
+                heartbeat_age: None,
+                registered: true,
+                drain: Some(drain("abc", "node-1", DrainState::Draining)),
+            },
+            NodeEntry {
+                id: "def".into(),
+                document: Err("not registered".into()),
+                heartbeat_age: None,
+                registered: false,
+                drain: Some(drain("def", "node-9", DrainState::Drained)),
+            },
+        ];
+        assert_eq!(entries[0].state(), "Unknown,Draining");
+        let mut out = Vec::new();
+        write_table(&entries, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[1],
+            "node-1   Unknown,Draining   -           -         -"
+        );
+        assert_eq!(
+            lines[2],
+            "node-9   Absent,Drained     -           -         -"
+        );
+        // `-o yaml|json` prints registered nodes' documents only.
+        let mut out = Vec::new();
+        write_documents(&entries[1..], DocumentFormat::Json, &mut out).unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), "[]\n");
     }
 }

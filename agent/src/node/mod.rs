@@ -10,10 +10,15 @@
 //!   `MapPressure`, `MemoryPressure`, `DiskPressure`, each with the time of its last
 //!   transition.
 //! * [`registrar`]: the `node` subsystem that keeps the key.
+//! * [`drain`]: the admin's drain records (`<prefix>drains/<node-id>`), and
+//!   [`drain_follower`], the `drains` subsystem that hands them to the endpoint
+//!   cache.
 //!
 //! The user-facing description is the "Nodes" section of docs/etcd.md.
 
 pub mod conditions;
+pub mod drain;
+pub mod drain_follower;
 pub mod facts;
 pub mod registrar;
 pub mod time;

@@ -5,10 +5,13 @@
 //! * `<prefix>_index/vip/<vip>` → the service that owns the VIP, as
 //!   `service/<namespace>/<name>`;
 //! * `<prefix>nodes/<node-id>` → a node's document (JSON, under the node's lease:
-//!   see `crate::node`).
+//!   see `crate::node`);
+//! * `<prefix>drains/<node-id>` → a drain record (JSON, written by the admin: see
+//!   `crate::node::drain`).
 //!
-//! Segments that start with `_` are the store's own bookkeeping, and `nodes/` holds
-//! the nodes, not objects: the object readers skip both silently. Names and
+//! Segments that start with `_` are the store's own bookkeeping, and `nodes/` and
+//! `drains/` hold nodes and drains, not objects: the object readers skip them
+//! silently. Names and
 //! namespaces are DNS labels, so a key splits unambiguously.
 
 use crate::model::{Kind, ObjectKey};
@@ -19,6 +22,8 @@ const INDEX: &str = "_index/vip/";
 /// The first segment of the nodes' keys. Not a kind's segment (those are
 /// `service` and `endpoints`), so no object key can fall under it.
 const NODES: &str = "nodes/";
+/// The first segment of the drain records' keys; not a kind's segment either.
+const DRAINS: &str = "drains/";
 
 /// The segment naming `kind` in a key.
 pub(super) fn kind_segment(kind: Kind) -> &'static str {
@@ -43,6 +48,9 @@ pub(super) enum Parsed {
     /// A key under `nodes/`: a node's document (the id after `nodes/`, possibly
     /// malformed), not an object.
     Node(String),
+    /// A key under `drains/`: a drain record (the node id after `drains/`, possibly
+    /// malformed), not an object.
+    Drain(String),
     /// Not a key this agent understands: the reason, for the log.
     Unknown(String),
 }
@@ -98,6 +106,16 @@ impl Layout {
         format!("{}{NODES}", self.prefix)
     }
 
+    /// The key of node `id`'s drain record.
+    pub fn drain(&self, id: &str) -> String {
+        format!("{}{DRAINS}{id}", self.prefix)
+    }
+
+    /// The prefix of every drain record's key.
+    pub fn drains(&self) -> String {
+        format!("{}{DRAINS}", self.prefix)
+    }
+
     /// What `key` is; keys outside the prefix are [`Parsed::Unknown`].
     pub fn parse(&self, key: &[u8]) -> Parsed {
         let Ok(key) = std::str::from_utf8(key) else {
@@ -111,6 +129,9 @@ impl Layout {
         }
         if let Some(id) = rest.strip_prefix(NODES) {
             return Parsed::Node(id.to_owned());
+        }
+        if let Some(id) = rest.strip_prefix(DRAINS) {
+            return Parsed::Drain(id.to_owned());
         }
         match parse_relative(rest) {
             Ok(key) => Parsed::Object(key),
@@ -160,7 +181,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn node_keys_are_nodes_not_objects_of_an_unknown_kind() {
+    fn node_and_drain_keys_are_not_objects_of_an_unknown_kind() {
         let layout = Layout::new("/rune/v1/".to_owned());
         assert_eq!(layout.node("abc"), "/rune/v1/nodes/abc");
         assert_eq!(layout.nodes(), "/rune/v1/nodes/");
@@ -174,6 +195,15 @@ mod tests {
         );
         assert!(matches!(
             layout.parse(b"/rune/v1/node/abc"),
+            Parsed::Unknown(_)
+        ));
+        assert_eq!(layout.drain("abc"), "/rune/v1/drains/abc");
+        assert_eq!(
+            layout.parse(b"/rune/v1/drains/abc"),
+            Parsed::Drain("abc".to_owned())
+        );
+        assert!(matches!(
+            layout.parse(b"/rune/v1/drain/abc"),
             Parsed::Unknown(_)
         ));
         assert_eq!(

@@ -23,17 +23,22 @@
 //!   written ([`LogError::TooLarge`]).
 //! * **Nodes** ([`nodes`]): each agent's document under `nodes/<node-id>`, held
 //!   by a lease it keeps alive; the object readers skip that subtree.
+//! * **Drains** ([`drains`]): the admin's drain records under `drains/<node-id>`,
+//!   which every agent watches; skipped by the object readers too.
 //!
 //! The user-facing description is docs/etcd.md.
 
+mod drains;
 mod error;
 mod keys;
 mod nodes;
 mod options;
 mod read;
+mod subtree;
 mod watch;
 mod write;
 
+pub use drains::{DrainChange, DrainEntry, DrainStream};
 pub use error::SkippedKey;
 pub use nodes::{Lease, NodeChange, NodeRecord, NodeStream};
 pub use options::{

@@ -5,10 +5,10 @@
 //! This file only stores and reads the documents as bytes (what they hold is
 //! `crate::node`'s business); the object snapshot and watch skip this subtree.
 
-use super::{EtcdLog, error, keys::Parsed, keys::range_end};
+use super::{EtcdLog, keys::Parsed, keys::range_end, subtree::KeyChange};
 use crate::orderedlog::{LogError, Revision};
-use etcd_client::{EventType, LeaseTimeToLiveOptions, PutOptions, WatchOptions};
-use futures::stream::BoxStream;
+use etcd_client::{LeaseTimeToLiveOptions, PutOptions};
+use futures::{StreamExt, stream::BoxStream};
 use std::time::Duration;
 use tonic::Code;
 
@@ -184,79 +184,21 @@ impl EtcdLog {
     /// The changes to the nodes' documents after revision `from`. Unlike the object
     /// watch it does not reconnect by itself: it ends with the error.
     pub async fn watch_nodes(&self, from: Revision) -> Result<NodeStream, LogError> {
-        let prefix = self.inner.layout.nodes().into_bytes();
-        let options = WatchOptions::new()
-            .with_range(range_end(&prefix))
-            .with_start_revision(from as i64 + 1);
-        let mut watch = self.inner.watch.clone();
-        let stream = watch
-            .watch(prefix, Some(options))
-            .await
-            .map_err(|e| self.inner.error(&e))?;
+        let changes = self
+            .watch_subtree(self.inner.layout.nodes(), from, "nodes'")
+            .await?;
         let log = self.clone();
-        let changes = futures::stream::unfold(
-            (log, stream, std::collections::VecDeque::new(), false),
-            move |(log, mut stream, mut pending, done)| async move {
-                if done {
-                    return None;
-                }
-                loop {
-                    if let Some(change) = pending.pop_front() {
-                        return Some((Ok(change), (log, stream, pending, false)));
-                    }
-                    let response = match stream.message().await {
-                        Ok(Some(r)) => r,
-                        Ok(None) => {
-                            let e = LogError::Unavailable {
-                                endpoints: log.inner.endpoints.clone(),
-                                message: "etcd closed the nodes' watch".to_owned(),
-                            };
-                            return Some((Err(e), (log, stream, pending, true)));
-                        }
-                        Err(e) => {
-                            let e = if error::is_compacted(&e) {
-                                LogError::Compacted {
-                                    requested: from,
-                                    oldest: from + 1,
-                                }
-                            } else {
-                                log.inner.error(&e)
-                            };
-                            return Some((Err(e), (log, stream, pending, true)));
-                        }
-                    };
-                    if response.canceled() {
-                        let e = LogError::Unavailable {
-                            endpoints: log.inner.endpoints.clone(),
-                            message: format!(
-                                "etcd cancelled the nodes' watch {}",
-                                response.cancel_reason()
-                            ),
-                        };
-                        return Some((Err(e), (log, stream, pending, true)));
-                    }
-                    for event in response.events() {
-                        let Some(kv) = event.kv() else { continue };
-                        match event.event_type() {
-                            EventType::Put => {
-                                if let Some(r) = log.record(kv.clone()) {
-                                    pending.push_back(NodeChange::Put(r));
-                                }
-                            }
-                            EventType::Delete => {
-                                if let Parsed::Node(id) = log.inner.layout.parse(kv.key()) {
-                                    pending.push_back(NodeChange::Delete {
-                                        id,
-                                        revision: kv.mod_revision().max(0) as Revision,
-                                    });
-                                }
-                            }
-                        }
-                    }
-                }
-            },
-        );
-        Ok(Box::pin(changes))
+        Ok(Box::pin(changes.filter_map(move |change| {
+            let change = match change {
+                Err(e) => Some(Err(e)),
+                Ok(KeyChange::Put(kv)) => log.record(kv).map(|r| Ok(NodeChange::Put(r))),
+                Ok(KeyChange::Delete { key, revision }) => match log.inner.layout.parse(&key) {
+                    Parsed::Node(id) => Some(Ok(NodeChange::Delete { id, revision })),
+                    _ => None,
+                },
+            };
+            std::future::ready(change)
+        })))
     }
 
     /// A stored key-value as a node record (TTL not asked); `None` for a key under

@@ -153,8 +153,9 @@ impl Shared {
         let revision = kv.mod_revision().max(0) as Revision;
         let key = match self.layout.parse(kv.key()) {
             Parsed::Object(key) => key,
-            // Bookkeeping and node documents are not objects: skipped silently.
-            Parsed::Internal | Parsed::Node(_) => return None,
+            // Bookkeeping, node documents and drain records are not objects:
+            // skipped silently.
+            Parsed::Internal | Parsed::Node(_) | Parsed::Drain(_) => return None,
             Parsed::Unknown(reason) => {
                 self.skip(kv.key(), revision, reason);
                 return None;

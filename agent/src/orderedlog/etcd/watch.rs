@@ -194,9 +194,9 @@ impl Cursor {
                 }
                 EventType::Delete => match self.inner.layout.parse(kv.key()) {
                     Parsed::Object(key) => self.pending.push_back(Event::Delete { revision, key }),
-                    // Bookkeeping, and node documents (a lease expiring deletes
-                    // one): not objects.
-                    Parsed::Internal | Parsed::Node(_) => {}
+                    // Bookkeeping, node documents (a lease expiring deletes
+                    // one) and drain records (an undrain): not objects.
+                    Parsed::Internal | Parsed::Node(_) | Parsed::Drain(_) => {}
                     Parsed::Unknown(reason) => self.inner.skip(kv.key(), revision, reason),
                 },
             }
