@@ -20,10 +20,7 @@ use codes::log_status;
 
 use crate::{
     model::{Kind, ModelError, ObjectKey, ServiceKey, parse_json},
-    orderedlog::{
-        embedded::{ApplyError, Change},
-        store::ObjectStore,
-    },
+    orderedlog::store::{ApplyError, Change, ObjectStore},
     status::{AgentStatus, ServiceStatus, StatusError, StatusSource},
 };
 use futures::Stream;

@@ -11,8 +11,8 @@ use crate::{
     },
     orderedlog::{
         LogError, Revision,
-        embedded::{ApplyOutcome, Change},
         etcd::{EtcdLog, NodeChange, NodeRecord},
+        store::{ApplyOutcome, Change},
     },
 };
 use futures::StreamExt;

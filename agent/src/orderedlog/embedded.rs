@@ -23,8 +23,9 @@
 //! The store is opened in redb's exclusive-writer mode: a second open (another agent,
 //! or the CLI while an agent runs) fails with [`LogError::Locked`].
 
+pub use super::store::{ApplyError, ApplyOutcome, Change};
 use super::{Event, EventStream, LogError, OrderedLog, Revision, Snapshot};
-use crate::model::{Kind, ModelError, Object, ObjectKey, parse_stored};
+use crate::model::{Kind, Object, ObjectKey, parse_stored};
 use async_trait::async_trait;
 use redb::{
     Database, DatabaseError, ReadableDatabase, ReadableTable, Table, TableDefinition,
@@ -41,9 +42,9 @@ use std::{
     time::Instant,
 };
 
+mod object_store;
 mod reads;
 mod vips;
-use thiserror::Error;
 use tokio::sync::watch;
 
 /// The file name of the store inside the state dir.
@@ -80,49 +81,6 @@ impl Default for EmbeddedOptions {
             history: DEFAULT_HISTORY,
         }
     }
-}
-
-/// What `apply` did to one object.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Change {
-    /// The object did not exist; it got a new revision.
-    Created,
-    /// The object existed and differed; it got a new revision.
-    Configured,
-    /// The object was equal to the stored one: no event, no revision.
-    Unchanged,
-}
-
-impl fmt::Display for Change {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Change::Created => "created",
-            Change::Configured => "configured",
-            Change::Unchanged => "unchanged",
-        })
-    }
-}
-
-/// The result of a successful [`EmbeddedLog::apply`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ApplyOutcome {
-    /// The store's revision after the apply: the last change's revision, or the
-    /// current one when nothing changed.
-    pub revision: Revision,
-    /// One entry per applied object, in the order given.
-    pub results: Vec<(ObjectKey, Change)>,
-}
-
-/// Why an apply stored nothing.
-#[derive(Debug, Error)]
-pub enum ApplyError {
-    /// An object is invalid on its own, conflicts with another (e.g. a VIP used by two
-    /// services), or appears twice in the batch.
-    #[error(transparent)]
-    Invalid(#[from] ModelError),
-    /// The store failed.
-    #[error(transparent)]
-    Log(#[from] LogError),
 }
 
 /// The embedded, persistent ordered log.

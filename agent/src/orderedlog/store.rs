@@ -2,17 +2,16 @@
 //! the checks every backend makes before it writes anything, so that both refuse the
 //! same batches with the same messages.
 
-use super::{
-    LogError, OrderedLog, Revision,
-    embedded::{ApplyError, ApplyOutcome, EmbeddedLog},
-};
+use super::{LogError, OrderedLog, Revision};
 use crate::model::{Kind, ModelError, Object, ObjectKey};
 use async_trait::async_trait;
+use std::fmt;
 use std::{
     collections::{HashMap, HashSet},
     net::IpAddr,
     ops::ControlFlow,
 };
+use thiserror::Error;
 
 /// What [`ObjectStore::scan`] hands each object to: called on the blocking pool, so
 /// it may block (e.g. send into a bounded channel); breaking stops the scan.
@@ -69,68 +68,47 @@ pub trait ObjectStore: OrderedLog {
     }
 }
 
-#[async_trait]
-impl ObjectStore for EmbeddedLog {
-    async fn apply(&self, objects: Vec<Object>) -> Result<ApplyOutcome, ApplyError> {
-        let store = self.clone();
-        match tokio::task::spawn_blocking(move || EmbeddedLog::apply(&store, objects)).await {
-            Ok(r) => r,
-            Err(e) => Err(ApplyError::Log(task_failed(e))),
-        }
-    }
+/// What `apply` did to one object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// The object did not exist; it got a new revision.
+    Created,
+    /// The object existed and differed; it got a new revision.
+    Configured,
+    /// The object was equal to the stored one: no event, no revision.
+    Unchanged,
+}
 
-    async fn delete(&self, key: &ObjectKey) -> Result<Option<Revision>, LogError> {
-        let (store, key) = (self.clone(), key.clone());
-        tokio::task::spawn_blocking(move || EmbeddedLog::delete(&store, &key))
-            .await
-            .map_err(task_failed)?
-    }
-
-    async fn get(
-        &self,
-        kind: Option<Kind>,
-        namespace: Option<&str>,
-        name: Option<&str>,
-    ) -> Result<(Revision, Vec<Object>), LogError> {
-        let store = self.clone();
-        let (namespace, name) = (namespace.map(str::to_owned), name.map(str::to_owned));
-        tokio::task::spawn_blocking(move || {
-            EmbeddedLog::get(&store, kind, namespace.as_deref(), name.as_deref())
+impl fmt::Display for Change {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Change::Created => "created",
+            Change::Configured => "configured",
+            Change::Unchanged => "unchanged",
         })
-        .await
-        .map_err(task_failed)?
-    }
-
-    async fn current_revision(&self) -> Result<Revision, LogError> {
-        Ok(EmbeddedLog::revision(self))
-    }
-
-    async fn scan(
-        &self,
-        kind: Option<Kind>,
-        namespace: Option<String>,
-        name: Option<String>,
-        each: ScanFn,
-    ) -> Result<Revision, LogError> {
-        let store = self.clone();
-        tokio::task::spawn_blocking(move || {
-            EmbeddedLog::scan(&store, kind, namespace.as_deref(), name.as_deref(), each)
-        })
-        .await
-        .map_err(task_failed)?
     }
 }
 
-/// A blocking store task that panicked or was cancelled, as an error to report.
-fn task_failed(e: tokio::task::JoinError) -> LogError {
-    if e.is_panic() {
-        LogError::Storage {
-            path: "store task".into(),
-            message: format!("panicked: {e}"),
-        }
-    } else {
-        LogError::Closed
-    }
+/// The result of a successful [`ObjectStore::apply`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApplyOutcome {
+    /// The store's revision after the apply: the last change's revision, or the
+    /// current one when nothing changed.
+    pub revision: Revision,
+    /// One entry per applied object, in the order given.
+    pub results: Vec<(ObjectKey, Change)>,
+}
+
+/// Why an apply stored nothing.
+#[derive(Debug, Error)]
+pub enum ApplyError {
+    /// An object is invalid on its own, conflicts with another (e.g. a VIP used by two
+    /// services), or appears twice in the batch.
+    #[error(transparent)]
+    Invalid(#[from] ModelError),
+    /// The store failed.
+    #[error(transparent)]
+    Log(#[from] LogError),
 }
 
 /// Checks every object of a batch on its own and refuses a batch that names one
@@ -206,6 +184,18 @@ pub fn check_vip_owners(
         }
     }
     Ok(())
+}
+
+/// A blocking store task that panicked or was cancelled, as an error to report.
+pub(super) fn task_failed(e: tokio::task::JoinError) -> LogError {
+    if e.is_panic() {
+        LogError::Storage {
+            path: "store task".into(),
+            message: format!("panicked: {e}"),
+        }
+    } else {
+        LogError::Closed
+    }
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
 use super::*;
+use crate::model::ModelError;
 use crate::model::parse_documents;
 use futures::StreamExt;
 use std::{collections::BTreeMap, time::Duration};

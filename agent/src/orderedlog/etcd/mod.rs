@@ -48,8 +48,7 @@ pub use options::{
 
 use super::{
     EventStream, LogError, OrderedLog, Revision, Snapshot,
-    embedded::{ApplyError, ApplyOutcome},
-    store::ObjectStore,
+    store::{ApplyError, ApplyOutcome, ObjectStore},
 };
 use crate::{
     lock::lock,

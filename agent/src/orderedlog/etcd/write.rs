@@ -23,8 +23,9 @@ use crate::{
     model::{Kind, ModelError, Object, ObjectKey, check_endpoint_ports, parse_stored},
     orderedlog::{
         LogError, Revision,
-        embedded::{ApplyError, ApplyOutcome, Change},
-        store::{VipCheckError, check_batch, check_vip_owners, vips_of},
+        store::{
+            ApplyError, ApplyOutcome, Change, VipCheckError, check_batch, check_vip_owners, vips_of,
+        },
     },
 };
 use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse};
