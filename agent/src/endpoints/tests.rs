@@ -1,6 +1,13 @@
 use super::*;
 use crate::model::parse_documents;
+use crate::{
+    metrics::Metrics,
+    orderedlog::{LogError, OrderedLog},
+    subsystem::{StartContext, Subsystem},
+};
+use futures::StreamExt;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 fn objs(yaml: &str) -> Vec<Object> {
     parse_documents(yaml).unwrap()
