@@ -9,7 +9,7 @@
 //! * **Facts** (and the data plane's degradation) are gathered every
 //!   [`RegistrarOptions::facts_interval`] (60 s); readiness (written at once when
 //!   [`FactsSource::ready_changes`] changes) and the applied revision at every step (a new applied
-//!   revision is written at once, coalesced over [`APPLIED_COALESCE`]).
+//!   revision is written at once, then at most one per [`APPLIED_COALESCE`]).
 //! * **Lease lost** (etcd was unreachable longer than the TTL, or revoked it): a
 //!   new lease is granted and the document written again, same node id.
 //! * **Stop** revokes the lease, so the key is deleted at once; an agent that dies
@@ -38,8 +38,9 @@ use std::{
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
-/// How long a new applied revision waits for the next before it is written: at
-/// most one write per this interval while revisions stream in.
+/// At most one write of a new applied revision per this interval while revisions
+/// stream in; a revision after a quiet interval is written at once (`apply --wait`
+/// waits for it).
 pub const APPLIED_COALESCE: Duration = Duration::from_millis(100);
 /// How long stop waits for etcd to revoke the lease.
 const REVOKE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -196,6 +197,8 @@ impl Keeper {
         let mut applied = self.applied.subscribe();
         let mut ready_changes = self.source.ready_changes.clone();
         let mut gathered: Option<Gathered> = None;
+        // When the last applied revision was taken up for writing.
+        let mut last_applied: Option<Instant> = None;
         loop {
             let readiness_changed = async {
                 match ready_changes.as_mut() {
@@ -218,10 +221,14 @@ impl Keeper {
                         // Cannot happen while `self.applied` lives; never spin.
                         std::future::pending::<()>().await;
                     }
+                    let wait = last_applied.map_or(Duration::ZERO, |t| {
+                        (t + APPLIED_COALESCE).saturating_duration_since(Instant::now())
+                    });
                     tokio::select! {
                         () = cancel.cancelled() => return,
-                        () = tokio::time::sleep(APPLIED_COALESCE) => {}
+                        () = tokio::time::sleep(wait) => {}
                     }
+                    last_applied = Some(Instant::now());
                     false
                 }
             };
