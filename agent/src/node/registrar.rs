@@ -41,7 +41,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 /// At most one write of a new applied revision per this interval while revisions
 /// stream in; a revision after a quiet interval is written at once (`apply --wait`
 /// waits for it).
-pub const APPLIED_COALESCE: Duration = Duration::from_millis(100);
+pub const APPLIED_COALESCE: Duration = Duration::from_millis(25);
 /// How long stop waits for etcd to revoke the lease.
 const REVOKE_TIMEOUT: Duration = Duration::from_secs(5);
 

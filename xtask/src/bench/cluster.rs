@@ -69,7 +69,7 @@ pub fn section(bin: &Path) -> Result<String> {
         (p, t)
     };
     let p20 = acknowledged(&start(bin, 20, "userspace")?)?;
-    let join = join(bin)?;
+    let (join, steps) = join(bin)?;
     let _ = writeln!(out, "| figure | value | target | |");
     let _ = writeln!(out, "|---|---:|---:|---|");
     for (n, mode, (p50, p99, alone), target) in
@@ -97,6 +97,7 @@ pub fn section(bin: &Path) -> Result<String> {
         "| etcd traffic per idle node per heartbeat (both ways, TLS) | {:.0} B | | |",
         traffic
     );
+    let _ = writeln!(out, "\nThe new node (eBPF): {steps}.");
     Ok(out)
 }
 
@@ -174,8 +175,10 @@ fn idle_traffic(c: &RunningCluster) -> Result<f64> {
     Ok(total as f64 / nodes.len() as f64 / heartbeats)
 }
 
-/// A new node's spawn → applied with 10,000 services × 10 endpoints in etcd.
-fn join(bin: &Path) -> Result<Duration> {
+/// A new node's spawn → applied with 10,000 services × 10 endpoints in etcd, and
+/// when (after the spawn) its log said the cache was synced, the data plane chosen
+/// and the agent ready.
+fn join(bin: &Path) -> Result<(Duration, String)> {
     let mut config = ClusterConfig::new(1, bin);
     config.log_files = true;
     config.start_agents = false;
@@ -199,19 +202,53 @@ fn join(bin: &Path) -> Result<Duration> {
     }
     let revision = c.etcd().revision();
     let t = Instant::now();
+    let spawned = seconds_of_day(std::time::SystemTime::now());
     c.start_agent(0)?;
     let deadline = t + Duration::from_secs(120);
     loop {
         if let Ok((200, text)) = c.agent(0).http_get("/metrics")
             && applied(&text) >= revision
         {
-            return Ok(t.elapsed());
+            let took = t.elapsed();
+            std::thread::sleep(Duration::from_millis(200));
+            return Ok((took, log_steps(&c.agent(0).log(), spawned)));
         }
         if Instant::now() > deadline {
             bail!("the new node did not apply revision {revision} within 120 s");
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Seconds since midnight UTC of `t`.
+fn seconds_of_day(t: std::time::SystemTime) -> f64 {
+    let d = t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    (d.as_secs() % 86_400) as f64 + f64::from(d.subsec_micros()) / 1e6
+}
+
+/// When the agent's log (lines starting `2026-12-02T04:54:12.708390Z`) said each
+/// step, in ms after `spawned` (seconds of day).
+fn log_steps(log: &str, spawned: f64) -> String {
+    let steps = [
+        ("data plane chosen", "data plane chosen"),
+        ("cache synced", "snapshot in the cache"),
+        ("agent ready", "ready"),
+    ];
+    let mut out = Vec::new();
+    for (needle, what) in steps {
+        let at = log.lines().find(|l| l.contains(needle)).and_then(|l| {
+            let clock = l.get(11..26)?;
+            let mut parts = clock.split(':');
+            let h: f64 = parts.next()?.parse().ok()?;
+            let m: f64 = parts.next()?.parse().ok()?;
+            let s: f64 = parts.next()?.parse().ok()?;
+            Some(h * 3600.0 + m * 60.0 + s)
+        });
+        if let Some(at) = at {
+            out.push(format!("{what} after {:.0} ms", (at - spawned) * 1e3));
+        }
+    }
+    out.join(", ")
 }
 
 /// `rune_applied_revision` in a metrics text (0 when absent).
