@@ -141,20 +141,22 @@ pub async fn run(config: Config) -> Result<()> {
         metrics.set_dataplane(plane.mode(), &[]);
     }
     // The node's facts, for its key in etcd.
-    let facts = FactsSource::for_agent(
-        Arc::downgrade(&agent),
-        mode,
-        plane.clone(),
-        selected
-            .as_ref()
-            .map_or_else(|| "dev mode".to_owned(), |s| s.reason.clone()),
-        selected
-            .as_ref()
-            .map(|s| s.checks.clone())
-            .unwrap_or_default(),
-        map_capacities(&config, plane.mode()),
-        config.state_dir.clone(),
-    );
+    let facts = matches!(link, Link::Etcd(..)).then(|| {
+        FactsSource::for_agent(
+            Arc::downgrade(&agent),
+            mode,
+            plane.clone(),
+            selected
+                .as_ref()
+                .map_or_else(|| "dev mode".to_owned(), |s| s.reason.clone()),
+            selected
+                .as_ref()
+                .map(|s| s.checks.clone())
+                .unwrap_or_default(),
+            map_capacities(&config, plane.mode()),
+            config.state_dir.clone(),
+        )
+    });
     let status = LiveStatus {
         agent: Arc::downgrade(&agent),
         cache: cache.clone(),
@@ -191,7 +193,7 @@ pub async fn run(config: Config) -> Result<()> {
     agent.register(dns)?;
     // Registered last, so stopped first: the node's key is revoked while the
     // rest still serves.
-    if let Link::Etcd(_, etcd) = &link {
+    if let (Link::Etcd(_, etcd), Some(facts)) = (&link, facts) {
         let ttl = config.node_lease;
         agent.register(Arc::new(Registrar::new(
             etcd.clone(),
