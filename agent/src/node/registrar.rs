@@ -29,7 +29,7 @@ use crate::{
     identity::Identity,
     lock::lock,
     orderedlog::etcd::{EtcdLog, Lease},
-    subsystem::{Readiness, StartContext, Subsystem, SubsystemError},
+    subsystem::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
 };
 use std::{
     net::IpAddr,
@@ -78,6 +78,11 @@ pub struct Registrar {
     /// The document last written (tests and `status` read it).
     written: Arc<Mutex<Option<NodeDocument>>>,
     tasks: TaskTracker,
+    /// Set once the node's document was first written: a node that `get nodes`
+    /// and `apply --wait` do not know yet is not ready. Never unset (etcd going
+    /// away later does not take the node out of service).
+    registered: ReadySetter,
+    readiness: Readiness,
 }
 
 impl Registrar {
@@ -89,6 +94,7 @@ impl Registrar {
         applied: AppliedRevision,
         options: RegistrarOptions,
     ) -> Self {
+        let (registered, readiness) = Readiness::new();
         Self {
             log,
             identity,
@@ -98,6 +104,8 @@ impl Registrar {
             lease: Arc::new(Mutex::new(None)),
             written: Arc::new(Mutex::new(None)),
             tasks: TaskTracker::new(),
+            registered,
+            readiness,
         }
     }
 
@@ -133,13 +141,14 @@ impl Subsystem for Registrar {
             written: self.written.clone(),
             conditions: ConditionSet::default(),
             store_error: None,
+            registered: self.registered.clone(),
         };
         self.tasks.spawn(keeper.run(ctx.cancel.clone()));
         Ok(())
     }
 
     fn ready(&self) -> Readiness {
-        Readiness::ready()
+        self.readiness.clone()
     }
 
     async fn stop(&self) -> Result<(), SubsystemError> {
@@ -178,6 +187,8 @@ struct Keeper {
     conditions: ConditionSet,
     /// The last etcd failure, until a request succeeds.
     store_error: Option<String>,
+    /// Set at the first write of the document.
+    registered: ReadySetter,
 }
 
 /// The facts last gathered.
@@ -326,6 +337,7 @@ impl Keeper {
                     );
                     self.connected();
                     *lock(&self.written) = Some(doc);
+                    self.registered.set_ready();
                     if !was_disconnected {
                         return;
                     }

@@ -149,8 +149,35 @@ impl RunningCluster {
             for i in 0..running.agents.len() {
                 running.agent(i).try_wait_ready(patience)?;
             }
+            running.wait_nodes_ready(running.agents.len(), patience)?;
         }
         Ok(running)
+    }
+
+    /// Waits until `get nodes` lists `count` nodes whose state is Ready (their
+    /// documents say so: `apply --wait` counts them), at most `patience`.
+    pub fn wait_nodes_ready(&self, count: usize, patience: Duration) -> anyhow::Result<()> {
+        let deadline = std::time::Instant::now() + patience;
+        loop {
+            let out = self.cli(&["get", "nodes"], None);
+            let table = String::from_utf8_lossy(&out.stdout).into_owned();
+            let ready = table
+                .lines()
+                .skip(1)
+                .filter(|l| {
+                    l.split_whitespace()
+                        .nth(1)
+                        .is_some_and(|s| s.starts_with("Ready"))
+                })
+                .count();
+            if out.status.success() && ready >= count {
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                bail!("{ready} of {count} nodes Ready within {patience:?}:\n{table}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// The topology.
