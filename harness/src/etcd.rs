@@ -521,11 +521,12 @@ impl Gate {
             while !s.stop.load(Ordering::SeqCst) {
                 let client = match listener.accept() {
                     Ok((client, _)) => client,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // Nothing to accept, or an error (e.g. out of descriptors):
+                    // look again a little later, never spin.
+                    Err(_) => {
                         thread::sleep(Duration::from_millis(20));
                         continue;
                     }
-                    Err(_) => continue,
                 };
                 if !s.open.load(Ordering::SeqCst) || client.set_nonblocking(false).is_err() {
                     drop(client);
@@ -601,6 +602,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Copies both ways between `client` and `upstream` on two threads, registered
 /// for [`Gate::cut`].
 fn relay(shared: &Arc<GateShared>, client: TcpStream, upstream: TcpStream) {
+    // Bytes go on as they come: with Nagle's algorithm each request/answer through
+    // the relay could wait for a delayed ACK (tens of ms) that a direct connection
+    // never waits for.
+    let _ = client.set_nodelay(true);
+    let _ = upstream.set_nodelay(true);
     let pairs = [
         (client.try_clone(), upstream.try_clone()),
         (upstream.try_clone(), client.try_clone()),
