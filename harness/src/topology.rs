@@ -518,17 +518,7 @@ fn node_client_addr() -> DualStack {
 }
 
 fn add_addrs(ns: &NetNs, ifname: &str, addr: DualStack) -> anyhow::Result<()> {
-    ns.ip(&["addr", "add", &format!("{}/24", addr.v4), "dev", ifname])?;
-    ns.ip(&[
-        "-6",
-        "addr",
-        "add",
-        &format!("{}/64", addr.v6),
-        "dev",
-        ifname,
-        "nodad",
-    ])?;
-    Ok(())
+    add_addrs_with(ns, ifname, addr, &[])
 }
 
 /// A second pair of addresses that the kernel never picks as a source by itself:
@@ -536,18 +526,22 @@ fn add_addrs(ns: &NetNs, ifname: &str, addr: DualStack) -> anyhow::Result<()> {
 /// (`preferred_lft 0`; without it the newest IPv6 address would win). Sockets bound
 /// to them work as usual.
 fn add_alt_addrs(ns: &NetNs, ifname: &str, addr: DualStack) -> anyhow::Result<()> {
+    add_addrs_with(ns, ifname, addr, &["preferred_lft", "0"])
+}
+
+/// `addr` on `ifname` (/24 and /64, IPv6 without duplicate detection), the IPv6
+/// one with `v6_extra` options.
+fn add_addrs_with(
+    ns: &NetNs,
+    ifname: &str,
+    addr: DualStack,
+    v6_extra: &[&str],
+) -> anyhow::Result<()> {
     ns.ip(&["addr", "add", &format!("{}/24", addr.v4), "dev", ifname])?;
-    ns.ip(&[
-        "-6",
-        "addr",
-        "add",
-        &format!("{}/64", addr.v6),
-        "dev",
-        ifname,
-        "nodad",
-        "preferred_lft",
-        "0",
-    ])?;
+    let v6 = format!("{}/64", addr.v6);
+    let mut args = vec!["-6", "addr", "add", &v6, "dev", ifname, "nodad"];
+    args.extend_from_slice(v6_extra);
+    ns.ip(&args)?;
     Ok(())
 }
 

@@ -5,7 +5,7 @@
 //! `crate::node::drain`'s business); the object snapshot and watch skip this
 //! subtree.
 
-use super::{EtcdLog, keys::Parsed, keys::range_end, subtree::KeyChange};
+use super::{EtcdLog, keys::Parsed, subtree::KeyChange};
 use crate::orderedlog::{LogError, Revision};
 use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 use futures::{StreamExt, stream::BoxStream};
@@ -85,24 +85,14 @@ impl EtcdLog {
 
     /// Every drain record at one revision, ordered by node id.
     pub async fn list_drains(&self) -> Result<(Revision, Vec<DrainEntry>), LogError> {
-        let start = self.inner.layout.drains().into_bytes();
-        let end = range_end(&start);
         let mut entries = Vec::new();
         let revision = self
-            .inner
-            .read_range(&start, &end, None, |kv| {
+            .list_subtree(self.inner.layout.drains(), |kv| {
                 if let Some(e) = self.drain_entry(kv) {
                     entries.push(e);
                 }
             })
-            .await
-            .map_err(|e| match e {
-                super::read::Paged::Failed(e) => e,
-                super::read::Paged::Compacted => LogError::Unavailable {
-                    endpoints: self.inner.endpoints.clone(),
-                    message: "etcd compacted the listing's revision before it was read".to_owned(),
-                },
-            })?;
+            .await?;
         Ok((revision, entries))
     }
 

@@ -5,7 +5,7 @@
 //! This file only stores and reads the documents as bytes (what they hold is
 //! `crate::node`'s business); the object snapshot and watch skip this subtree.
 
-use super::{EtcdLog, keys::Parsed, keys::range_end, subtree::KeyChange};
+use super::{EtcdLog, keys::Parsed, subtree::KeyChange};
 use crate::orderedlog::{LogError, Revision};
 use etcd_client::{LeaseTimeToLiveOptions, PutOptions};
 use futures::{StreamExt, stream::BoxStream};
@@ -136,24 +136,14 @@ impl EtcdLog {
         &self,
         with_ttl: bool,
     ) -> Result<(Revision, Vec<NodeRecord>), LogError> {
-        let start = self.inner.layout.nodes().into_bytes();
-        let end = range_end(&start);
         let mut records = Vec::new();
         let revision = self
-            .inner
-            .read_range(&start, &end, None, |kv| {
+            .list_subtree(self.inner.layout.nodes(), |kv| {
                 if let Some(r) = self.record(kv) {
                     records.push(r);
                 }
             })
-            .await
-            .map_err(|e| match e {
-                super::read::Paged::Failed(e) => e,
-                super::read::Paged::Compacted => LogError::Unavailable {
-                    endpoints: self.inner.endpoints.clone(),
-                    message: "etcd compacted the listing's revision before it was read".to_owned(),
-                },
-            })?;
+            .await?;
         if with_ttl {
             for r in &mut records {
                 r.ttl = self.lease_ttl(r.lease).await?;

@@ -23,6 +23,27 @@ pub(super) enum KeyChange {
 }
 
 impl EtcdLog {
+    /// Every key-value under `subtree` (a whole key, prefix included) at one
+    /// revision, in key order, each passed to `each`; returns the revision.
+    pub(super) async fn list_subtree(
+        &self,
+        subtree: String,
+        each: impl FnMut(KeyValue),
+    ) -> Result<Revision, LogError> {
+        let start = subtree.into_bytes();
+        let end = range_end(&start);
+        self.inner
+            .read_range(&start, &end, None, each)
+            .await
+            .map_err(|e| match e {
+                super::read::Paged::Failed(e) => e,
+                super::read::Paged::Compacted => LogError::Unavailable {
+                    endpoints: self.inner.endpoints.clone(),
+                    message: "etcd compacted the listing's revision before it was read".to_owned(),
+                },
+            })
+    }
+
     /// The changes to every key starting with `subtree` (a whole key, prefix
     /// included) after revision `from`, in order; `what` names the subtree in
     /// errors (`nodes'`, `drains'`).
