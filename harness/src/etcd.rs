@@ -38,14 +38,19 @@ pub const ETCDCTL: &str = "/usr/bin/etcdctl";
 /// How long etcd may take to answer after a start.
 const START_PATIENCE: Duration = Duration::from_secs(30);
 
-/// A new, empty, private directory under the temporary directory
-/// (`rune-<tag>-<pid>-<n>`), for an etcd's data or a [`Pki`].
-fn unique_dir(tag: &str) -> PathBuf {
+/// A new, empty, private (0700) directory under the temporary directory
+/// (`rune-<tag>-<pid>-<n>`), for an etcd's data, a [`Pki`] or a cluster's files.
+pub(crate) fn unique_dir(tag: &str) -> PathBuf {
+    use std::os::unix::fs::DirBuilderExt as _;
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("rune-{tag}-{}-{n}", std::process::id()));
     let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
+    fs::DirBuilder::new()
+        .mode(0o700)
+        .recursive(true)
+        .create(&dir)
+        .unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
     dir
 }
 

@@ -97,7 +97,7 @@ impl RunningCluster {
     /// Starts etcd, makes the certificates and roles, builds the topology and
     /// starts every agent; waits (up to `patience` per agent) until each is ready.
     pub fn start(config: ClusterConfig, patience: Duration) -> anyhow::Result<RunningCluster> {
-        let work = WorkDir(unique_work_dir()?);
+        let work = WorkDir(crate::etcd::unique_dir("cluster"));
         let certs = work.0.join("certs");
         let node_ids: Vec<String> = (1..=config.nodes).map(node_id).collect();
         certs_cmd(
@@ -362,18 +362,4 @@ fn certs_cmd(bin: &Path, args: &[&str]) -> anyhow::Result<()> {
 fn path_str(p: &Path) -> anyhow::Result<&str> {
     p.to_str()
         .with_context(|| format!("{} is not UTF-8", p.display()))
-}
-
-/// A new private directory under the temporary directory.
-fn unique_work_dir() -> anyhow::Result<PathBuf> {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("rune-cluster-{}-{n}", std::process::id()));
-    let _ = fs::remove_dir_all(&dir);
-    fs::DirBuilder::new()
-        .mode(0o700)
-        .create(&dir)
-        .with_context(|| format!("creating {}", dir.display()))?;
-    Ok(dir)
 }
