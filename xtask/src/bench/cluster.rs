@@ -82,7 +82,7 @@ pub fn section(bin: &Path) -> Result<String> {
             ms(p50),
             ms(p99),
             target.as_millis(),
-            verdict(p99 < target)
+            super::common::verdict(p99 < target)
         );
     }
     let _ = writeln!(
@@ -90,7 +90,7 @@ pub fn section(bin: &Path) -> Result<String> {
         "| a new node joins 10,000 services × 10 endpoints: spawn → applied | {} ms | < {} ms | {} |",
         ms(join),
         JOIN_TARGET.as_millis(),
-        verdict(join < JOIN_TARGET)
+        super::common::verdict(join < JOIN_TARGET)
     );
     let _ = writeln!(
         out,
@@ -280,9 +280,5 @@ fn join_service(i: usize) -> String {
 }
 
 fn ms(d: Duration) -> String {
-    format!("{:.1}", d.as_secs_f64() * 1e3)
-}
-
-fn verdict(met: bool) -> &'static str {
-    if met { "met" } else { "not met" }
+    format!("{:.1}", super::sync::ms(d))
 }

@@ -41,6 +41,11 @@ impl Scenario {
     }
 }
 
+/// A figure's verdict against its target, for the report's tables.
+pub(crate) fn verdict(met: bool) -> &'static str {
+    if met { "met" } else { "not met" }
+}
+
 pub(crate) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]

@@ -571,7 +571,7 @@ fn report(title: &str, runs: &mut [Snapshot], c: &Changes) -> Result<String> {
     let mut cli = c.cli.clone();
     let mut agent = c.agent.clone();
     let (p50, p99) = (percentile(&mut after, 0.5), percentile(&mut after, 0.99));
-    let met = |ok: bool| if ok { "met" } else { "not met" };
+    let met = super::common::verdict;
     let mib = |kib: u64| kib as f64 / 1024.0;
 
     let mut t = String::new();

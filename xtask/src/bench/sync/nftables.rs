@@ -119,7 +119,7 @@ pub(super) fn section(
         percentile(&mut ebpf_after, 0.5),
         percentile(&mut ebpf_after, 0.99),
     );
-    let met = |ok: bool| if ok { "met" } else { "not met" };
+    let met = crate::bench::common::verdict;
 
     let mut t = String::new();
     writeln!(t)?;
