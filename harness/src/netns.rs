@@ -32,7 +32,8 @@ pub struct NetNs {
 }
 
 impl NetNs {
-    /// Creates `rune-<tag>-<pid>-<n>` and brings its loopback up.
+    /// Creates `rune-<tag>-<pid>-<n>`, without IPv6 duplicate address detection, and
+    /// brings its loopback up.
     pub fn new(tag: &str) -> anyhow::Result<Self> {
         require_root()?;
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
@@ -40,6 +41,12 @@ impl NetNs {
         run_ip(&["netns", "add", &name])?;
         // From here on, Drop deletes the namespace even if the next step fails.
         let ns = Self { name };
+        // No duplicate address detection: without it an interface's link-local
+        // address stays tentative for a second after the link comes up, and a
+        // neighbour solicitation waits for it (a reply to a new neighbour stalls).
+        for conf in ["all", "default"] {
+            ns.sysctl(&format!("net/ipv6/conf/{conf}/accept_dad"), "0")?;
+        }
         ns.ip(&["link", "set", "lo", "up"])?;
         Ok(ns)
     }

@@ -384,6 +384,14 @@ fn reuse_burst(client: IpAddr, vips: [SocketAddr; 2]) -> (bool, String) {
         .sum();
     let slow = syn_retransmits.saturating_sub(quick);
     let good = probes.len() == CONNECTIONS && failed.is_empty() && stalls == 0 && slow == 0;
+    let stalled: Vec<String> = probes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, (src, to, p))| {
+            let c = p.connect.filter(|c| *c > STALL)?;
+            Some(format!("#{i} from port {} to {to} in {c:?}", src.port()))
+        })
+        .collect();
     let mut summary = format!(
         "{} of {CONNECTIONS} connections from {client} on {PORTS} source ports, each port \
          alternating between {} and {} (one backend, which closes first) in {took:?} (the burst \
@@ -396,6 +404,12 @@ fn reuse_burst(client: IpAddr, vips: [SocketAddr; 2]) -> (bool, String) {
         vips[1],
         failed.len(),
     );
+    if !stalled.is_empty() {
+        summary.push_str(&format!(
+            "; first stalls: {:?}",
+            &stalled[..stalled.len().min(5)]
+        ));
+    }
     if !failed.is_empty() {
         summary.push_str(&format!(
             "; first failures: {:?}",
