@@ -24,6 +24,7 @@ pub mod model;
 pub mod node;
 pub mod orderedlog;
 pub mod outbox;
+pub mod policy;
 pub mod preflight;
 pub mod run;
 pub mod status;

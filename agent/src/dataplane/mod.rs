@@ -37,6 +37,11 @@ pub trait DataPlane: Send + Sync {
         Vec::new()
     }
 
+    /// Each service with a network policy and how this data plane enforces it
+    /// (`status` shows them); empty where the mode has no policy support yet.
+    fn policy(&self) -> Vec<crate::policy::ServicePolicyStatus> {
+        Vec::new()
+    }
     /// Stops everything the data plane runs and waits until it has stopped.
     async fn shutdown(&self);
 }

@@ -1,0 +1,40 @@
+//! How each service's policy stands in the data plane, as `status` shows it.
+
+use super::PolicyMode;
+use serde::Serialize;
+
+/// One service's policy as a data plane carries it out.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServicePolicyStatus {
+    /// `namespace/name`.
+    pub service: String,
+    /// Enforce or audit.
+    pub mode: PolicyMode,
+    /// Rules in the policy's ingress list.
+    pub ingress_rules: usize,
+    /// Rules in the policy's egress list.
+    pub egress_rules: usize,
+    /// Whether the data plane enforces it.
+    pub state: PolicyState,
+}
+
+/// Whether a service's policy is enforced.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "state", rename_all = "kebab-case")]
+pub enum PolicyState {
+    /// The rules are programmed for every guarded address on this node.
+    Programmed,
+    /// They could not be programmed: the traffic they guard is refused (fail
+    /// closed), for `reason`.
+    Failed {
+        /// Why, in words a user can act on.
+        reason: String,
+    },
+    /// The data plane enforces only part of the policy (e.g. userspace: VIP
+    /// traffic only), for `reason`.
+    Partial {
+        /// What is not covered.
+        reason: String,
+    },
+}
