@@ -30,7 +30,7 @@ use crate::{
     metrics::{Metrics, server::MetricsServer},
     node::{
         drain_follower::DrainFollower,
-        facts::{FactsSource, MapFill},
+        facts::FactsSource,
         registrar::{Registrar, RegistrarOptions},
     },
     orderedlog::{
@@ -153,7 +153,6 @@ pub async fn run(config: Config) -> Result<()> {
                 .as_ref()
                 .map(|s| s.checks.clone())
                 .unwrap_or_default(),
-            map_capacities(&config, plane.mode()),
             config.state_dir.clone(),
         )
     });
@@ -267,27 +266,6 @@ impl Link {
             Link::Embedded(link) | Link::Etcd(link, _) => link.clone(),
         }
     }
-}
-
-/// The capacities of the data plane's maps (eBPF: its map sizes; the other modes
-/// keep no fixed-size tables), for the node's facts.
-fn map_capacities(config: &Config, mode: &str) -> Vec<MapFill> {
-    if mode != DataplaneMode::Ebpf.as_str() {
-        return Vec::new();
-    }
-    [
-        ("frontends", u64::from(config.lb_max_frontends)),
-        ("backends", u64::from(config.lb_max_backends)),
-        ("flows", u64::from(config.lb_max_flows)),
-        ("affinity", u64::from(config.lb_max_flows)),
-    ]
-    .into_iter()
-    .map(|(name, capacity)| MapFill {
-        name: name.to_owned(),
-        capacity,
-        used: None,
-    })
-    .collect()
 }
 
 /// The store the agent reads and writes: etcd with `options` (connecting sends
