@@ -13,6 +13,9 @@
 //!   `MapPressure` follows an apply at once; readiness (written at once when
 //!   [`FactsSource::ready_changes`] changes) and the applied revision at every step (a new applied
 //!   revision is written at once, then at most one per [`APPLIED_COALESCE`]).
+//! * **Key deleted** while the lease lives (by hand, `etcdctl del`): after each
+//!   renewal one count-only read of the key finds it missing, and the document is
+//!   written again in the same step.
 //! * **Lease lost** (etcd was unreachable longer than the TTL, or revoked it): a
 //!   new lease is granted and the document written again, same node id.
 //! * **Stop** revokes the lease, so the key is deleted at once; an agent that dies
@@ -295,7 +298,10 @@ impl Keeper {
         let mut lease = *lock(&self.lease);
         if beat && let Some(held) = lease {
             match self.bounded(self.log.keep_alive(held)).await {
-                Ok(true) => self.connected(),
+                Ok(true) => {
+                    self.connected();
+                    self.check_key().await;
+                }
                 Ok(false) => {
                     tracing::warn!(
                         lease = held.id,
@@ -369,6 +375,25 @@ impl Keeper {
                 }
                 Err(e) => return self.failed("writing the node document", &e),
             }
+        }
+    }
+
+    /// After a renewal: when the key is gone while the lease lives (someone
+    /// deleted it), forgets what was written, so that this step writes it again.
+    async fn check_key(&mut self) {
+        if lock(&self.written).is_none() {
+            return;
+        }
+        match self.bounded(self.log.node_exists(&self.identity.id)).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(
+                    node_id = %self.identity.id,
+                    "the node's key was deleted while its lease lives; writing it again"
+                );
+                *lock(&self.written) = None;
+            }
+            Err(e) => self.failed("reading the node's key", &e),
         }
     }
 
