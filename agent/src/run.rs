@@ -58,6 +58,10 @@ pub async fn run(config: Config) -> Result<()> {
     raise_fd_limit();
     // Creates the state dir when missing.
     let identity = Identity::load_or_create(&config.state_dir)?;
+    // The CLI on this node then reaches the same etcd (or none) without flags.
+    if let Err(e) = crate::config::recorded::record(&config) {
+        tracing::warn!(error = %e, file = crate::config::recorded::FILE, "recording the etcd settings in the state dir failed: the CLI on this node needs them given");
+    }
     // etcd takes the client certificate's CN as this node's user.
     if let Some(cert) = etcd_options.as_ref().and_then(|o| o.cert_file.as_deref()) {
         crate::certs::client::check_node_certificate(cert, &identity.node_id)?;
