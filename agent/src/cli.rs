@@ -244,6 +244,9 @@ impl Command {
             | Command::Drain { etcd, .. }
             | Command::Undrain { etcd, .. }
             | Command::Status(StatusArgs { etcd, .. }) => etcd.clone().into(),
+            Command::Certs {
+                command: certs::CertsCommand::EtcdRbac(args),
+            } => args.etcd.clone().into(),
             Command::Certs { .. } | Command::Version => FileConfig::default(),
         }
     }
