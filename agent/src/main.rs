@@ -73,7 +73,7 @@ fn main() -> ExitCode {
             Command::Status(args) => cli::status(&config, args).await,
             Command::Cleanup { .. } => cli::cleanup(&config).await,
             Command::Preflight { json, .. } => cli::preflight(&config, *json),
-            Command::Certs { command } => cli::certs::run(command).await,
+            Command::Certs { command } => cli::certs::run(command, &config).await,
             Command::Version => Ok(()),
         }
     });

@@ -21,6 +21,7 @@ pub mod pins;
 pub mod prefilter;
 pub mod stats;
 pub mod sync;
+mod usage;
 
 #[cfg(test)]
 mod tests;
@@ -273,6 +274,10 @@ impl<M: LbMaps + 'static> DataPlane for EbpfDataPlane<M> {
             }
         }
         ports
+    }
+
+    fn maps(&self, count: super::MapCount) -> Option<Vec<super::MapUsage>> {
+        Some(self.map_usage(count))
     }
 
     fn programs(&self) -> Vec<String> {
