@@ -51,6 +51,7 @@ fn main() -> ExitCode {
                 name,
                 namespace,
                 output,
+                show_secrets,
                 ..
             } => {
                 cli::get(
@@ -59,6 +60,7 @@ fn main() -> ExitCode {
                     name.as_deref(),
                     namespace.as_deref(),
                     *output,
+                    *show_secrets,
                 )
                 .await
             }

@@ -30,6 +30,10 @@ pub struct ServiceSpec {
     /// How long terminating endpoints keep their established flows.
     #[serde(default = "default_drain_seconds")]
     pub drain_seconds: u32,
+    /// The HTTP(S) route of the ingress proxy to this service, if any (boxed: most
+    /// services have none, and every object's size is the largest kind's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expose: Option<Box<super::Expose>>,
 }
 
 fn default_drain_seconds() -> u32 {
@@ -247,6 +251,9 @@ impl Service {
                 "spec.sessionAffinity.timeoutSeconds",
                 format!("{timeout_seconds} is out of range 1-{MAX_AFFINITY_TIMEOUT_SECONDS}"),
             ));
+        }
+        if let Some(expose) = &spec.expose {
+            expose.validate(object, &spec.ports)?;
         }
         if spec.drain_seconds > MAX_DRAIN_SECONDS {
             return Err(ModelError::invalid(
