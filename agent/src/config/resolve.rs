@@ -149,3 +149,33 @@ pub(super) fn dns_domain(domain: Option<String>) -> Result<String, String> {
     }
     Ok(domain)
 }
+
+/// A listener's address: the one given, else `production` or, in dev mode,
+/// `127.0.0.1:<dev_port + offset>` (shifted as the dev proxies' ports are).
+pub(super) fn listen_addr(
+    value: Option<String>,
+    mode: Mode,
+    offset: u16,
+    production: &str,
+    dev_port: u16,
+) -> Result<SocketAddr, String> {
+    match (value, mode) {
+        (Some(v), _) => socket_addr(Some(v), production),
+        (None, Mode::Production) => socket_addr(None, production),
+        (None, Mode::Dev) => dev_port
+            .checked_add(offset)
+            .map(|p| SocketAddr::from(([127, 0, 0, 1], p)))
+            .ok_or_else(|| format!("port {dev_port} + --dev-port-offset {offset} is above 65535")),
+    }
+}
+
+/// CIDRs (or single addresses), each checked.
+pub(super) fn cidrs(list: Vec<String>) -> Result<Vec<ipnet::IpNet>, String> {
+    list.iter()
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| {
+            crate::model::parse_cidr(s.trim())
+                .ok_or_else(|| format!("{s:?} is not a CIDR or an address"))
+        })
+        .collect()
+}

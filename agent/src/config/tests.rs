@@ -256,6 +256,12 @@ const CANDIDATES: &[&str] = &[
     "127.0.0.1:1",
     "127.0.0.1:2",
     "127.0.0.1:3",
+    "198.18.0.0/15",
+    "10.0.0.0/8",
+    "fd00::/8",
+    "9000",
+    "16384",
+    "32768",
 ];
 
 /// One setting's three values: `file` for the config file, `env` for its variable
@@ -545,6 +551,7 @@ fn every_setting_is_documented() {
     let docs = [
         include_str!("../../../docs/configuration.md"),
         include_str!("../../../docs/dns.md"),
+        include_str!("../../../docs/ingress.md"),
     ];
     for s in SETTINGS {
         let flag = format!("`{}", s.flag);
