@@ -399,13 +399,13 @@ settings! {
         /// 127.0.0.1:8080 plus --dev-port-offset].
         #[arg(long = "ingress-addr", env = "RUNE_INGRESS_ADDR", value_name = "ADDR:PORT")]
         ingress_addr: String => ingress_addr: SocketAddr = |addr| {
-            resolve::listen_addr(addr, mode, dev_port_offset, "0.0.0.0:80", 8080)
+            resolve::listen_addr(addr, mode, dev_port_offset, ingress, ("0.0.0.0:80", 8080))
         },
         /// The ingress proxy's TLS listener [default: 0.0.0.0:443; with --dev
         /// 127.0.0.1:8443 plus --dev-port-offset].
         #[arg(long = "ingress-tls-addr", env = "RUNE_INGRESS_TLS_ADDR", value_name = "ADDR:PORT")]
         ingress_tls_addr: String => ingress_tls_addr: SocketAddr = |addr| {
-            resolve::listen_addr(addr, mode, dev_port_offset, "0.0.0.0:443", 8443)
+            resolve::listen_addr(addr, mode, dev_port_offset, ingress, ("0.0.0.0:443", 8443))
         },
         /// Peers whose X-Forwarded-For the ingress proxy appends to instead of replacing,
         /// CIDRs, comma-separated [default: none].

@@ -151,21 +151,27 @@ pub(super) fn dns_domain(domain: Option<String>) -> Result<String, String> {
 }
 
 /// A listener's address: the one given, else `production` or, in dev mode,
-/// `127.0.0.1:<dev_port + offset>` (shifted as the dev proxies' ports are).
+/// `127.0.0.1:<dev_port + offset>` (shifted as the dev proxies' ports are). An
+/// offset that shifts the default beyond 65535 is refused only when the listener
+/// is `used`.
 pub(super) fn listen_addr(
     value: Option<String>,
     mode: Mode,
     offset: u16,
-    production: &str,
-    dev_port: u16,
+    used: bool,
+    (production, dev_port): (&str, u16),
 ) -> Result<SocketAddr, String> {
+    let dev = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
     match (value, mode) {
         (Some(v), _) => socket_addr(Some(v), production),
         (None, Mode::Production) => socket_addr(None, production),
-        (None, Mode::Dev) => dev_port
-            .checked_add(offset)
-            .map(|p| SocketAddr::from(([127, 0, 0, 1], p)))
-            .ok_or_else(|| format!("port {dev_port} + --dev-port-offset {offset} is above 65535")),
+        (None, Mode::Dev) => match dev_port.checked_add(offset) {
+            Some(p) => Ok(dev(p)),
+            None if !used => Ok(dev(dev_port)),
+            None => Err(format!(
+                "port {dev_port} + --dev-port-offset {offset} is above 65535"
+            )),
+        },
     }
 }
 

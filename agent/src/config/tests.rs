@@ -568,3 +568,28 @@ fn every_setting_is_documented() {
         assert!(row.contains(&key), "{key}: {row}");
     }
 }
+
+#[test]
+fn the_ingress_listeners_follow_the_dev_port_offset() {
+    let dev = |offset: u16, ingress: bool| {
+        FileConfig {
+            dev: Some(true),
+            dev_port_offset: Some(offset),
+            ingress: Some(ingress),
+            ..FileConfig::default()
+        }
+        .resolve()
+    };
+    let c = dev(10000, true).unwrap();
+    assert_eq!(c.ingress_addr, "127.0.0.1:18080".parse().unwrap());
+    assert_eq!(c.ingress_tls_addr, "127.0.0.1:18443".parse().unwrap());
+    // An offset too large for the ingress' defaults matters only with --ingress.
+    assert!(dev(60000, false).is_ok());
+    let err = dev(60000, true).unwrap_err().to_string();
+    assert!(
+        err.starts_with("setting --ingress-addr: port 8080"),
+        "{err}"
+    );
+    let production = FileConfig::default().resolve().unwrap();
+    assert_eq!(production.ingress_addr, "0.0.0.0:80".parse().unwrap());
+}
