@@ -38,7 +38,7 @@ impl Drop for HttpBackend {
 
 /// Starts a backend on `ip:port` (0: any free port) that answers every request with
 /// `NAME PATH xff=X-Forwarded-For proto=X-Forwarded-Proto host=Host`, or never
-/// answers (`hang`).
+/// answers (`hang`); a request with `Upgrade: echo` is switched to echoing bytes.
 pub fn http_backend(ip: IpAddr, port: u16, name: &'static str, hang: bool) -> HttpBackend {
     let listener = TcpListener::bind((ip, port)).expect("bind a test backend");
     listener.set_nonblocking(true).unwrap();
@@ -91,6 +91,16 @@ fn serve(mut stream: TcpStream, name: &str, hang: bool, stop: &AtomicBool) {
                 })
                 .unwrap_or_default()
         };
+        if header("upgrade") == "echo" {
+            // Switch to a protocol that echoes bytes (WebSocket takes the same path).
+            let switch =
+                "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: echo\r\n\r\n";
+            if stream.write_all(switch.as_bytes()).is_err() || stream.write_all(&buf).is_err() {
+                return;
+            }
+            echo(stream, stop);
+            return;
+        }
         let path = head.split_whitespace().nth(1).unwrap_or("").to_owned();
         let body = format!(
             "{name} {path} xff={} proto={} host={}\n",
@@ -104,6 +114,27 @@ fn serve(mut stream: TcpStream, name: &str, hang: bool, stop: &AtomicBool) {
         );
         if stream.write_all(response.as_bytes()).is_err() {
             return;
+        }
+    }
+}
+
+/// Echoes bytes until the connection closes or the backend stops.
+fn echo(mut stream: TcpStream, stop: &AtomicBool) {
+    let mut chunk = [0u8; 4096];
+    while !stop.load(Ordering::SeqCst) {
+        match stream.read(&mut chunk) {
+            Ok(0) => return,
+            Ok(n) => {
+                if stream.write_all(&chunk[..n]).is_err() {
+                    return;
+                }
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return,
         }
     }
 }

@@ -215,6 +215,40 @@ fn routes_by_host_and_path_over_http1_and_h2() {
 }
 
 #[test]
+fn an_upgrade_is_spliced_through() {
+    let ingress = Ingress::start();
+    let backend = http_backend(ip("127.0.0.1"), 0, "web", false);
+    ingress.apply(&exposed("web", "host: web.test", &[&backend]));
+    ingress.until("web.test", "/", 200);
+    let mut s = TcpStream::connect(("127.0.0.1", ingress.http)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(
+        b"GET /ws HTTP/1.1\r\nHost: web.test\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n",
+    )
+    .unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(
+            s.read(&mut byte).unwrap(),
+            1,
+            "closed in the head: {head:?}"
+        );
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    assert!(head.contains("upgrade: echo"), "{head}");
+    for i in 0..3 {
+        let msg = format!("ping {i}\n");
+        s.write_all(msg.as_bytes()).unwrap();
+        let mut back = vec![0u8; msg.len()];
+        s.read_exact(&mut back).unwrap();
+        assert_eq!(String::from_utf8_lossy(&back), msg);
+    }
+}
+
+#[test]
 fn a_dead_endpoint_is_retried_on_the_other() {
     let ingress = Ingress::start();
     let alive = http_backend(ip("127.0.0.2"), 0, "alive", false);

@@ -4,12 +4,15 @@
 //! Routes ([`routes`]) and certificates ([`tls`]) are rebuilt from the endpoint
 //! cache on every change and swapped in whole, so requests never take a lock.
 //! Connections are served by hyper (HTTP/1.1 and h2, on both listeners); each
-//! request goes to the least loaded ready endpoint of its route ([`proxy`]).
+//! request goes to the least loaded ready endpoint of its route ([`proxy`]);
+//! `Upgrade` requests (WebSocket) are spliced through once the endpoint agrees
+//! ([`upgrade`]).
 
 mod metrics;
 mod proxy;
 mod routes;
 mod tls;
+mod upgrade;
 
 pub use metrics::IngressMetrics;
 pub use proxy::ProxyLimits;
@@ -281,7 +284,7 @@ impl Serve {
             .http2()
             .timer(TokioTimer::new())
             .max_header_list_size(u32::try_from(self.config.max_header_bytes).unwrap_or(u32::MAX));
-        let conn = builder.serve_connection(TokioIo::new(stream), service);
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
         tokio::pin!(conn);
         let idle = self.config.idle_timeout;
         let mut tick = tokio::time::interval(idle / 4);

@@ -4,6 +4,7 @@
 use super::{
     metrics::{IngressMetrics, ReasonLabels, RequestLabels},
     routes::{Backend, Route, RouteTable, normalize_host},
+    upgrade,
 };
 use arc_swap::ArcSwap;
 
@@ -128,7 +129,7 @@ impl Proxy {
 
     async fn for_route(
         &self,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
         route: &Route,
         host: &str,
         peer: SocketAddr,
@@ -156,11 +157,16 @@ impl Proxy {
         let Some(first) = route.pick(turn, None) else {
             return answer(StatusCode::SERVICE_UNAVAILABLE, "no ready endpoint\n");
         };
+        let upgrade = upgrade::requested(req.headers());
+        let client_upgrade = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
         let (parts, body) = req.into_parts();
         // A connect failure is retried once on another endpoint when resending is
         // safe: an idempotent method and no body to replay.
         let retryable = is_idempotent(&parts.method) && body.is_end_stream();
-        let headers = forwarded_headers(&parts.headers, host, peer, tls, &self.limits);
+        let mut headers = forwarded_headers(&parts.headers, host, peer, tls, &self.limits);
+        if let Some(value) = upgrade {
+            upgrade::keep_headers(&mut headers, value);
+        }
         let build = |backend: &Backend, body: ProxyBody| {
             let mut up = Request::new(body);
             *up.method_mut() = parts.method.clone();
@@ -181,9 +187,22 @@ impl Proxy {
             response = result.await;
         }
         match response {
-            Ok(resp) => {
+            Ok(mut resp) => {
+                let switched = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
+                let protocol = resp.headers().get(header::UPGRADE).cloned();
+                let upstream_upgrade = switched.then(|| hyper::upgrade::on(&mut resp));
                 let (mut parts, body) = resp.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
+                if switched {
+                    // A switch the client did not ask for cannot be carried.
+                    let (Some(client), Some(upstream), Some(protocol)) =
+                        (client_upgrade, upstream_upgrade, protocol)
+                    else {
+                        return answer(StatusCode::BAD_GATEWAY, "upstream error\n");
+                    };
+                    upgrade::keep_headers(&mut parts.headers, protocol);
+                    tokio::spawn(upgrade::splice(client, upstream));
+                }
                 Response::from_parts(parts, body.map_err(Into::into).boxed_unsync())
             }
             Err(Failure::Timeout) => answer(StatusCode::GATEWAY_TIMEOUT, "upstream timeout\n"),
