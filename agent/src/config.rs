@@ -407,6 +407,12 @@ settings! {
         ingress_tls_addr: String => ingress_tls_addr: SocketAddr = |addr| {
             resolve::listen_addr(addr, mode, dev_port_offset, ingress, ("0.0.0.0:443", 8443))
         },
+        /// The Secret (NAME in `default`, or NAMESPACE/NAME) whose certificate the
+        /// ingress proxy serves for names no route has [default: none: refused].
+        #[arg(long = "ingress-default-cert", env = "RUNE_INGRESS_DEFAULT_CERT", value_name = "SECRET")]
+        ingress_default_cert: String => ingress_default_cert: Option<crate::model::ServiceKey> = |r| {
+            resolve::secret_ref(r)
+        },
         /// Peers whose X-Forwarded-For the ingress proxy appends to instead of replacing,
         /// CIDRs, comma-separated [default: none].
         #[arg(

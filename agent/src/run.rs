@@ -201,6 +201,7 @@ pub async fn run(config: Config) -> Result<()> {
                 header_timeout: config.ingress_header_timeout,
                 idle_timeout: config.ingress_idle_timeout,
                 max_header_bytes: config.ingress_max_header_bytes,
+                default_cert: config.ingress_default_cert.clone(),
                 limits: ProxyLimits {
                     connect_timeout: config.ingress_connect_timeout,
                     response_timeout: config.ingress_response_timeout,

@@ -37,7 +37,7 @@ impl Drop for HttpBackend {
 }
 
 /// Starts a backend on `ip:port` (0: any free port) that answers every request with
-/// `NAME PATH xff=X-Forwarded-For proto=X-Forwarded-Proto host=Host`, or never
+/// `NAME PATH xff=X-Forwarded-For proto=X-Forwarded-Proto host=Host forwarded=Forwarded`, or never
 /// answers (`hang`); a request with `Upgrade: echo` is switched to echoing bytes.
 pub fn http_backend(ip: IpAddr, port: u16, name: &'static str, hang: bool) -> HttpBackend {
     let listener = TcpListener::bind((ip, port)).expect("bind a test backend");
@@ -103,10 +103,11 @@ fn serve(mut stream: TcpStream, name: &str, hang: bool, stop: &AtomicBool) {
         }
         let path = head.split_whitespace().nth(1).unwrap_or("").to_owned();
         let body = format!(
-            "{name} {path} xff={} proto={} host={}\n",
+            "{name} {path} xff={} proto={} host={} forwarded={}\n",
             header("x-forwarded-for"),
             header("x-forwarded-proto"),
-            header("host")
+            header("host"),
+            header("forwarded")
         );
         let response = format!(
             "HTTP/1.1 200 OK\r\ncontent-length: {}\r\ncontent-type: text/plain\r\n\r\n{body}",
@@ -210,13 +211,14 @@ impl TestCa {
     }
 }
 
-/// A `kind: Secret` document (JSON, which `apply` reads as YAML) with `tls.crt`
-/// and `tls.key`.
+/// A `kind: Secret` document (JSON, which `apply` reads as YAML) named `NAME` (in
+/// `default`) or `NAMESPACE/NAME`, with `tls.crt` and `tls.key`.
 pub fn tls_secret(name: &str, cert: &str, key: &str) -> String {
+    let (namespace, name) = name.split_once('/').unwrap_or(("default", name));
     serde_json::json!({
         "apiVersion": "rune/v1",
         "kind": "Secret",
-        "metadata": {"name": name},
+        "metadata": {"name": name, "namespace": namespace},
         "data": {"tls.crt": cert, "tls.key": key},
     })
     .to_string()

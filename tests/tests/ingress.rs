@@ -24,29 +24,35 @@ struct Ingress {
 
 impl Ingress {
     fn start() -> Ingress {
+        Ingress::start_with(&[])
+    }
+
+    /// An agent with `extra` flags.
+    fn start_with(extra: &[&str]) -> Ingress {
         let state = tempfile::tempdir().unwrap();
         let (http, https) = (free_port(), free_port());
-        let mut agent = Agent::start(
-            state.path(),
-            &[
-                "--dev",
-                "--dev-port-offset",
-                &OFFSET.to_string(),
-                "--ingress",
-                "--ingress-addr",
-                &format!("127.0.0.1:{http}"),
-                "--ingress-tls-addr",
-                &format!("127.0.0.1:{https}"),
-                "--ingress-header-timeout-ms",
-                "1000",
-                "--ingress-response-timeout-ms",
-                "1500",
-                "--ingress-connect-timeout-ms",
-                "500",
-                "--ingress-max-header-bytes",
-                "8192",
-            ],
-        );
+        let (offset, http_addr) = (OFFSET.to_string(), format!("127.0.0.1:{http}"));
+        let https_addr = format!("127.0.0.1:{https}");
+        let mut args = vec![
+            "--dev",
+            "--dev-port-offset",
+            &offset,
+            "--ingress",
+            "--ingress-addr",
+            &http_addr,
+            "--ingress-tls-addr",
+            &https_addr,
+            "--ingress-header-timeout-ms",
+            "1000",
+            "--ingress-response-timeout-ms",
+            "1500",
+            "--ingress-connect-timeout-ms",
+            "500",
+            "--ingress-max-header-bytes",
+            "8192",
+        ];
+        args.extend_from_slice(extra);
+        let mut agent = Agent::start(state.path(), &args);
         agent.wait_ready(PATIENCE);
         Ingress {
             agent,
@@ -167,11 +173,24 @@ fn routes_by_host_and_path_over_http1_and_h2() {
     assert_eq!((r.code, r.version.as_str()), (200, "2"), "{r:?}");
     assert!(r.body.starts_with("api /api"), "{r:?}");
 
-    // X-Forwarded-For is replaced (the client's is not trusted), the rest set.
+    // X-Forwarded-For and Forwarded are replaced (the client is not trusted), the
+    // rest set.
     let r = ingress.get(
         "a.example.com",
         "/",
-        &["-H", "X-Forwarded-For: 203.0.113.9"],
+        &[
+            "-H",
+            "X-Forwarded-For: 203.0.113.9",
+            "-H",
+            "Forwarded: for=203.0.113.9",
+        ],
+    );
+    assert!(
+        r.body.contains(&format!(
+            "forwarded=for=127.0.0.1;proto=http;host=\"a.example.com:{}\"",
+            ingress.http
+        )),
+        "{r:?}"
     );
     assert!(
         r.body
@@ -371,6 +390,38 @@ fn tls_from_secrets_by_sni_with_redirect_and_rotation() {
         (ingress.get_tls("a.test", "/", &new_file, &[]).code == 200).then_some(())
     });
     assert_ne!(ingress.get_tls("a.test", "/", &ca_a_file, &[]).exit, 0);
+}
+
+#[test]
+fn names_without_a_route_get_the_default_certificate_when_one_is_set() {
+    let ingress = Ingress::start_with(&["--ingress-default-cert", "ops/fallback"]);
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, ca_other) = (TestCa::new("ca default"), TestCa::new("ca other"));
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, &ca.pem).unwrap();
+    let (cert, key) = ca.leaf("unknown.test");
+    let secret = tls_secret("ops/fallback", &cert, &key);
+    let backend = http_backend(ip("127.0.0.1"), 0, "web", false);
+    let (cert_a, key_a) = ca_other.leaf("a.test");
+    let yaml = secret + "\n---\n" + &tls_secret("cert-a", &cert_a, &key_a) + "\n---\n";
+    ingress.apply(&(yaml + &exposed("a", "host: a.test, tls: {secret: cert-a}", &[&backend])));
+    // A name no route has: the handshake completes with the default certificate,
+    // and the proxy answers 404 for the missing route.
+    let r = eventually(PATIENCE, "the default certificate served", || {
+        let r = ingress.get_tls("unknown.test", "/", &ca_file, &[]);
+        (r.code != 0).then_some(r)
+    });
+    assert_eq!(r.code, 404, "{r:?}");
+    // Its expiry, and the routed host's, are exported.
+    let text = ingress.agent.metrics_text();
+    assert!(
+        metric(
+            &text,
+            "rune_ingress_certificate_expiry_seconds{host=\"a.test\"}"
+        )
+        .is_some_and(|t| t > 1.7e9),
+        "{text}"
+    );
 }
 
 #[test]

@@ -185,3 +185,29 @@ pub(super) fn cidrs(list: Vec<String>) -> Result<Vec<ipnet::IpNet>, String> {
         })
         .collect()
 }
+
+/// A Secret named `NAME` (namespace `default`) or `NAMESPACE/NAME`, both DNS labels.
+pub(super) fn secret_ref(
+    value: Option<String>,
+) -> Result<Option<crate::model::ServiceKey>, String> {
+    let Some(value) = value.filter(|v| !v.is_empty()) else {
+        return Ok(None);
+    };
+    let (namespace, name) = value
+        .split_once('/')
+        .unwrap_or((crate::model::DEFAULT_NAMESPACE, &value));
+    let label = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 63
+            && s.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !s.starts_with('-')
+            && !s.ends_with('-')
+    };
+    if !label(namespace) || !label(name) {
+        return Err(format!(
+            "{value:?} is not a Secret name (NAME or NAMESPACE/NAME)"
+        ));
+    }
+    Ok(Some(crate::model::ServiceKey::new(namespace, name)))
+}

@@ -5,6 +5,7 @@ use prometheus_client::{
     metrics::{
         counter::Counter,
         family::Family,
+        gauge::Gauge,
         histogram::{Histogram, exponential_buckets},
     },
     registry::Registry,
@@ -29,6 +30,13 @@ pub struct ReasonLabels {
     pub reason: &'static str,
 }
 
+/// Labels of an exposed host.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HostLabels {
+    /// The host as exposed (`*.example.com` for a wildcard).
+    pub host: String,
+}
+
 /// Every ingress metric; handles are cheap clones.
 #[derive(Clone, Debug)]
 pub struct IngressMetrics {
@@ -40,6 +48,9 @@ pub struct IngressMetrics {
     pub upstream_errors: Family<ReasonLabels, Counter>,
     /// `rune_ingress_tls_handshake_errors_total{reason}`.
     pub tls_handshake_errors: Family<ReasonLabels, Counter>,
+    /// `rune_ingress_certificate_expiry_seconds{host}`: when each host's
+    /// certificate expires, Unix seconds.
+    pub certificate_expiry: Family<HostLabels, Gauge>,
 }
 
 impl IngressMetrics {
@@ -51,6 +62,7 @@ impl IngressMetrics {
             duration: Histogram::new(exponential_buckets(0.000_1, 4.0, 11)),
             upstream_errors: Family::default(),
             tls_handshake_errors: Family::default(),
+            certificate_expiry: Family::default(),
         };
         registry.register(
             "ingress_requests",
@@ -71,6 +83,12 @@ impl IngressMetrics {
             "ingress_tls_handshake_errors",
             "Failed TLS handshakes at the ingress proxy, by reason",
             m.tls_handshake_errors.clone(),
+        );
+        registry.register(
+            "ingress_certificate_expiry_seconds",
+            "When the certificate the ingress proxy serves for each exposed host expires, \
+             as Unix time",
+            m.certificate_expiry.clone(),
         );
         m
     }

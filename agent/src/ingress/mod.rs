@@ -20,7 +20,7 @@ pub use proxy::ProxyLimits;
 use crate::{
     endpoints::EndpointCache,
     metrics::Metrics,
-    model::Kind,
+    model::{Kind, ServiceKey},
     subsystem::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
 };
 use hyper::{Request, body::Incoming, service::service_fn};
@@ -60,6 +60,8 @@ pub struct IngressConfig {
     pub idle_timeout: Duration,
     /// Largest request head in bytes (431 beyond).
     pub max_header_bytes: usize,
+    /// The Secret whose certificate answers names no route has (else refused).
+    pub default_cert: Option<ServiceKey>,
     /// Upstream limits and forwarding rules.
     pub limits: ProxyLimits,
 }
@@ -126,9 +128,13 @@ impl Subsystem for IngressServer {
             .map_err(|e| SubsystemError::failed("ingress: TLS configuration", e))?;
         let acceptor = TlsAcceptor::from(Arc::new(tls_config));
         self.tasks.spawn(follow(
-            self.cache.clone(),
-            self.proxy.clone(),
-            self.resolver.clone(),
+            Follow {
+                cache: self.cache.clone(),
+                proxy: self.proxy.clone(),
+                resolver: self.resolver.clone(),
+                default_cert: self.config.default_cert.clone(),
+                metrics: self.metrics.clone(),
+            },
             self.ready.clone(),
             ctx.cancel.clone(),
         ));
@@ -156,14 +162,24 @@ impl Subsystem for IngressServer {
     }
 }
 
-/// Rebuilds the routes and certificates on every cache delta; ready after the first.
-async fn follow(
+/// What the route watcher reads and writes.
+struct Follow {
     cache: Arc<EndpointCache>,
     proxy: Arc<Proxy>,
     resolver: Arc<SniResolver>,
-    ready: ReadySetter,
-    cancel: CancellationToken,
-) {
+    default_cert: Option<ServiceKey>,
+    metrics: IngressMetrics,
+}
+
+/// Rebuilds the routes and certificates on every cache delta; ready after the first.
+async fn follow(f: Follow, ready: ReadySetter, cancel: CancellationToken) {
+    let Follow {
+        cache,
+        proxy,
+        resolver,
+        default_cert,
+        metrics,
+    } = f;
     let mut sub = cache.subscribe();
     let mut secrets_seen = None;
     loop {
@@ -179,7 +195,15 @@ async fn follow(
         // The whole table: simple, and cheap next to the changes that cause it.
         let views = cache.views();
         proxy.routes.store(Arc::new(RouteTable::build(&views)));
-        let certs = CertMap::build(&views, &cache.secrets());
+        let certs = CertMap::build(&views, &cache.secrets(), default_cert.as_ref());
+        metrics.certificate_expiry.clear();
+        for (host, expiry) in &certs.expiries {
+            let labels = metrics::HostLabels { host: host.clone() };
+            metrics
+                .certificate_expiry
+                .get_or_create(&labels)
+                .set(*expiry);
+        }
         resolver.certs.store(Arc::new(certs));
         tracing::debug!(
             revision = delta.revision,

@@ -284,7 +284,7 @@ fn upstream_uri(addr: SocketAddr, uri: &Uri) -> Uri {
 }
 
 /// The client's headers without hop-by-hop ones, with `Host` kept (set from an h2
-/// authority) and `X-Forwarded-For/-Proto/-Host` set.
+/// authority) and `X-Forwarded-For/-Proto/-Host` and `Forwarded` set.
 fn forwarded_headers(
     from: &HeaderMap,
     host: &str,
@@ -316,6 +316,25 @@ fn forwarded_headers(
     }
     let proto = if tls { "https" } else { "http" };
     headers.insert("x-forwarded-proto", HeaderValue::from_static(proto));
+    // RFC 7239: the same facts in one header, replaced or (trusted peer) appended.
+    let node = match client {
+        IpAddr::V6(v6) => format!("\"[{v6}]\""),
+        v4 => v4.to_string(),
+    };
+    let shown_host = original_host
+        .as_ref()
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or(host)
+        .replace(['"', '\\'], "");
+    let mut forwarded = format!("for={node};proto={proto};host=\"{shown_host}\"");
+    if let Some(prior) = from.get(header::FORWARDED).and_then(|v| v.to_str().ok())
+        && trusted
+    {
+        forwarded = format!("{prior}, {forwarded}");
+    }
+    if let Ok(v) = HeaderValue::from_str(&forwarded) {
+        headers.insert(header::FORWARDED, v);
+    }
     headers
 }
 

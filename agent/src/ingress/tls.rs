@@ -17,19 +17,36 @@ use std::{
     sync::Arc,
 };
 
-/// Host → certificate, exact and wildcard.
+/// Host → certificate, exact and wildcard, and the default for other names.
 #[derive(Debug, Default)]
 pub struct CertMap {
     exact: HashMap<String, Arc<CertifiedKey>>,
     /// Keyed by the part after `*.`.
     wildcard: HashMap<String, Arc<CertifiedKey>>,
+    /// Served when SNI names no route with TLS (or is absent); none: refused.
+    default: Option<Arc<CertifiedKey>>,
+    /// Each exposed host's certificate expiry, Unix seconds (for the metric).
+    pub expiries: Vec<(String, i64)>,
 }
 
 impl CertMap {
     /// The certificates of every exposed route with TLS whose Secret exists and
     /// holds a usable `tls.crt`/`tls.key` (a route without one gets no handshake).
-    pub fn build(views: &[ServiceView], secrets: &BTreeMap<ServiceKey, Arc<Secret>>) -> CertMap {
-        let mut map = CertMap::default();
+    pub fn build(
+        views: &[ServiceView],
+        secrets: &BTreeMap<ServiceKey, Arc<Secret>>,
+        default: Option<&ServiceKey>,
+    ) -> CertMap {
+        let mut map = CertMap {
+            default: default.and_then(|key| match secrets.get(key).map(|s| s.certified_key()) {
+                Some(Some(Ok(cert))) => Some(cert),
+                _ => {
+                    tracing::warn!(secret = %key, "ingress: default certificate Secret missing or unusable");
+                    None
+                }
+            }),
+            ..CertMap::default()
+        };
         for view in views {
             let service = &view.service;
             let Some(expose) = &service.spec.expose else {
@@ -53,6 +70,9 @@ impl CertMap {
                     continue;
                 }
             };
+            if let Some(expiry) = not_after(&key) {
+                map.expiries.push((expose.host.clone(), expiry));
+            }
             match expose.host.strip_prefix("*.") {
                 Some(suffix) => map.wildcard.insert(suffix.to_owned(), key),
                 None => map.exact.insert(expose.host.clone(), key),
@@ -61,17 +81,29 @@ impl CertMap {
         map
     }
 
-    /// The certificate for `host` (lowercase): exact, else its parent's wildcard.
-    pub fn get(&self, host: &str) -> Option<Arc<CertifiedKey>> {
-        self.exact.get(host).cloned().or_else(|| {
-            let (_, parent) = host.split_once('.')?;
-            self.wildcard.get(parent).cloned()
-        })
+    /// The certificate for `host` (lowercase): exact, else its parent's wildcard,
+    /// else the default; without SNI the default.
+    pub fn get(&self, host: Option<&str>) -> Option<Arc<CertifiedKey>> {
+        let routed = host.and_then(|host| {
+            self.exact.get(host).cloned().or_else(|| {
+                let (_, parent) = host.split_once('.')?;
+                self.wildcard.get(parent).cloned()
+            })
+        });
+        routed.or_else(|| self.default.clone())
     }
 }
 
+/// When the leaf certificate of `key` expires, Unix seconds.
+fn not_after(key: &CertifiedKey) -> Option<i64> {
+    let leaf = key.end_entity_cert().ok()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf).ok()?;
+    Some(cert.validity().not_after.timestamp())
+}
+
 /// Picks the certificate by SNI from the current [`CertMap`]; no SNI or an unknown
-/// one gets none, and the handshake is refused.
+/// one gets the default certificate if one is configured, else none, and the
+/// handshake is refused.
 #[derive(Debug, Default)]
 pub struct SniResolver {
     /// Replaced whole by the route watcher.
@@ -80,8 +112,8 @@ pub struct SniResolver {
 
 impl ResolvesServerCert for SniResolver {
     fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        let name = hello.server_name()?.to_ascii_lowercase();
-        self.certs.load().get(&name)
+        let name = hello.server_name().map(str::to_ascii_lowercase);
+        self.certs.load().get(name.as_deref())
     }
 }
 
