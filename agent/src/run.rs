@@ -4,7 +4,8 @@
 //! so `/readyz` answers 503 while the rest comes up, then `localapi`, `watch` (the
 //! ordered log into the cache), with etcd `drains` (the drained nodes into the
 //! cache, before the data plane's first delta), `dataplane`, `dns` (which reads the
-//! cache), and with etcd `node` last.
+//! cache), with `--ingress` `ingress` (which reads it too), and with etcd `node`
+//! last.
 //!
 //! The objects live in the embedded store in the state dir, or with
 //! `--etcd-endpoints` in etcd (nothing is opened in the state dir then; the identity
