@@ -93,6 +93,9 @@ pub enum Command {
         /// Output format; a table when omitted.
         #[arg(short = 'o', long, value_enum)]
         output: Option<Format>,
+        /// Print the values of Secrets (with `-o yaml` only); hidden otherwise.
+        #[arg(long)]
+        show_secrets: bool,
         /// `--etcd-endpoints` and the rest: read etcd directly.
         #[command(flatten)]
         etcd: EtcdSettings,
@@ -432,7 +435,11 @@ pub async fn get(
     name: Option<&str>,
     namespace: Option<&str>,
     output: Option<Format>,
+    show_secrets: bool,
 ) -> Result<()> {
+    if show_secrets && output != Some(Format::Yaml) {
+        bail!("--show-secrets prints Secrets only with -o yaml");
+    }
     if let Some(k) = kind
         && matches!(k, "node" | "nodes" | "no")
     {
@@ -449,7 +456,9 @@ pub async fn get(
         _ => namespace,
     };
     let mut out = Out::default();
-    let mut printer = ObjectsOut::new(output, name.is_some()).map_err(output_error)?;
+    let mut printer = ObjectsOut::new(output, name.is_some())
+        .map_err(output_error)?
+        .show_secrets(show_secrets);
     match target(config, false).await? {
         Target::Agent(mut c) => {
             c.list(kind, namespace, name, |o| printer.push(&mut out, o))

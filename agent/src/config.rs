@@ -393,6 +393,86 @@ settings! {
         dns_cache_size: usize => dns_cache_size: usize = |n| {
             resolve::in_range(n, DEFAULT_DNS_CACHE_SIZE, 0..=MAX_DNS_CACHE_SIZE)
         },
+        /// Run the ingress HTTP(S) proxy for services with `spec.expose` (docs/ingress.md).
+        #[arg(long = "ingress", env = "RUNE_INGRESS", num_args = 0, default_missing_value = "true")]
+        ingress: bool => ingress: bool = |on| resolve::or(on, false),
+        /// The ingress proxy's plain-HTTP listener [default: 0.0.0.0:80; with --dev
+        /// 127.0.0.1:8080 plus --dev-port-offset].
+        #[arg(long = "ingress-addr", env = "RUNE_INGRESS_ADDR", value_name = "ADDR:PORT")]
+        ingress_addr: String => ingress_addr: SocketAddr = |addr| {
+            resolve::listen_addr(addr, mode, dev_port_offset, ingress, ("0.0.0.0:80", 8080))
+        },
+        /// The ingress proxy's TLS listener [default: 0.0.0.0:443; with --dev
+        /// 127.0.0.1:8443 plus --dev-port-offset].
+        #[arg(long = "ingress-tls-addr", env = "RUNE_INGRESS_TLS_ADDR", value_name = "ADDR:PORT")]
+        ingress_tls_addr: String => ingress_tls_addr: SocketAddr = |addr| {
+            resolve::listen_addr(addr, mode, dev_port_offset, ingress, ("0.0.0.0:443", 8443))
+        },
+        /// The Secret (NAME in `default`, or NAMESPACE/NAME) whose certificate the
+        /// ingress proxy serves for names no route has [default: none: refused].
+        #[arg(long = "ingress-default-cert", env = "RUNE_INGRESS_DEFAULT_CERT", value_name = "SECRET")]
+        ingress_default_cert: String => ingress_default_cert: Option<crate::model::ServiceKey> = |r| {
+            resolve::secret_ref(r)
+        },
+        /// Peers whose X-Forwarded-For the ingress proxy appends to instead of replacing,
+        /// CIDRs, comma-separated [default: none].
+        #[arg(
+            long = "ingress-trusted-proxies", env = "RUNE_INGRESS_TRUSTED_PROXIES",
+            value_name = "CIDR,CIDR", value_delimiter = ','
+        )]
+        ingress_trusted_proxies: Vec<String> => ingress_trusted_proxies: Vec<ipnet::IpNet> = |l: Option<Vec<String>>| {
+            resolve::cidrs(l.unwrap_or_default())
+        },
+        /// Milliseconds a client has to send a request's headers (and a TLS handshake)
+        /// [default: 10000].
+        #[arg(
+            long = "ingress-header-timeout-ms", env = "RUNE_INGRESS_HEADER_TIMEOUT_MS",
+            value_name = "MS"
+        )]
+        ingress_header_timeout_ms: u64 => ingress_header_timeout: Duration = |ms| {
+            resolve::in_range(ms, 10_000, 100..=600_000).map(Duration::from_millis)
+        },
+        /// Seconds an idle keep-alive client connection is kept open [default: 60].
+        #[arg(
+            long = "ingress-idle-timeout-seconds", env = "RUNE_INGRESS_IDLE_TIMEOUT_SECONDS",
+            value_name = "S"
+        )]
+        ingress_idle_timeout_seconds: u64 => ingress_idle_timeout: Duration = |s| {
+            resolve::in_range(s, 60, 1..=3600).map(Duration::from_secs)
+        },
+        /// Milliseconds to connect to an upstream endpoint [default: 3000].
+        #[arg(
+            long = "ingress-connect-timeout-ms", env = "RUNE_INGRESS_CONNECT_TIMEOUT_MS",
+            value_name = "MS"
+        )]
+        ingress_connect_timeout_ms: u64 => ingress_connect_timeout: Duration = |ms| {
+            resolve::in_range(ms, 3000, 10..=60_000).map(Duration::from_millis)
+        },
+        /// Milliseconds an upstream has to send its response headers, else 504
+        /// [default: 60000].
+        #[arg(
+            long = "ingress-response-timeout-ms", env = "RUNE_INGRESS_RESPONSE_TIMEOUT_MS",
+            value_name = "MS"
+        )]
+        ingress_response_timeout_ms: u64 => ingress_response_timeout: Duration = |ms| {
+            resolve::in_range(ms, 60_000, 10..=3_600_000).map(Duration::from_millis)
+        },
+        /// Largest request head (line and headers) in bytes, else 431 [default: 65536].
+        #[arg(
+            long = "ingress-max-header-bytes", env = "RUNE_INGRESS_MAX_HEADER_BYTES",
+            value_name = "BYTES"
+        )]
+        ingress_max_header_bytes: usize => ingress_max_header_bytes: usize = |n| {
+            resolve::in_range(n, 65_536, 8192..=1 << 20)
+        },
+        /// Largest request body in bytes (by Content-Length), else 413 [default: 67108864].
+        #[arg(
+            long = "ingress-max-body-bytes", env = "RUNE_INGRESS_MAX_BODY_BYTES",
+            value_name = "BYTES"
+        )]
+        ingress_max_body_bytes: u64 => ingress_max_body_bytes: u64 = |n| {
+            resolve::at_least_1(n, 64 << 20)
+        },
     }
 
     /// The data plane asked for and the cgroup of its socket-LB hooks: `run` and

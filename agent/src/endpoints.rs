@@ -7,12 +7,19 @@
 //! coalesced per service while a reconciler is busy, so a slow reconciler never
 //! queues unbounded work: it catches up with the newest state in one step.
 //!
+//! Secrets are held beside the services ([`EndpointCache::secrets`]): a changed
+//! Secret moves the revision, so every subscriber gets a delta (only the revision,
+//! for those that do not read Secrets), and [`EndpointCache::secrets_changed_at`]
+//! tells the ingress proxy whether to reload its certificates.
+//!
 //! Endpoints on a drained node ([`EndpointCache::set_drained_nodes`]) are handed
 //! out as terminating ([`drained`]).
 
 use crate::{
     lock::lock,
-    model::{Endpoint, Endpoints, Kind, Object, ObjectKey, Service, ServiceKey, ServicePort},
+    model::{
+        Endpoint, Endpoints, Kind, Object, ObjectKey, Secret, Service, ServiceKey, ServicePort,
+    },
     orderedlog::{Event, Revision, Snapshot},
 };
 use std::{
@@ -135,6 +142,8 @@ impl Entry {
         match object {
             Object::Service(s) => self.service = Some(Arc::new(s)),
             Object::Endpoints(e) => self.endpoints = Some(Arc::new(e)),
+            // Held in `State::secrets`, never here.
+            Object::Secret(_) => {}
         }
     }
 
@@ -142,6 +151,7 @@ impl Entry {
         match kind {
             Kind::Service => self.service = None,
             Kind::Endpoints => self.endpoints = None,
+            Kind::Secret => {}
         }
     }
 
@@ -160,6 +170,10 @@ struct State {
     snapshot: Revision,
     /// Services and Endpoints objects in one map, so each key is held once.
     objects: BTreeMap<ServiceKey, Entry>,
+    /// Secrets by namespace and name.
+    secrets: BTreeMap<ServiceKey, Arc<Secret>>,
+    /// The revision at which a Secret last changed (0: never).
+    secrets_changed: Revision,
     subscribers: Vec<Weak<Pending>>,
     /// Host names of the drained nodes: their endpoints are terminating in every
     /// view ([`drained`]).
@@ -216,10 +230,21 @@ impl EndpointCache {
     /// big, and nothing else needs it afterwards).
     pub fn take_snapshot(&self, snapshot: Snapshot) {
         let mut objects: BTreeMap<ServiceKey, Entry> = BTreeMap::new();
+        let mut secrets = BTreeMap::new();
         for obj in snapshot.objects {
-            objects.entry(obj.key().service()).or_default().put(obj);
+            match obj {
+                Object::Secret(s) => {
+                    let key = ServiceKey::new(&s.metadata.namespace, &s.metadata.name);
+                    secrets.insert(key, Arc::new(s));
+                }
+                obj => objects.entry(obj.key().service()).or_default().put(obj),
+            }
         }
         let mut st = lock(&self.state);
+        if st.secrets != secrets {
+            st.secrets = secrets;
+            st.secrets_changed = snapshot.revision;
+        }
         let changed: BTreeSet<ServiceKey> = st
             .objects
             .keys()
@@ -259,6 +284,20 @@ impl EndpointCache {
             }
             st.revision = event.revision();
             let key = match event {
+                Event::Put {
+                    object: Object::Secret(s),
+                    ..
+                } => {
+                    let key = ServiceKey::new(&s.metadata.namespace, &s.metadata.name);
+                    st.secrets.insert(key, Arc::new(s.clone()));
+                    st.secrets_changed = event.revision();
+                    continue;
+                }
+                Event::Delete { key, .. } if key.kind == Kind::Secret => {
+                    st.secrets.remove(&key.service());
+                    st.secrets_changed = event.revision();
+                    continue;
+                }
                 Event::Put { object, .. } => {
                     let key = object.key().service();
                     st.objects
@@ -321,6 +360,17 @@ impl EndpointCache {
         })
     }
 
+    /// Every Secret, by namespace and name.
+    pub fn secrets(&self) -> BTreeMap<ServiceKey, Arc<Secret>> {
+        lock(&self.state).secrets.clone()
+    }
+
+    /// The revision at which a Secret last changed (0: none ever did): a reader of
+    /// [`EndpointCache::secrets`] reads them again when this moved.
+    pub fn secrets_changed_at(&self) -> Revision {
+        lock(&self.state).secrets_changed
+    }
+
     /// Every service's view, ordered by key.
     pub fn views(&self) -> Vec<ServiceView> {
         self.summary().views
@@ -336,6 +386,7 @@ impl EndpointCache {
         BTreeMap::from([
             (Kind::Service, count(|e| e.service.is_some())),
             (Kind::Endpoints, count(|e| e.endpoints.is_some())),
+            (Kind::Secret, st.secrets.len()),
         ])
     }
 

@@ -16,6 +16,7 @@ pub mod endpoints;
 pub mod error_chain;
 pub mod heap;
 pub mod identity;
+pub mod ingress;
 pub mod localapi;
 mod lock;
 pub mod maglev;

@@ -8,8 +8,10 @@ use rune_agent::cli::{self, Cli, Command};
 use std::process::ExitCode;
 
 /// The log filter without `RUST_LOG`: hickory-server logs every DNS query at
-/// `info`, which would drown the agent's own lines.
-const DEFAULT_LOG_FILTER: &str = "info,hickory_server=warn";
+/// `info`, which would drown the agent's own lines, and rustls warns once per
+/// TLS handshake about what a client sent (e.g. an address as SNI): lines any
+/// client could make the ingress write at will.
+const DEFAULT_LOG_FILTER: &str = "info,hickory_server=warn,rustls=error";
 
 fn main() -> ExitCode {
     rune_agent::heap::limit_arenas();
@@ -51,6 +53,7 @@ fn main() -> ExitCode {
                 name,
                 namespace,
                 output,
+                show_secrets,
                 ..
             } => {
                 cli::get(
@@ -59,6 +62,7 @@ fn main() -> ExitCode {
                     name.as_deref(),
                     namespace.as_deref(),
                     *output,
+                    *show_secrets,
                 )
                 .await
             }

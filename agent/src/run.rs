@@ -4,7 +4,8 @@
 //! so `/readyz` answers 503 while the rest comes up, then `localapi`, `watch` (the
 //! ordered log into the cache), with etcd `drains` (the drained nodes into the
 //! cache, before the data plane's first delta), `dataplane`, `dns` (which reads the
-//! cache), and with etcd `node` last.
+//! cache), with `--ingress` `ingress` (which reads it too), and with etcd `node`
+//! last.
 //!
 //! The objects live in the embedded store in the state dir, or with
 //! `--etcd-endpoints` in etcd (nothing is opened in the state dir then; the identity
@@ -26,6 +27,7 @@ use crate::{
     dns::{DnsConfig, DnsServer, ForwardConfig, ZoneConfig},
     endpoints::{CacheFeed, EndpointCache, read_first_snapshot},
     identity::Identity,
+    ingress::{IngressConfig, IngressServer, ProxyLimits},
     localapi::{self, LocalApiServer},
     metrics::{Metrics, server::MetricsServer},
     node::{
@@ -180,6 +182,7 @@ pub async fn run(config: Config) -> Result<()> {
         store.clone(),
         status,
     )))?;
+    let (cache_for_ingress, metrics_for_ingress) = (cache.clone(), metrics.clone());
     agent.register(Arc::new(
         CacheFeed::new(log, cache.clone(), metrics)
             .with_first_snapshot(first_snapshot)
@@ -194,6 +197,27 @@ pub async fn run(config: Config) -> Result<()> {
         Reconciler::new(plane, cache).with_applied(applied.consumer("dataplane")),
     ))?;
     agent.register(dns)?;
+    if config.ingress {
+        agent.register(Arc::new(IngressServer::new(
+            IngressConfig {
+                addr: config.ingress_addr,
+                tls_addr: config.ingress_tls_addr,
+                header_timeout: config.ingress_header_timeout,
+                idle_timeout: config.ingress_idle_timeout,
+                max_header_bytes: config.ingress_max_header_bytes,
+                default_cert: config.ingress_default_cert.clone(),
+                limits: ProxyLimits {
+                    connect_timeout: config.ingress_connect_timeout,
+                    response_timeout: config.ingress_response_timeout,
+                    max_body_bytes: config.ingress_max_body_bytes,
+                    trusted_proxies: config.ingress_trusted_proxies.clone(),
+                    tls_port: config.ingress_tls_addr.port(),
+                },
+            },
+            cache_for_ingress,
+            &metrics_for_ingress,
+        )))?;
+    }
     // Registered last, so stopped first: the node's key is revoked while the
     // rest still serves.
     if let (Link::Etcd(_, etcd), Some(facts)) = (&link, facts) {

@@ -4,6 +4,7 @@
 //! `cargo xtask bench`.
 
 pub mod dns;
+pub mod http;
 pub mod maps;
 pub mod modes;
 pub mod vip;

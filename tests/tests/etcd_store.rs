@@ -446,3 +446,60 @@ async fn endpoints_meeting_on_one_port_are_refused_against_their_service_as_embe
         .unwrap_err();
     assert!(err.to_string().contains("duplicate endpoint"), "{err}");
 }
+
+/// A service `default/<name>` exposed at `host` and `path`.
+fn exposed(name: &str, host: &str, path: &str) -> Object {
+    let text = format!(
+        "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: {name}}}\n\
+         spec: {{ports: [{{port: 80}}], expose: {{host: {host}, path: {path}}}}}\n"
+    );
+    rune_agent::model::parse_documents(&text)
+        .expect("a valid service")
+        .remove(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exposed_host_and_path_belong_to_one_service_as_a_vip_does() {
+    let etcd = Etcd::start();
+    let log = connect(etcd.endpoint()).await;
+    let a = vec![exposed("a", "shop.example.com", "/api")];
+    log.apply(a.clone()).await.unwrap();
+    // Another path on the host is free; the same one is refused naming both.
+    log.apply(vec![exposed("b", "shop.example.com", "/")])
+        .await
+        .unwrap();
+    let c = vec![exposed("c", "shop.example.com", "/api")];
+    let err = log.apply(c.clone()).await.unwrap_err();
+    assert_eq!(err.to_string(), embedded_error(&[a.clone(), c]));
+    assert_eq!(
+        err.to_string(),
+        "Service default/c: spec.expose: host shop.example.com path /api is already used by Service default/a"
+    );
+    // a moves to another path: its old claim is released in the same apply.
+    log.apply(vec![exposed("a", "shop.example.com", "/v2")])
+        .await
+        .unwrap();
+    log.apply(vec![exposed("c", "shop.example.com", "/api")])
+        .await
+        .unwrap();
+    // The embedded store's index moves the same way.
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedLog::open(dir.path(), EmbeddedOptions::default()).unwrap();
+    for (name, path) in [("a", "/api"), ("b", "/"), ("a", "/v2"), ("c", "/api")] {
+        store
+            .apply(vec![exposed(name, "shop.example.com", path)])
+            .unwrap();
+    }
+    let index: Vec<String> = stored_keys(&etcd)
+        .into_iter()
+        .filter(|k| k.contains("/_index/"))
+        .collect();
+    assert_eq!(
+        index,
+        [
+            "/rune-test/v1/_index/vip/route:shop.example.com/",
+            "/rune-test/v1/_index/vip/route:shop.example.com/api",
+            "/rune-test/v1/_index/vip/route:shop.example.com/v2",
+        ]
+    );
+}

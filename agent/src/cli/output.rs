@@ -160,7 +160,11 @@ pub struct ObjectsOut {
     kept: Vec<Object>,
     rows: Vec<[String; 4]>,
     count: usize,
+    show_secrets: bool,
 }
+
+/// The value a Secret's entries are printed as unless `--show-secrets` is given.
+pub const HIDDEN: &str = "(hidden: rune-agent get -o yaml --show-secrets)";
 
 impl ObjectsOut {
     /// A printer for `format`; `single` when a NAME was given (nothing is printed
@@ -184,12 +188,25 @@ impl ObjectsOut {
             kept: Vec::new(),
             rows: Vec::new(),
             count: 0,
+            show_secrets: false,
         })
     }
 
+    /// Prints Secrets' values as they are (else they are replaced by [`HIDDEN`]).
+    #[must_use]
+    pub fn show_secrets(mut self, show: bool) -> Self {
+        self.show_secrets = show;
+        self
+    }
+
     /// Prints (or keeps) one object.
-    pub fn push(&mut self, out: &mut Out, o: Object) -> io::Result<()> {
+    pub fn push(&mut self, out: &mut Out, mut o: Object) -> io::Result<()> {
         self.count += 1;
+        if let Object::Secret(s) = &mut o
+            && !self.show_secrets
+        {
+            s.data.values_mut().for_each(|v| *v = HIDDEN.to_owned());
+        }
         if self.single {
             self.kept.push(o);
             return Ok(());
@@ -282,6 +299,10 @@ fn row(o: &Object) -> [String; 4] {
             let total = e.spec.endpoints.len();
             let ready = e.spec.endpoints.iter().filter(|x| x.accepts_new()).count();
             format!("{total} endpoints, {ready} accepting")
+        }
+        Object::Secret(s) => {
+            let keys: Vec<&str> = s.data.keys().map(String::as_str).collect();
+            format!("keys: {}", keys.join(","))
         }
     };
     [

@@ -149,3 +149,62 @@ pub(super) fn dns_domain(domain: Option<String>) -> Result<String, String> {
     }
     Ok(domain)
 }
+
+/// A listener's address: the one given, else `production` or, in dev mode,
+/// `127.0.0.1:<dev_port + offset>` (shifted as the dev proxies' ports are). An
+/// offset that shifts the default beyond 65535 is refused only when the listener
+/// is `used`.
+pub(super) fn listen_addr(
+    value: Option<String>,
+    mode: Mode,
+    offset: u16,
+    used: bool,
+    (production, dev_port): (&str, u16),
+) -> Result<SocketAddr, String> {
+    let dev = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
+    match (value, mode) {
+        (Some(v), _) => socket_addr(Some(v), production),
+        (None, Mode::Production) => socket_addr(None, production),
+        (None, Mode::Dev) => match dev_port.checked_add(offset) {
+            Some(p) => Ok(dev(p)),
+            None if !used => Ok(dev(dev_port)),
+            None => Err(format!(
+                "port {dev_port} + --dev-port-offset {offset} is above 65535"
+            )),
+        },
+    }
+}
+
+/// CIDRs (or single addresses), each checked.
+pub(super) fn cidrs(list: Vec<String>) -> Result<Vec<ipnet::IpNet>, String> {
+    list.iter()
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| crate::model::parse_cidr(s.trim()))
+        .collect()
+}
+
+/// A Secret named `NAME` (namespace `default`) or `NAMESPACE/NAME`, both DNS labels.
+pub(super) fn secret_ref(
+    value: Option<String>,
+) -> Result<Option<crate::model::ServiceKey>, String> {
+    let Some(value) = value.filter(|v| !v.is_empty()) else {
+        return Ok(None);
+    };
+    let (namespace, name) = value
+        .split_once('/')
+        .unwrap_or((crate::model::DEFAULT_NAMESPACE, &value));
+    let label = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 63
+            && s.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !s.starts_with('-')
+            && !s.ends_with('-')
+    };
+    if !label(namespace) || !label(name) {
+        return Err(format!(
+            "{value:?} is not a Secret name (NAME or NAMESPACE/NAME)"
+        ));
+    }
+    Ok(Some(crate::model::ServiceKey::new(namespace, name)))
+}

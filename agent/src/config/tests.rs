@@ -256,6 +256,12 @@ const CANDIDATES: &[&str] = &[
     "127.0.0.1:1",
     "127.0.0.1:2",
     "127.0.0.1:3",
+    "198.18.0.0/15",
+    "10.0.0.0/8",
+    "fd00::/8",
+    "9000",
+    "16384",
+    "32768",
 ];
 
 /// One setting's three values: `file` for the config file, `env` for its variable
@@ -545,6 +551,7 @@ fn every_setting_is_documented() {
     let docs = [
         include_str!("../../../docs/configuration.md"),
         include_str!("../../../docs/dns.md"),
+        include_str!("../../../docs/ingress.md"),
     ];
     for s in SETTINGS {
         let flag = format!("`{}", s.flag);
@@ -560,4 +567,29 @@ fn every_setting_is_documented() {
         assert!(row.contains(&format!("`{}`", s.env)), "{}: {row}", s.env);
         assert!(row.contains(&key), "{key}: {row}");
     }
+}
+
+#[test]
+fn the_ingress_listeners_follow_the_dev_port_offset() {
+    let dev = |offset: u16, ingress: bool| {
+        FileConfig {
+            dev: Some(true),
+            dev_port_offset: Some(offset),
+            ingress: Some(ingress),
+            ..FileConfig::default()
+        }
+        .resolve()
+    };
+    let c = dev(10000, true).unwrap();
+    assert_eq!(c.ingress_addr, "127.0.0.1:18080".parse().unwrap());
+    assert_eq!(c.ingress_tls_addr, "127.0.0.1:18443".parse().unwrap());
+    // An offset too large for the ingress' defaults matters only with --ingress.
+    assert!(dev(60000, false).is_ok());
+    let err = dev(60000, true).unwrap_err().to_string();
+    assert!(
+        err.starts_with("setting --ingress-addr: port 8080"),
+        "{err}"
+    );
+    let production = FileConfig::default().resolve().unwrap();
+    assert_eq!(production.ingress_addr, "0.0.0.0:80".parse().unwrap());
 }

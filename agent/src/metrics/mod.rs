@@ -174,6 +174,8 @@ pub struct Metrics {
     pub store_skipped_keys: Counter,
     /// `rune_applied_revision` and `rune_watch_lag_seconds` ([`AppliedMetrics`]).
     pub applied: AppliedMetrics,
+    /// `rune_ingress_*`: the ingress proxy's.
+    pub ingress: crate::ingress::IngressMetrics,
 }
 
 impl Metrics {
@@ -286,6 +288,7 @@ impl Metrics {
             store_skipped_keys.clone(),
         );
         let applied = AppliedMetrics::register(&mut registry);
+        let ingress = crate::ingress::IngressMetrics::register(&mut registry);
         let dataplane = Arc::new(DataplaneCollector::default());
         registry.register_collector(Box::new(dataplane.clone()));
         Self {
@@ -309,6 +312,7 @@ impl Metrics {
             store_connected,
             store_skipped_keys,
             applied,
+            ingress,
         }
     }
 

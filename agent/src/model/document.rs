@@ -1,10 +1,11 @@
 //! Documents: multi-document YAML (or JSON) in, [`Object`]s out, and back.
 
 use super::{
-    API_VERSION, Endpoints, EndpointsSpec, Kind, ModelError, Object, Service, ServiceSpec,
+    API_VERSION, Endpoints, EndpointsSpec, Kind, ModelError, Object, Secret, Service, ServiceSpec,
 };
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use serde_json::Value;
+use std::collections::BTreeMap;
 
 /// Parses every document of a YAML (or JSON) text, checks each on its own and
 /// returns them in order. Empty documents are skipped. The first bad document stops
@@ -68,6 +69,7 @@ enum StoredKey {
     Kind,
     Metadata,
     Spec,
+    Data,
 }
 
 impl<'de> Deserialize<'de> for Stored {
@@ -112,8 +114,12 @@ impl<'de> serde::de::Visitor<'de> for StoredVisitor {
                     spec = Some(match kind {
                         Some(Kind::Service) => Spec::Service(map.next_value()?),
                         Some(Kind::Endpoints) => Spec::Endpoints(map.next_value()?),
+                        Some(Kind::Secret) => return Err(A::Error::custom("a Secret has no spec")),
                         None => return Err(A::Error::custom("spec before kind")),
                     });
+                }
+                StoredKey::Data if spec.is_none() && kind == Some(Kind::Secret) => {
+                    spec = Some(Spec::Data(map.next_value()?));
                 }
                 _ => return Err(A::Error::custom("a key out of place")),
             }
@@ -132,6 +138,11 @@ impl<'de> serde::de::Visitor<'de> for StoredVisitor {
                 metadata,
                 spec: EndpointsSpec::default(),
             }),
+            (Kind::Secret, Some(Spec::Data(data))) => Object::Secret(Secret { metadata, data }),
+            (Kind::Secret, None) => Object::Secret(Secret {
+                metadata,
+                data: BTreeMap::new(),
+            }),
             _ => return Err(A::Error::custom("no spec")),
         }))
     }
@@ -141,6 +152,7 @@ impl<'de> serde::de::Visitor<'de> for StoredVisitor {
 enum Spec {
     Service(ServiceSpec),
     Endpoints(EndpointsSpec),
+    Data(BTreeMap<String, String>),
 }
 
 /// The typed object of one document, before the semantic checks of `validate`.
@@ -170,7 +182,7 @@ fn parse_value(index: usize, mut value: Value) -> Result<Object, ModelError> {
                 return Err(ModelError::invalid(
                     doc,
                     "kind",
-                    format!("unknown kind {k:?} (known: Service, Endpoints)"),
+                    format!("unknown kind {k:?} (known: Service, Endpoints, Secret)"),
                 ));
             }
         },
@@ -210,6 +222,7 @@ fn parse_value(index: usize, mut value: Value) -> Result<Object, ModelError> {
     Ok(match kind {
         Kind::Service => Object::Service(typed::<Service>(&object, value)?),
         Kind::Endpoints => Object::Endpoints(typed::<Endpoints>(&object, value)?),
+        Kind::Secret => Object::Secret(typed::<Secret>(&object, value)?),
     })
 }
 
@@ -284,6 +297,11 @@ pub(super) fn to_value(obj: &Object) -> Value {
             api_version: API_VERSION,
             kind,
             body: e,
+        }),
+        Object::Secret(s) => serde_json::to_value(Doc {
+            api_version: API_VERSION,
+            kind,
+            body: s,
         }),
     };
     // Serializing plain structs of strings, numbers and maps with string keys into a

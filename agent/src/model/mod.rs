@@ -6,18 +6,24 @@
 //! the backends. Parsing is strict: unknown fields are errors, so typos surface at
 //! `apply` instead of silently doing nothing.
 
+mod cidr;
 mod document;
 mod endpoints;
 mod error;
+mod expose;
 mod policy;
+mod secret;
 mod service;
 
+pub use cidr::parse_cidr;
 pub use document::{parse_documents, parse_json, parse_stored};
 pub use endpoints::{Endpoint, Endpoints, EndpointsSpec, PortOverrides, check_endpoint_ports};
 pub use error::ModelError;
+pub use expose::{ClientCert, Expose, ExposeTls, PortRef, TlsMode};
 pub use policy::{
-    EgressRule, IngressRule, NetworkPolicy, Peer, PeerSelector, PolicyMode, PortEntry, parse_cidr,
+    EgressRule, IngressRule, NetworkPolicy, Peer, PeerSelector, PolicyMode, PortEntry,
 };
+pub use secret::{CA_CERT_KEY, Secret, TLS_CERT_KEY, TLS_KEY_KEY};
 pub use service::{
     Discovery, LocalityPreference, Protocol, Service, ServicePort, ServiceSpec, SessionAffinity,
 };
@@ -42,17 +48,20 @@ pub enum Kind {
     Service,
     /// The backends of the service with the same namespace and name.
     Endpoints,
+    /// Named strings (certificates and keys) other objects refer to.
+    Secret,
 }
 
 impl Kind {
     /// Every kind, in the order `get` lists them.
-    pub const ALL: [Kind; 2] = [Kind::Service, Kind::Endpoints];
+    pub const ALL: [Kind; 3] = [Kind::Service, Kind::Endpoints, Kind::Secret];
 
     /// The kind's name as written in documents.
     pub fn as_str(self) -> &'static str {
         match self {
             Kind::Service => "Service",
             Kind::Endpoints => "Endpoints",
+            Kind::Secret => "Secret",
         }
     }
 
@@ -62,11 +71,12 @@ impl Kind {
     }
 
     /// Parses a kind as users type it on the command line: `Service`, `service`,
-    /// `services`, `svc`, `Endpoints`, `endpoints`, `ep`.
+    /// `services`, `svc`, `Endpoints`, `endpoints`, `ep`, `Secret`, `secrets`.
     pub fn parse(s: &str) -> Option<Kind> {
         match s.to_ascii_lowercase().as_str() {
             "service" | "services" | "svc" => Some(Kind::Service),
             "endpoints" | "endpoint" | "ep" => Some(Kind::Endpoints),
+            "secret" | "secrets" => Some(Kind::Secret),
             _ => None,
         }
     }
@@ -164,6 +174,8 @@ pub enum Object {
     Service(Service),
     /// A service's endpoints.
     Endpoints(Endpoints),
+    /// Named strings.
+    Secret(Secret),
 }
 
 impl Object {
@@ -172,6 +184,7 @@ impl Object {
         match self {
             Object::Service(_) => Kind::Service,
             Object::Endpoints(_) => Kind::Endpoints,
+            Object::Secret(_) => Kind::Secret,
         }
     }
 
@@ -180,6 +193,7 @@ impl Object {
         match self {
             Object::Service(s) => &s.metadata,
             Object::Endpoints(e) => &e.metadata,
+            Object::Secret(s) => &s.metadata,
         }
     }
 
@@ -196,6 +210,7 @@ impl Object {
         match self {
             Object::Service(s) => s.validate(&object),
             Object::Endpoints(e) => e.validate(&object),
+            Object::Secret(s) => s.validate(&object),
         }
     }
 

@@ -105,7 +105,7 @@ impl Peer {
                 name: name.clone(),
             }),
             (None, Some(ns), None) => Some(PeerSelector::Namespace(ns.clone())),
-            (None, None, Some(cidr)) => parse_cidr(cidr).ok().map(PeerSelector::Cidr),
+            (None, None, Some(cidr)) => super::parse_cidr(cidr).ok().map(PeerSelector::Cidr),
             _ => None,
         }
     }
@@ -121,7 +121,7 @@ impl Peer {
                 Ok(())
             }
             (None, Some(ns), None) => check_dns_label(object, &format!("{field}.namespace"), ns),
-            (None, None, Some(cidr)) => parse_cidr(cidr)
+            (None, None, Some(cidr)) => super::parse_cidr(cidr)
                 .map(|_| ())
                 .map_err(|message| ModelError::invalid(object, format!("{field}.cidr"), message)),
             (None, None, None) => Err(ModelError::invalid(
@@ -155,18 +155,6 @@ impl Peer {
         }
         out
     }
-}
-
-/// Parses a CIDR prefix, refusing one with host bits set (it names the prefix the
-/// user probably meant).
-pub fn parse_cidr(text: &str) -> Result<IpNet, String> {
-    let net: IpNet = text.parse().map_err(|_| {
-        format!("{text:?} is not a CIDR prefix (address/length, e.g. 198.18.0.0/24)")
-    })?;
-    if net.trunc() != net {
-        return Err(format!("{text} has host bits set: write {}", net.trunc()));
-    }
-    Ok(net)
 }
 
 /// One entry of a rule's `ports`, parsed.

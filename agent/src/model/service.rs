@@ -33,6 +33,10 @@ pub struct ServiceSpec {
     /// Who may reach the endpoints and what they may reach; none: no restriction.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network_policy: Option<super::NetworkPolicy>,
+    /// The HTTP(S) route of the ingress proxy to this service, if any (boxed: most
+    /// services have none, and every object's size is the largest kind's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expose: Option<Box<super::Expose>>,
 }
 
 fn default_drain_seconds() -> u32 {
@@ -250,6 +254,9 @@ impl Service {
                 "spec.sessionAffinity.timeoutSeconds",
                 format!("{timeout_seconds} is out of range 1-{MAX_AFFINITY_TIMEOUT_SECONDS}"),
             ));
+        }
+        if let Some(expose) = &spec.expose {
+            expose.validate(object, &spec.ports)?;
         }
         if spec.drain_seconds > MAX_DRAIN_SECONDS {
             return Err(ModelError::invalid(

@@ -8,7 +8,6 @@ use async_trait::async_trait;
 use std::fmt;
 use std::{
     collections::{HashMap, HashSet},
-    net::IpAddr,
     ops::ControlFlow,
 };
 use thiserror::Error;
@@ -129,56 +128,88 @@ pub fn check_batch(objects: &[Object]) -> Result<HashSet<ObjectKey>, ModelError>
     Ok(keys)
 }
 
-/// The VIPs of an object (none for anything but a service).
-pub fn vips_of(object: &Object) -> &[IpAddr] {
-    match object {
-        Object::Service(s) => &s.spec.discovery.vips,
-        Object::Endpoints(_) => &[],
-    }
+/// Something only one service may hold: a VIP, or an exposed host and path. Stores
+/// index claims by [`Claim::index_key`] (the VIP index holds both).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Claim {
+    /// The key in a store's index: a VIP's text (`198.18.0.1`, `fd00::1`), or
+    /// `route:HOST/PATH` (no VIP's text starts with `route:`).
+    pub index_key: String,
+    /// The claiming field, for errors: `spec.discovery.vips[0]`, `spec.expose`.
+    field: String,
+    /// The claim in words, for errors: `VIP 198.18.0.1`, `host a.example path /`.
+    what: String,
 }
 
-/// Why [`check_vip_owners`] refused a batch.
+/// What an object claims (nothing for anything but a service).
+pub fn claims_of(object: &Object) -> Vec<Claim> {
+    let Object::Service(s) = object else {
+        return Vec::new();
+    };
+    let mut claims: Vec<Claim> = s
+        .spec
+        .discovery
+        .vips
+        .iter()
+        .enumerate()
+        .map(|(i, vip)| Claim {
+            index_key: vip.to_string(),
+            field: format!("spec.discovery.vips[{i}]"),
+            what: format!("VIP {vip}"),
+        })
+        .collect();
+    if let Some(e) = &s.spec.expose {
+        claims.push(Claim {
+            index_key: format!("route:{}{}", e.host, e.path()),
+            field: "spec.expose".to_owned(),
+            what: format!("host {} path {}", e.host, e.path()),
+        });
+    }
+    claims
+}
+
+/// Why [`check_claim_owners`] refused a batch.
 #[derive(Debug)]
 pub enum VipCheckError {
-    /// A VIP conflict, reported on the batch's service.
+    /// A conflict, reported on the batch's service.
     Invalid(ModelError),
     /// The stored owners could not be read.
     Log(LogError),
 }
 
-/// Refuses a batch in which a service uses a VIP that another service owns, either
-/// in the store (`stored_owner`: the service the backend's VIP index names, if any;
-/// a stored owner the batch rewrites is judged by its new VIPs) or elsewhere in the
-/// batch. Services of the batch are taken in key order, and a conflict names the
-/// batch's service and the VIP's other owner: every backend reports the same error
-/// on the same object.
-pub fn check_vip_owners(
+/// Refuses a batch in which a service claims a VIP (or an exposed host and path)
+/// that another service owns, either in the store (`stored_owner`: the service the
+/// backend's index names for a claim's index key, if any; a stored owner the batch
+/// rewrites is judged by its new claims) or elsewhere in the batch. Services of the
+/// batch are taken in key order, and a conflict names the batch's service and the
+/// claim's other owner: every backend reports the same error on the same object.
+pub fn check_claim_owners(
     batch: &[Object],
     batch_keys: &HashSet<ObjectKey>,
-    mut stored_owner: impl FnMut(&IpAddr) -> Result<Option<ObjectKey>, LogError>,
+    mut stored_owner: impl FnMut(&str) -> Result<Option<ObjectKey>, LogError>,
 ) -> Result<(), VipCheckError> {
-    let mut services: Vec<(ObjectKey, &Object)> = batch
+    let mut services: Vec<(ObjectKey, Vec<Claim>)> = batch
         .iter()
-        .filter(|o| !vips_of(o).is_empty())
-        .map(|o| (o.key(), o))
+        .map(|o| (o.key(), claims_of(o)))
+        .filter(|(_, c)| !c.is_empty())
         .collect();
     services.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut owner: HashMap<IpAddr, &ObjectKey> = HashMap::new();
-    for (key, object) in &services {
-        for (i, vip) in vips_of(object).iter().enumerate() {
-            let stored = stored_owner(vip).map_err(VipCheckError::Log)?;
+    let mut owner: HashMap<&str, &ObjectKey> = HashMap::new();
+    for (key, claims) in &services {
+        for claim in claims {
+            let stored = stored_owner(&claim.index_key).map_err(VipCheckError::Log)?;
             let prev = match stored {
                 Some(o) if o != *key && !batch_keys.contains(&o) => Some(o),
                 _ => owner
-                    .insert(*vip, key)
+                    .insert(&claim.index_key, key)
                     .filter(|p| *p != key)
                     .map(|p| (*p).clone()),
             };
             if let Some(prev) = prev {
                 return Err(VipCheckError::Invalid(ModelError::invalid(
                     key.to_string(),
-                    format!("spec.discovery.vips[{i}]"),
-                    format!("VIP {vip} is already used by {prev}"),
+                    claim.field.clone(),
+                    format!("{} is already used by {prev}", claim.what),
                 )));
             }
         }

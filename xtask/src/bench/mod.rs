@@ -12,6 +12,7 @@ mod dev_proxy;
 mod dns;
 mod e2e;
 mod ebpf;
+mod ingress;
 mod modes;
 mod reuse;
 mod sync;
@@ -41,6 +42,9 @@ pub enum Section {
     /// A cluster on etcd: apply → acknowledged by every node (N = 3 and 20), a new
     /// node joining 10,000 services, etcd traffic per idle node (netns).
     Cluster,
+    /// The ingress proxy vs nginx as a reverse proxy: requests/s and p99 with
+    /// keep-alive, a new connection per request, and TLS (loopback, wrk).
+    Ingress,
 }
 
 /// Runs one section, or every one and prints the whole report (also written to
@@ -60,6 +64,7 @@ pub fn run(section: Option<Section>) -> Result<()> {
         Some(Section::Dns) => dns::run_alone(),
         Some(Section::Apply) => apply::run_alone(),
         Some(Section::Cluster) => cluster::run_alone(),
+        Some(Section::Ingress) => ingress::run_alone(),
     }
 }
 
@@ -80,6 +85,7 @@ fn run_all() -> Result<()> {
     report.push_str(&end_to_end(&bin)?);
     report.push_str(&apply::section(&bin)?);
     report.push_str(&cluster::section(&bin)?);
+    report.push_str(&ingress::section(&bin)?);
     println!("{report}");
     let out = crate::util::target_dir().join("bench.md");
     std::fs::write(&out, &report)?;

@@ -26,7 +26,7 @@ fn view_with(name: &str, vips: &str, extra: &str, endpoints: Option<&[&str]>) ->
     };
     let endpoints = objects.next().map(|o| match o {
         Object::Endpoints(e) => Arc::new(e),
-        Object::Service(_) => panic!("endpoints"),
+        _ => panic!("endpoints"),
     });
     ServiceView {
         service: Arc::new(s),

@@ -39,6 +39,7 @@ fn service(name: &str, port: u16, protocol: Protocol) -> Service {
             session_affinity: SessionAffinity::None,
             drain_seconds: 30,
             network_policy: None,
+            expose: None,
         },
     }
 }

@@ -1,4 +1,5 @@
-//! The store's VIP index: VIP → the service that owns it (table `vips`).
+//! The store's VIP index: VIP (or exposed host and path) → the service that owns it
+//! (table `vips`; see [`claims_of`]).
 //!
 //! Every apply must refuse a VIP another service already uses. Reading and parsing
 //! the whole store for that would make an apply cost what is stored; with the
@@ -15,7 +16,7 @@ use crate::{
     model::{Object, ObjectKey, parse_stored},
     orderedlog::{
         LogError, Revision,
-        store::{VipCheckError, check_vip_owners, vips_of},
+        store::{VipCheckError, check_claim_owners, claims_of},
     },
 };
 use redb::{ReadableTable, Table, TableDefinition, WriteTransaction};
@@ -29,17 +30,15 @@ pub(super) const META_VIP_INDEX: &str = "vipIndex";
 
 /// Refuses a batch in which a service uses a VIP that another service owns, either
 /// in the store (and that service is not rewritten by the batch) or elsewhere in the
-/// batch: [`check_vip_owners`] with the owners this index names.
+/// batch: [`check_claim_owners`] with the owners this index names.
 pub(super) fn check(
     index: &impl ReadableTable<&'static str, &'static str>,
     batch: &[Object],
     batch_keys: &HashSet<ObjectKey>,
     path: &Path,
 ) -> Result<(), CheckError> {
-    check_vip_owners(batch, batch_keys, |vip| {
-        let stored = index
-            .get(vip.to_string().as_str())
-            .map_err(|e| storage_err(path, e))?;
+    check_claim_owners(batch, batch_keys, |vip| {
+        let stored = index.get(vip).map_err(|e| storage_err(path, e))?;
         match stored {
             Some(v) => parse_key_string(v.value())
                 .map(Some)
@@ -65,12 +64,17 @@ pub(super) fn update(
     new: Option<&Object>,
     path: &Path,
 ) -> Result<(), LogError> {
-    let new_vips = new.map(vips_of).unwrap_or_default();
-    for vip in old.map(vips_of).unwrap_or_default() {
-        if new_vips.contains(vip) {
+    let new_vips: Vec<String> = new
+        .map(claims_of)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| c.index_key)
+        .collect();
+    for vip in old.map(claims_of).unwrap_or_default() {
+        if new_vips.contains(&vip.index_key) {
             continue;
         }
-        let text = vip.to_string();
+        let text = vip.index_key;
         let ours = index
             .get(text.as_str())
             .map_err(|e| storage_err(path, e))?
@@ -83,7 +87,7 @@ pub(super) fn update(
     }
     for vip in new_vips {
         index
-            .insert(vip.to_string().as_str(), owner)
+            .insert(vip.as_str(), owner)
             .map_err(|e| storage_err(path, e))?;
     }
     Ok(())
@@ -149,8 +153,8 @@ pub(super) fn ensure(
             message: e.to_string(),
         })?;
         services += 1;
-        for vip in vips_of(&object) {
-            let text = vip.to_string();
+        for vip in claims_of(&object) {
+            let text = vip.index_key;
             // The first owner in key order keeps a VIP that an older agent let two
             // services share.
             if index

@@ -15,6 +15,7 @@
 //! namespaces are DNS labels, so a key splits unambiguously.
 
 use crate::model::{Kind, ObjectKey};
+#[cfg(test)]
 use std::net::IpAddr;
 
 /// The first segment of the VIP index's keys.
@@ -30,6 +31,7 @@ pub(super) fn kind_segment(kind: Kind) -> &'static str {
     match kind {
         Kind::Service => "service",
         Kind::Endpoints => "endpoints",
+        Kind::Secret => "secrets",
     }
 }
 
@@ -87,8 +89,14 @@ impl Layout {
     }
 
     /// The index key of a VIP.
+    #[cfg(test)]
     pub fn vip(&self, vip: &IpAddr) -> String {
-        format!("{}{INDEX}{vip}", self.prefix)
+        self.claim(&vip.to_string())
+    }
+
+    /// The index key of a claim ([`crate::orderedlog::store::Claim::index_key`]).
+    pub fn claim(&self, index_key: &str) -> String {
+        format!("{}{INDEX}{index_key}", self.prefix)
     }
 
     /// The prefix of the whole VIP index.

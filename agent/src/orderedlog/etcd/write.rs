@@ -24,7 +24,8 @@ use crate::{
     orderedlog::{
         LogError, Revision,
         store::{
-            ApplyError, ApplyOutcome, Change, VipCheckError, check_batch, check_vip_owners, vips_of,
+            ApplyError, ApplyOutcome, Change, VipCheckError, check_batch, check_claim_owners,
+            claims_of,
         },
     },
 };
@@ -426,7 +427,11 @@ impl Shared {
         let mut whole_index = false;
         for (key, new) in &wanted {
             if let Some(new) = new {
-                keys.extend(vips_of(new).iter().map(|v| self.layout.vip(v)));
+                keys.extend(
+                    claims_of(new)
+                        .iter()
+                        .map(|c| self.layout.claim(&c.index_key)),
+                );
                 if key.kind == Kind::Endpoints {
                     let service = ObjectKey::new(Kind::Service, &key.namespace, &key.name);
                     if !wanted_keys.contains(&service) {
@@ -441,7 +446,11 @@ impl Shared {
             }
             if let Some(stored) = objects.get(&self.layout.object(key)) {
                 match old_object(&stored.value) {
-                    Some(old) => keys.extend(vips_of(&old).iter().map(|v| self.layout.vip(v))),
+                    Some(old) => keys.extend(
+                        claims_of(&old)
+                            .iter()
+                            .map(|c| self.layout.claim(&c.index_key)),
+                    ),
                     None => whole_index = true,
                 }
             }
@@ -497,8 +506,8 @@ impl Shared {
         keys: &HashSet<ObjectKey>,
         read: &Read,
     ) -> Result<(Plan, Vec<(ObjectKey, Change)>), Attempt> {
-        check_vip_owners(objects, keys, |vip| {
-            self.index_owner(read, &self.layout.vip(vip))
+        check_claim_owners(objects, keys, |claim| {
+            self.index_owner(read, &self.layout.claim(claim))
         })
         .map_err(|e| match e {
             VipCheckError::Invalid(e) => Attempt::from(e),
@@ -583,11 +592,17 @@ impl Shared {
         stored: Option<&Stored>,
         new: Option<&Object>,
     ) {
-        let new_vips = new.map(vips_of).unwrap_or_default();
+        let new_vips: Vec<String> = new
+            .map(claims_of)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| c.index_key)
+            .collect();
         match stored.map(|s| old_object(&s.value)) {
             Some(Some(old)) => {
-                for vip in vips_of(&old).iter().filter(|v| !new_vips.contains(v)) {
-                    let k = self.layout.vip(vip);
+                let old = claims_of(&old);
+                for vip in old.iter().filter(|c| !new_vips.contains(&c.index_key)) {
+                    let k = self.layout.claim(&vip.index_key);
                     if index.get(&k).is_some_and(|o| o.as_deref() == Some(owner)) {
                         index.insert(k, None);
                     }
@@ -603,7 +618,7 @@ impl Shared {
             None => {}
         }
         for vip in new_vips {
-            index.insert(self.layout.vip(vip), Some(owner.to_owned()));
+            index.insert(self.layout.claim(&vip), Some(owner.to_owned()));
         }
     }
 

@@ -26,7 +26,7 @@ fn a_batch_naming_one_object_twice_is_refused() {
 fn a_vip_owned_by_another_stored_service_is_refused_on_the_batch_service() {
     let batch = [svc("web", "198.18.0.1")];
     let keys = check_batch(&batch).unwrap();
-    let err = check_vip_owners(&batch, &keys, |_| Ok(Some(key("api")))).unwrap_err();
+    let err = check_claim_owners(&batch, &keys, |_| Ok(Some(key("api")))).unwrap_err();
     let VipCheckError::Invalid(e) = err else {
         panic!("expected a VIP conflict, got {err:?}")
     };
@@ -41,16 +41,48 @@ fn a_stored_owner_the_batch_rewrites_is_judged_by_its_new_vips() {
     // api gives 198.18.0.1 up in the same batch in which web takes it.
     let batch = [svc("web", "198.18.0.1"), svc("api", "198.18.0.2")];
     let keys = check_batch(&batch).unwrap();
-    check_vip_owners(&batch, &keys, |vip| {
-        Ok((vip.to_string() == "198.18.0.1").then(|| key("api")))
+    check_claim_owners(&batch, &keys, |vip| {
+        Ok((vip == "198.18.0.1").then(|| key("api")))
     })
     .unwrap();
     // Both keeping it is a conflict inside the batch, named on the later key.
     let batch = [svc("web", "198.18.0.1"), svc("api", "198.18.0.1")];
     let keys = check_batch(&batch).unwrap();
-    let err = check_vip_owners(&batch, &keys, |_| Ok(None)).unwrap_err();
+    let err = check_claim_owners(&batch, &keys, |_| Ok(None)).unwrap_err();
     assert!(
         matches!(&err, VipCheckError::Invalid(e) if e.to_string().starts_with("Service default/web:")),
         "{err:?}"
     );
+}
+
+fn exposed(name: &str, host: &str, path: &str) -> Object {
+    let text = format!(
+        "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: {name}}}\n\
+         spec: {{ports: [{{port: 80}}], expose: {{host: {host:?}, path: {path:?}}}}}\n"
+    );
+    parse_documents(&text).unwrap().remove(0)
+}
+
+#[test]
+fn two_services_exposing_one_host_and_path_are_refused_naming_both() {
+    let batch = [exposed("web", "a.example", "/api")];
+    let keys = check_batch(&batch).unwrap();
+    let err = check_claim_owners(&batch, &keys, |k| {
+        Ok((k == "route:a.example/api").then(|| key("api")))
+    })
+    .unwrap_err();
+    let VipCheckError::Invalid(e) = err else {
+        panic!("expected a route conflict, got {err:?}")
+    };
+    assert_eq!(
+        e.to_string(),
+        "Service default/web: spec.expose: host a.example path /api is already used by Service default/api"
+    );
+    // Another path on the same host is free.
+    let batch = [
+        exposed("web", "a.example", "/api"),
+        exposed("api", "a.example", "/"),
+    ];
+    let keys = check_batch(&batch).unwrap();
+    check_claim_owners(&batch, &keys, |_| Ok(None)).unwrap();
 }

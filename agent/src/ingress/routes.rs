@@ -1,0 +1,157 @@
+//! The ingress routing table, rebuilt from the endpoint cache on every change: host
+//! (exact beats wildcard) then the longest path prefix on segment boundaries.
+
+use crate::endpoints::ServiceView;
+use ipnet::IpNet;
+use std::{
+    collections::HashMap,
+    net::{IpAddr, SocketAddr},
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+};
+
+/// One upstream endpoint of a route, with its requests in flight.
+#[derive(Debug)]
+pub struct Backend {
+    /// Where requests go: the endpoint's address and its port for the exposed port.
+    pub addr: SocketAddr,
+    /// Requests sent and not yet answered (least-outstanding balancing).
+    pub outstanding: AtomicUsize,
+}
+
+/// One exposed service.
+#[derive(Debug)]
+pub struct Route {
+    /// `namespace/name` of the service (metrics, logs).
+    pub service: String,
+    /// The host as exposed (`*.example.com` for a wildcard).
+    pub host: String,
+    /// The path prefix.
+    pub path: String,
+    /// The route has TLS: plain HTTP is redirected to HTTPS.
+    pub tls: bool,
+    /// Networks served; `None`: every client. An empty list refuses everyone (a list
+    /// that could not be used: fail closed).
+    pub allow: Option<Vec<IpNet>>,
+    /// Ready, non-terminating endpoints.
+    pub backends: Vec<Arc<Backend>>,
+}
+
+impl Route {
+    /// Whether `client` may use this route.
+    pub fn allows(&self, client: IpAddr) -> bool {
+        let client = match client {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(client, IpAddr::V4),
+            v4 => v4,
+        };
+        self.allow
+            .as_ref()
+            .is_none_or(|nets| nets.iter().any(|n| n.contains(&client)))
+    }
+
+    /// The backend with the fewest requests in flight, other than `except`; ties go
+    /// to the one after `turn` (a rotating counter) so equal backends share load.
+    pub fn pick(&self, turn: usize, except: Option<&Arc<Backend>>) -> Option<Arc<Backend>> {
+        let n = self.backends.len();
+        (0..n)
+            .map(|i| &self.backends[(turn + i) % n])
+            .filter(|b| except.is_none_or(|e| !Arc::ptr_eq(e, b)))
+            .min_by_key(|b| b.outstanding.load(Ordering::Relaxed))
+            .cloned()
+    }
+}
+
+/// Every route, by host.
+#[derive(Debug, Default)]
+pub struct RouteTable {
+    /// Exact hosts → routes, longest path first.
+    exact: HashMap<String, Vec<Arc<Route>>>,
+    /// Wildcard hosts by the part after `*.` → routes, longest path first.
+    wildcard: HashMap<String, Vec<Arc<Route>>>,
+}
+
+impl RouteTable {
+    /// The table of every service with `spec.expose`.
+    pub fn build(views: &[ServiceView]) -> RouteTable {
+        let mut table = RouteTable::default();
+        for view in views {
+            let Some(expose) = &view.service.spec.expose else {
+                continue;
+            };
+            let backends = expose
+                .service_port(&view.service.spec.ports)
+                .map(|port| {
+                    view.port_backends(port)
+                        .into_iter()
+                        .filter(|b| b.endpoint.accepts_new())
+                        .map(|b| {
+                            Arc::new(Backend {
+                                addr: b.addr,
+                                outstanding: AtomicUsize::new(0),
+                            })
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            // Checked at apply; should a list still not parse, nobody is served.
+            let allow = (!expose.allow_cidrs.is_empty())
+                .then(|| expose.allowed_networks().unwrap_or_default());
+            let route = Arc::new(Route {
+                service: view.key().to_string(),
+                host: expose.host.clone(),
+                path: expose.path().to_owned(),
+                tls: expose.tls.is_some(),
+                allow,
+                backends,
+            });
+            let (map, host) = match expose.host.strip_prefix("*.") {
+                Some(suffix) => (&mut table.wildcard, suffix),
+                None => (&mut table.exact, expose.host.as_str()),
+            };
+            map.entry(host.to_owned()).or_default().push(route);
+        }
+        for routes in table.exact.values_mut().chain(table.wildcard.values_mut()) {
+            routes.sort_by_key(|r| std::cmp::Reverse(r.path.len()));
+        }
+        table
+    }
+
+    /// The route for `host` (lowercase, without a port) and `path`: exact host
+    /// first, then the wildcard of its parent domain; in each the longest prefix.
+    pub fn lookup(&self, host: &str, path: &str) -> Option<&Arc<Route>> {
+        fn find<'t>(routes: Option<&'t Vec<Arc<Route>>>, path: &str) -> Option<&'t Arc<Route>> {
+            routes.and_then(|r| r.iter().find(|r| path_matches(&r.path, path)))
+        }
+        find(self.exact.get(host), path).or_else(|| {
+            let (_, parent) = host.split_once('.')?;
+            find(self.wildcard.get(parent), path)
+        })
+    }
+}
+
+/// Whether `prefix` matches `path` on segment boundaries: `/api` matches `/api`
+/// and `/api/x`, not `/apiary`.
+pub fn path_matches(prefix: &str, path: &str) -> bool {
+    prefix == "/"
+        || path
+            .strip_prefix(prefix)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+}
+
+/// The host of a `Host` header or URI authority: lowercase, without a port or a
+/// trailing dot.
+pub fn normalize_host(host: &str) -> String {
+    let host = if host.starts_with('[') {
+        host.split_once(']')
+            .map_or(host, |(h, _)| h)
+            .trim_start_matches('[')
+    } else {
+        host.rsplit_once(':').map_or(host, |(h, _)| h)
+    };
+    host.trim_end_matches('.').to_ascii_lowercase()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,107 @@
+use super::*;
+use crate::model::{Object, parse_documents};
+
+/// Views of services `(name, host, path)`, each with one ready endpoint.
+fn views(routes: &[(&str, &str, &str)]) -> Vec<ServiceView> {
+    let mut out = Vec::new();
+    for (i, (name, host, path)) in routes.iter().enumerate() {
+        let text = format!(
+            "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: {name}}}\n\
+             spec: {{ports: [{{port: 80, targetPort: 8080}}], \
+             expose: {{host: '{host}', path: '{path}'}}}}\n---\n\
+             apiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: {name}}}\n\
+             spec: {{endpoints: [{{address: 198.18.0.{}, ready: true}}]}}\n",
+            i + 1
+        );
+        let mut objects = parse_documents(&text).unwrap().into_iter();
+        let (Some(Object::Service(s)), Some(Object::Endpoints(e))) =
+            (objects.next(), objects.next())
+        else {
+            panic!("a service and its endpoints")
+        };
+        out.push(ServiceView {
+            service: Arc::new(s),
+            endpoints: Some(Arc::new(e)),
+        });
+    }
+    out
+}
+
+fn service_for(table: &RouteTable, host: &str, path: &str) -> Option<String> {
+    table.lookup(host, path).map(|r| r.service.clone())
+}
+
+#[test]
+fn hosts_and_paths_pick_the_most_specific_route() {
+    let table = RouteTable::build(&views(&[
+        ("root", "a.example.com", "/"),
+        ("api", "a.example.com", "/api"),
+        ("v1", "a.example.com", "/api/v1"),
+        ("wild", "*.example.com", "/"),
+    ]));
+    let cases = [
+        ("a.example.com", "/", Some("default/root")),
+        ("a.example.com", "/api", Some("default/api")),
+        ("a.example.com", "/api/x", Some("default/api")),
+        ("a.example.com", "/apiary", Some("default/root")),
+        ("a.example.com", "/api/v1/users", Some("default/v1")),
+        ("b.example.com", "/anything", Some("default/wild")),
+        ("x.b.example.com", "/", None),
+        ("example.com", "/", None),
+        ("other.test", "/", None),
+    ];
+    for (host, path, want) in cases {
+        assert_eq!(
+            service_for(&table, host, path).as_deref(),
+            want,
+            "{host}{path}"
+        );
+    }
+    let route = table.lookup("a.example.com", "/").unwrap();
+    assert_eq!(route.backends[0].addr, "198.18.0.1:8080".parse().unwrap());
+}
+
+#[test]
+fn segment_matching_does_not_match_inside_a_segment() {
+    assert!(path_matches("/api", "/api"));
+    assert!(path_matches("/api", "/api/"));
+    assert!(path_matches("/api", "/api/x"));
+    assert!(!path_matches("/api", "/apiary"));
+    assert!(!path_matches("/api", "/"));
+    assert!(path_matches("/", "/apiary"));
+}
+
+#[test]
+fn hosts_are_normalized() {
+    assert_eq!(normalize_host("A.Example:8080"), "a.example");
+    assert_eq!(normalize_host("a.example."), "a.example");
+    assert_eq!(normalize_host("[fd00::1]:80"), "fd00::1");
+}
+
+#[test]
+fn the_least_loaded_backend_is_picked_and_a_failed_one_skipped() {
+    let mut route = Route {
+        service: "default/x".into(),
+        host: "a".into(),
+        path: "/".into(),
+        tls: false,
+        allow: Some(Vec::new()),
+        backends: Vec::new(),
+    };
+    for port in [1, 2] {
+        route.backends.push(Arc::new(Backend {
+            addr: SocketAddr::from(([198, 18, 0, 1], port)),
+            outstanding: AtomicUsize::new(0),
+        }));
+    }
+    route.backends[0].outstanding.store(3, Ordering::Relaxed);
+    let first = route.pick(0, None).unwrap();
+    assert_eq!(first.addr.port(), 2);
+    let other = route.pick(0, Some(&first)).unwrap();
+    assert_eq!(other.addr.port(), 1);
+    // An empty allow-list (one that could not be used) refuses everyone.
+    assert!(!route.allows("198.18.0.9".parse().unwrap()));
+    route.allow = Some(vec!["198.18.0.0/24".parse().unwrap()]);
+    assert!(route.allows("::ffff:198.18.0.9".parse().unwrap()));
+    assert!(!route.allows("198.19.0.9".parse().unwrap()));
+}

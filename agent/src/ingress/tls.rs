@@ -1,0 +1,130 @@
+//! TLS of the ingress proxy: the certificate for each exposed host, picked by SNI
+//! from the routes' Secrets, swapped whole when a Secret or route changes (new
+//! handshakes see the new certificates; open connections keep theirs).
+
+use crate::{
+    endpoints::ServiceView,
+    model::{Secret, ServiceKey},
+};
+use arc_swap::ArcSwap;
+use rustls::{
+    ServerConfig,
+    server::{ClientHello, ResolvesServerCert},
+    sign::CertifiedKey,
+};
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::Arc,
+};
+
+/// Host → certificate, exact and wildcard, and the default for other names.
+#[derive(Debug, Default)]
+pub struct CertMap {
+    exact: HashMap<String, Arc<CertifiedKey>>,
+    /// Keyed by the part after `*.`.
+    wildcard: HashMap<String, Arc<CertifiedKey>>,
+    /// Served when SNI names no route with TLS (or is absent); none: refused.
+    default: Option<Arc<CertifiedKey>>,
+    /// Each exposed host's certificate expiry, Unix seconds (for the metric).
+    pub expiries: Vec<(String, i64)>,
+}
+
+impl CertMap {
+    /// The certificates of every exposed route with TLS whose Secret exists and
+    /// holds a usable `tls.crt`/`tls.key` (a route without one gets no handshake).
+    pub fn build(
+        views: &[ServiceView],
+        secrets: &BTreeMap<ServiceKey, Arc<Secret>>,
+        default: Option<&ServiceKey>,
+    ) -> CertMap {
+        let mut map = CertMap {
+            default: default.and_then(|key| match secrets.get(key).map(|s| s.certified_key()) {
+                Some(Some(Ok(cert))) => Some(cert),
+                _ => {
+                    tracing::warn!(secret = %key, "ingress: default certificate Secret missing or unusable");
+                    None
+                }
+            }),
+            ..CertMap::default()
+        };
+        for view in views {
+            let service = &view.service;
+            let Some(expose) = &service.spec.expose else {
+                continue;
+            };
+            let Some((ns, name)) = expose.tls_secret(&service.metadata.namespace) else {
+                continue;
+            };
+            let Some(secret) = secrets.get(&ServiceKey::new(ns, name)) else {
+                tracing::warn!(service = %view.key(), secret = %format!("{ns}/{name}"), "ingress: TLS Secret not found");
+                continue;
+            };
+            let key = match secret.certified_key() {
+                Some(Ok(key)) => key,
+                Some(Err(e)) => {
+                    tracing::warn!(secret = %format!("{ns}/{name}"), error = %e, "ingress: TLS Secret unusable");
+                    continue;
+                }
+                None => {
+                    tracing::warn!(secret = %format!("{ns}/{name}"), "ingress: TLS Secret has no tls.crt");
+                    continue;
+                }
+            };
+            if let Some(expiry) = not_after(&key) {
+                map.expiries.push((expose.host.clone(), expiry));
+            }
+            match expose.host.strip_prefix("*.") {
+                Some(suffix) => map.wildcard.insert(suffix.to_owned(), key),
+                None => map.exact.insert(expose.host.clone(), key),
+            };
+        }
+        map
+    }
+
+    /// The certificate for `host` (lowercase): exact, else its parent's wildcard,
+    /// else the default; without SNI the default.
+    pub fn get(&self, host: Option<&str>) -> Option<Arc<CertifiedKey>> {
+        let routed = host.and_then(|host| {
+            self.exact.get(host).cloned().or_else(|| {
+                let (_, parent) = host.split_once('.')?;
+                self.wildcard.get(parent).cloned()
+            })
+        });
+        routed.or_else(|| self.default.clone())
+    }
+}
+
+/// When the leaf certificate of `key` expires, Unix seconds.
+fn not_after(key: &CertifiedKey) -> Option<i64> {
+    let leaf = key.end_entity_cert().ok()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf).ok()?;
+    Some(cert.validity().not_after.timestamp())
+}
+
+/// Picks the certificate by SNI from the current [`CertMap`]; no SNI or an unknown
+/// one gets the default certificate if one is configured, else none, and the
+/// handshake is refused.
+#[derive(Debug, Default)]
+pub struct SniResolver {
+    /// Replaced whole by the route watcher.
+    pub certs: ArcSwap<CertMap>,
+}
+
+impl ResolvesServerCert for SniResolver {
+    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        let name = hello.server_name().map(str::to_ascii_lowercase);
+        self.certs.load().get(name.as_deref())
+    }
+}
+
+/// The server configuration: TLS 1.2 and 1.3 (ring), ALPN h2 then http/1.1,
+/// certificates from `resolver`, no client certificates.
+pub fn server_config(resolver: Arc<SniResolver>) -> Result<ServerConfig, rustls::Error> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])?
+        .with_no_client_auth()
+        .with_cert_resolver(resolver);
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(config)
+}
