@@ -449,16 +449,19 @@ fn start_dataplane(
             let attached = ebpf.attachments().to_vec();
             return Ok(Started::Plane(Arc::new(ebpf), Some(attached)));
         }
-        DataplaneMode::Nftables => Arc::new(
-            NftablesDataPlane::new(NftablesConfig {
+        DataplaneMode::Nftables => {
+            let nft = NftablesDataPlane::new(NftablesConfig {
                 node_name: identity.hostname.clone(),
                 keep_rules_on_stop: config.keep_rules_on_stop,
+                policy_set_size: config.nft_policy_set_size,
             })
             .context(
                 "starting the nftables data plane (its preflight checks passed: this is an \
                  error of nft itself)",
-            )?,
-        ),
+            )?;
+            metrics.set_dataplane_collector(nft.collector());
+            Arc::new(nft)
+        }
         DataplaneMode::Userspace => userspace_proxy(config, identity, metrics, ListenOn::Vips, 0)?,
     };
     Ok(Started::Plane(plane, None))
