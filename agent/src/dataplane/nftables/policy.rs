@@ -502,3 +502,6 @@ pub fn verdict_counts(packets: &BTreeMap<String, u64>) -> VerdictCounts {
     }
     out
 }
+
+#[cfg(test)]
+mod tests;
