@@ -475,7 +475,7 @@ fn userspace_proxy(
     listen: ListenOn,
     port_offset: u16,
 ) -> Result<Arc<dyn DataPlane>> {
-    Ok(Arc::new(UserspaceProxy::new(
+    let proxy = UserspaceProxy::new(
         ProxyConfig {
             listen,
             port_offset,
@@ -485,7 +485,9 @@ fn userspace_proxy(
             ..ProxyConfig::default()
         },
         metrics.clone(),
-    )?))
+    )?;
+    metrics.set_dataplane_collector(proxy.collector());
+    Ok(Arc::new(proxy))
 }
 
 /// The eBPF data plane's settings: hooks from the config, else the cgroup v2 root

@@ -367,3 +367,43 @@ fn apply_refuses_bad_policies_naming_field_and_value() {
         );
     }
 }
+
+#[test]
+fn userspace_the_proxy_admits_one_client_through_the_vip() {
+    require_root().unwrap();
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let topo = topology(1);
+    let m = ModeAgent::start(Mode::Userspace, &topo);
+    let (a, b) = (
+        IpAddr::V4(topo.client_addr().v4),
+        IpAddr::V4(topo.client_alt_addr().v4),
+    );
+    let backend = SocketAddr::new(v4(&topo, 0), BACKEND_PORT);
+    m.apply(&service(
+        "web",
+        VIP4,
+        &format!("{{ingress: [{{from: [{{cidr: {a}/32}}]}}]}}"),
+        &[backend.ip()],
+    ));
+    wait_ok(&topo, a, vip());
+    // The proxy has accepted B's connection before it can check it: it resets it
+    // (the client sees a reset or an unconnected socket, depending on timing).
+    assert!(
+        topo.tcp_request_from(Some(b), vip(), "ping").is_err(),
+        "B got through the VIP"
+    );
+    let drops = "policy_drops_total{namespace=\"default\",service=\"web\",direction=\"ingress\",reason=\"no_matching_rule\"}";
+    assert!(
+        policy_metric(&m, drops) >= 1.0,
+        "{}",
+        m.agent().metrics_text()
+    );
+    // What the mode does not cover, as status says: B straight to the endpoint.
+    assert!(tcp_ok(&topo, b, backend));
+    let text = status(&m);
+    assert!(
+        text.lines().any(|l| l.contains("default/web  enforce")
+            && l.contains("partial: userspace mode checks ingress through the VIPs only")),
+        "{text}"
+    );
+}
