@@ -103,6 +103,10 @@ pub(super) async fn serve(
     }
 }
 
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the serve loop's state, passed as it is; a struct would only rename it"
+)]
 async fn open_flow(
     service: &Arc<UdpSocket>,
     peer: SocketAddr,
