@@ -48,8 +48,8 @@ pub struct NftablesConfig {
     /// Leave the table in the kernel on stop (traffic keeps flowing while the agent
     /// is away); `rune-agent cleanup` removes it.
     pub keep_rules_on_stop: bool,
-    /// Most elements each policy set holds (`size`); none: the kernel's default
-    /// (unbounded). More is refused by the kernel, and policy fails closed.
+    /// Most elements each policy verdict map holds (`size`); none: unbounded. More
+    /// is refused by the kernel, and policy fails closed.
     pub policy_set_size: Option<u32>,
 }
 
@@ -130,12 +130,12 @@ fn apply_blocking(
     let policy_plan = (delta.full || policy_changed).then(|| st.book.plan());
     let policy_script = |objects: &PolicyObjects, old: &PolicyObjects| {
         if delta.full {
-            policy::full_script(objects, &existing.chains)
+            policy::full_script(objects, &existing.chains, set_size)
         } else {
             policy::change_script(old, objects)
         }
     };
-    let desired = policy_plan.as_ref().map(|p| policy::objects(p, set_size));
+    let desired = policy_plan.as_ref().map(policy::objects);
     let policy_part = desired
         .as_ref()
         .map(|o| policy_script(o, &st.policy))

@@ -3,25 +3,27 @@
 //!
 //! * Base chains `pol-forward`, `pol-output`, `pol-input` (filter, priority 0,
 //!   after DNAT: VIP traffic is checked on its chosen backend) jump to `pol`, which
-//!   accepts established and related packets (replies of allowed connections) and
-//!   looks the source up in `pol-from4`/`pol-from6` (egress) and the destination
-//!   in `pol-to4`/`pol-to6` (ingress): guarded address → `jump` the chain of the
-//!   service the address reports under.
-//! * Per service and direction, one chain per mode (`pol-in-e-NS/NAME`,
-//!   `pol-in-a-…`; `pol-out-…` for egress) and per family three interval sets
-//!   keyed by guarded address . peer prefix: `…-any-…` (rules for every port),
-//!   `…-ports-…` (also . protocol . port) and `…-peers-…` (peers of port rules,
-//!   to tell `port_not_allowed` from `no_matching_rule`). Allowed packets
-//!   `return` (so a packet between two guarded addresses is checked both ways);
-//!   the rest are dropped (enforce) or counted and passed (audit).
-//! * Named counters `pc-DIR-KIND-NS/NAME` count each verdict; [`verdict_counts`]
-//!   maps them back to the policy metrics.
-//! * Fail closed ([`failed_objects`]): when the kernel refuses the policy's
-//!   objects, each guarded address jumps to `pol-fail-DIR-NS/NAME`, which counts
-//!   and drops (audit policies: passes).
+//!   accepts established and related packets (replies of allowed connections), then
+//!   jumps to `pol-out` (egress: the source is guarded) and `pol-in` (ingress: the
+//!   destination is guarded).
+//! * Each of those looks the packet up in shared interval verdict maps keyed by
+//!   guarded address . peer prefix: `pol-in4-any` (rules for every port),
+//!   `pol-in4-ports` (also . protocol . port), `pol-in4-peers` (peers of port rules,
+//!   telling `port_not_allowed` from `no_matching_rule`) and last `pol-in4` (the
+//!   guarded address alone: nothing matched). Each element `goto`s a small chain of
+//!   the reporting service and mode that counts (named counters
+//!   `pc-DIR-KIND-NS/NAME`) and returns (allowed, or audit) or drops; a return
+//!   from a goto'd chain ends that direction's check, so a packet between two
+//!   guarded addresses is checked both ways.
+//! * Only the sixteen lookup rules bind the maps: a full sync of 1,000 policies is
+//!   elements and one-rule chains, which the kernel takes in well under a second
+//!   (per-service sets bound by per-service rules took ~8 s).
+//! * Fail closed ([`failed_objects`]): when the kernel refuses the policy, each
+//!   guarded address `goto`s `pol-fail-DIR-NS/NAME`, which counts and drops (audit
+//!   policies: returns).
 //!
-//! Interval sets refuse overlapping elements, so each element list is the
-//! aggregate of its prefixes (contained prefixes dropped, neighbours merged).
+//! Interval maps refuse overlapping keys, so each peer list is the aggregate of its
+//! prefixes (contained prefixes dropped, neighbours merged).
 
 use super::ruleset::TABLE;
 use crate::{
@@ -35,69 +37,100 @@ use ipnet::IpNet;
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
-    net::IpAddr,
 };
 
-/// The verdict maps: `(name, definition)`.
-const VMAPS: [(&str, &str); 4] = [
-    ("pol-to4", "type ipv4_addr : verdict ;"),
-    ("pol-to6", "type ipv6_addr : verdict ;"),
-    ("pol-from4", "type ipv4_addr : verdict ;"),
-    ("pol-from6", "type ipv6_addr : verdict ;"),
+/// The lookup kinds in check order, each with its key type (`A` stands for the
+/// family's address type).
+const KINDS: [(&str, &str); 4] = [
+    ("-any", "A . A"),
+    ("-ports", "A . A . inet_proto . inet_service"),
+    ("-peers", "A . A"),
+    ("", "A"),
 ];
 
-/// The fixed chains: name, definition, rules.
-fn skeleton() -> [(&'static str, &'static str, &'static [&'static str]); 4] {
-    [
-        (
-            "pol",
-            "",
-            &[
-                "ct state established,related accept",
-                "ip saddr vmap @pol-from4",
-                "ip6 saddr vmap @pol-from6",
-                "ip daddr vmap @pol-to4",
-                "ip6 daddr vmap @pol-to6",
-            ],
-        ),
-        (
-            "pol-forward",
-            "{ type filter hook forward priority 0; policy accept; }",
-            &["jump pol"],
-        ),
-        (
-            "pol-output",
-            "{ type filter hook output priority 0; policy accept; }",
-            &["jump pol"],
-        ),
-        (
-            "pol-input",
-            "{ type filter hook input priority 0; policy accept; }",
-            &["jump pol"],
-        ),
-    ]
+/// Every verdict map: `pol-{in,out}{4,6}{kind}`.
+fn maps() -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for d in ["in", "out"] {
+        for (f, addr) in [('4', "ipv4_addr"), ('6', "ipv6_addr")] {
+            for (kind, key) in KINDS {
+                out.push((format!("pol-{d}{f}{kind}"), key.replace('A', addr)));
+            }
+        }
+    }
+    out
 }
 
-/// Whether a chain or set of the table belongs to policy (the rest of the planner
-/// leaves those to this module).
+/// A map's definition, bounded by `size` when given.
+fn map_definition(name: &str, key: &str, size: Option<u32>) -> String {
+    let interval = if name.ends_with(['4', '6']) {
+        ""
+    } else {
+        " flags interval ;"
+    };
+    let size = size.map_or_else(String::new, |n| format!(" size {n} ;"));
+    format!("{{ type {key} : verdict ;{interval}{size} }}")
+}
+
+/// The fixed chains: name, definition, rules.
+fn skeleton() -> Vec<(String, &'static str, Vec<String>)> {
+    // Chains before the rules that jump to them.
+    let mut out = Vec::new();
+    for (d, guarded, peer) in [("in", "daddr", "saddr"), ("out", "saddr", "daddr")] {
+        let mut rules = Vec::new();
+        for (kind, _) in KINDS {
+            for (f, ipf) in [('4', "ip"), ('6', "ip6")] {
+                let key = match kind {
+                    "-ports" => format!("{ipf} {guarded} . {ipf} {peer} . meta l4proto . th dport"),
+                    "" => format!("{ipf} {guarded}"),
+                    _ => format!("{ipf} {guarded} . {ipf} {peer}"),
+                };
+                rules.push(format!("{key} vmap @pol-{d}{f}{kind}"));
+            }
+        }
+        out.push((format!("pol-{d}"), "", rules));
+    }
+    out.push((
+        "pol".to_owned(),
+        "",
+        vec![
+            "ct state established,related accept".to_owned(),
+            "jump pol-out".to_owned(),
+            "jump pol-in".to_owned(),
+        ],
+    ));
+    for hook in ["forward", "output", "input"] {
+        out.push((
+            format!("pol-{hook}"),
+            match hook {
+                "forward" => "{ type filter hook forward priority 0; policy accept; }",
+                "output" => "{ type filter hook output priority 0; policy accept; }",
+                _ => "{ type filter hook input priority 0; policy accept; }",
+            },
+            vec!["jump pol".to_owned()],
+        ));
+    }
+    out
+}
+
+/// Whether a chain of the table belongs to policy (the rest of the planner leaves
+/// those to this module).
 pub fn owns(name: &str) -> bool {
-    name.starts_with("pol") || name.starts_with("pc-")
+    name.starts_with("pol")
 }
 
 /// The policy objects of the table.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PolicyObjects {
-    /// Interval sets: name → (definition, elements).
-    pub sets: BTreeMap<String, (String, BTreeSet<String>)>,
+    /// Verdict map elements: (map, key) → the chain they go to.
+    pub elements: BTreeMap<(String, String), String>,
     /// Per-service chains with their rules.
     pub chains: BTreeMap<String, Vec<String>>,
     /// Named counters.
     pub counters: BTreeSet<String>,
-    /// Verdict map elements: (map, guarded address) → chain jumped to.
-    pub verdicts: BTreeMap<(&'static str, IpAddr), String>,
 }
 
-/// The counters of a service chain, by verdict.
+/// The counters of a service, by verdict.
 const COUNTER_KINDS: [&str; 5] = ["allow", "port", "nomatch", "audit", "unprog"];
 
 /// `in` or `out`.
@@ -108,28 +141,13 @@ fn dir(d: Direction) -> &'static str {
     }
 }
 
-/// The counter of `kind` (`allow`, `port`, `nomatch`, `audit`, `unprog`).
+/// The counter of `kind` (one of [`COUNTER_KINDS`]).
 fn counter(d: Direction, kind: &str, key: &ServiceKey) -> String {
     format!("pc-{}-{kind}-{}/{}", dir(d), key.namespace, key.name)
 }
 
-/// The verdict map of family `v4` and direction `d`.
-fn vmap(d: Direction, v4: bool) -> &'static str {
-    match (d, v4) {
-        (Direction::Ingress, true) => VMAPS[0].0,
-        (Direction::Ingress, false) => VMAPS[1].0,
-        (Direction::Egress, true) => VMAPS[2].0,
-        (Direction::Egress, false) => VMAPS[3].0,
-    }
-}
-
-fn set_name(d: Direction, f: char, kind: &str, key: &ServiceKey) -> String {
-    format!("pol-{}{f}-{kind}-{}/{}", dir(d), key.namespace, key.name)
-}
-
-/// The objects that enforce `plan`; sets hold at most `set_size` elements when
-/// given (the kernel refuses more: fail closed).
-pub fn objects(plan: &PolicyPlan, set_size: Option<u32>) -> PolicyObjects {
+/// The objects that enforce `plan`.
+pub fn objects(plan: &PolicyPlan) -> PolicyObjects {
     let mut out = PolicyObjects::default();
     for (addr, guarded) in &plan.endpoints {
         for (d, rules) in [
@@ -137,11 +155,9 @@ pub fn objects(plan: &PolicyPlan, set_size: Option<u32>) -> PolicyObjects {
             (Direction::Egress, &guarded.egress),
         ] {
             let Some(rules) = rules else { continue };
-            let key = &rules.service;
-            let chain = service_chain(&mut out, d, rules.mode, key, set_size);
+            let [ok, port, nomatch] = service_chains(&mut out, d, rules.mode, &rules.service);
             let v4 = addr.is_ipv4();
-            out.verdicts.insert((vmap(d, v4), *addr), chain);
-            let f = if v4 { '4' } else { '6' };
+            let map = |kind: &str| format!("pol-{}{}{kind}", dir(d), if v4 { '4' } else { '6' });
             let family = |n: &&IpNet| n.addr().is_ipv4() == v4;
             let mut any = Vec::new();
             let mut peers = Vec::new();
@@ -161,105 +177,60 @@ pub fn objects(plan: &PolicyPlan, set_size: Option<u32>) -> PolicyObjects {
                         .extend(nets.iter().copied());
                 }
             }
-            let elements = |set: &mut PolicyObjects, kind: &str, items: Vec<String>| {
-                let name = set_name(d, f, kind, key);
-                set.sets
-                    .get_mut(&name)
-                    .expect("service_chain declares the sets")
-                    .1
-                    .extend(items);
-            };
-            let pairs = |nets: Vec<IpNet>| -> Vec<String> {
-                IpNet::aggregate(&nets)
-                    .into_iter()
-                    .map(|n| format!("{addr} . {n}"))
-                    .collect()
-            };
-            elements(&mut out, "any", pairs(any));
-            elements(&mut out, "peers", pairs(peers));
-            let mut ported = Vec::new();
-            for ((protocol, port), nets) in by_port {
-                let p = super::ruleset::proto(protocol);
-                ported.extend(
-                    IpNet::aggregate(&nets)
-                        .into_iter()
-                        .map(|n| format!("{addr} . {n} . {p} . {port}")),
-                );
+            for n in IpNet::aggregate(&any) {
+                out.elements
+                    .insert((map("-any"), format!("{addr} . {n}")), ok.clone());
             }
-            elements(&mut out, "ports", ported);
+            for ((protocol, p), nets) in by_port {
+                let proto = super::ruleset::proto(protocol);
+                for n in IpNet::aggregate(&nets) {
+                    let key = format!("{addr} . {n} . {proto} . {p}");
+                    out.elements.insert((map("-ports"), key), ok.clone());
+                }
+            }
+            for n in IpNet::aggregate(&peers) {
+                out.elements
+                    .insert((map("-peers"), format!("{addr} . {n}")), port.clone());
+            }
+            out.elements.insert((map(""), addr.to_string()), nomatch);
         }
     }
     out
 }
 
-/// Declares the chain of `key` in direction `d` and mode `mode`, with its sets and
-/// counters; its name.
-fn service_chain(
+/// Declares the verdict chains of `key` in direction `d` and mode `mode` with
+/// their counters: allowed, peer without its port, nothing matched.
+fn service_chains(
     out: &mut PolicyObjects,
     d: Direction,
     mode: PolicyMode,
     key: &ServiceKey,
-    set_size: Option<u32>,
-) -> String {
+) -> [String; 3] {
     let m = if mode == PolicyMode::Audit { 'a' } else { 'e' };
-    let chain = format!("pol-{}-{m}-{}/{}", dir(d), key.namespace, key.name);
-    if out.chains.contains_key(&chain) {
-        return chain;
+    let name = |what: &str| format!("pol-{what}-{}-{m}-{}/{}", dir(d), key.namespace, key.name);
+    let names = [name("ok"), name("port"), name("nomatch")];
+    if out.chains.contains_key(&names[0]) {
+        return names;
     }
-    let (guarded, peer) = match d {
-        Direction::Ingress => ("daddr", "saddr"),
-        Direction::Egress => ("saddr", "daddr"),
+    let deny = |reason: &str| match mode {
+        PolicyMode::Enforce => format!("counter name {} drop", counter(d, reason, key)),
+        PolicyMode::Audit => format!("counter name {} return", counter(d, "audit", key)),
     };
-    let size = set_size.map_or_else(String::new, |n| format!(" size {n} ;"));
-    let allow = counter(d, "allow", key);
-    let mut rules = Vec::new();
-    let mut port_rules = Vec::new();
-    for (f, ipf, addr_type) in [('4', "ip", "ipv4_addr"), ('6', "ip6", "ipv6_addr")] {
-        for (kind, concat) in [
-            ("any", format!("{addr_type} . {addr_type}")),
-            (
-                "ports",
-                format!("{addr_type} . {addr_type} . inet_proto . inet_service"),
-            ),
-            ("peers", format!("{addr_type} . {addr_type}")),
-        ] {
-            let def = format!("{{ type {concat} ; flags interval ;{size} }}");
-            out.sets
-                .entry(set_name(d, f, kind, key))
-                .or_insert_with(|| (def, BTreeSet::new()));
-        }
-        let pair = format!("{ipf} {guarded} . {ipf} {peer}");
-        let any = set_name(d, f, "any", key);
-        let ports = set_name(d, f, "ports", key);
-        let peers = set_name(d, f, "peers", key);
-        rules.push(format!("{pair} @{any} counter name {allow} return"));
-        rules.push(format!(
-            "{pair} . meta l4proto . th dport @{ports} counter name {allow} return"
-        ));
-        port_rules.push(match mode {
-            PolicyMode::Enforce => format!(
-                "{pair} @{peers} counter name {} drop",
-                counter(d, "port", key)
-            ),
-            PolicyMode::Audit => format!(
-                "{pair} @{peers} counter name {} return",
-                counter(d, "audit", key)
-            ),
-        });
+    let rules = [
+        format!("counter name {} return", counter(d, "allow", key)),
+        deny("port"),
+        deny("nomatch"),
+    ];
+    for (chain, rule) in names.iter().zip(rules) {
+        out.chains.insert(chain.clone(), vec![rule]);
     }
-    rules.extend(port_rules);
-    rules.push(match mode {
-        PolicyMode::Enforce => format!("counter name {} drop", counter(d, "nomatch", key)),
-        PolicyMode::Audit => format!("counter name {}", counter(d, "audit", key)),
-    });
     for kind in COUNTER_KINDS {
         out.counters.insert(counter(d, kind, key));
     }
-    out.chains.insert(chain.clone(), rules);
-    chain
+    names
 }
 
-/// Fail closed: every guarded address of `plan` jumps to its service's failure
+/// Fail closed: every guarded address of `plan` goes to its service's failure
 /// chain, which drops and counts (`policy_unprogrammable`); audit policies pass.
 pub fn failed_objects(plan: &PolicyPlan) -> PolicyObjects {
     let mut out = PolicyObjects::default();
@@ -278,39 +249,31 @@ pub fn failed_objects(plan: &PolicyPlan) -> PolicyObjects {
             };
             out.counters.insert(unprog);
             out.chains.insert(chain.clone(), vec![rule]);
-            out.verdicts.insert((vmap(d, addr.is_ipv4()), *addr), chain);
+            let f = if addr.is_ipv4() { '4' } else { '6' };
+            out.elements
+                .insert((format!("pol-{}{f}", dir(d)), addr.to_string()), chain);
         }
     }
     out
 }
 
 /// The policy part of a full sync, after the rest of the table's script (which
-/// flushed every existing chain): declares the fixed part, replaces every
-/// per-service object, and deletes those of `existing_chains` no longer wanted.
-pub fn full_script(new: &PolicyObjects, existing_chains: &BTreeSet<String>) -> String {
+/// flushed every existing chain): declares the fixed part with maps of at most
+/// `size` elements, replaces every per-service object, and deletes those of
+/// `existing_chains` no longer wanted.
+pub fn full_script(
+    new: &PolicyObjects,
+    existing_chains: &BTreeSet<String>,
+    size: Option<u32>,
+) -> String {
     let mut s = String::new();
-    for (map, def) in VMAPS {
-        let _ = writeln!(s, "add map {TABLE} {map} {{ {def} }}");
+    for (map, key) in maps() {
+        let def = map_definition(&map, &key, size);
+        let _ = writeln!(s, "add map {TABLE} {map} {def}");
         let _ = writeln!(s, "flush map {TABLE} {map}");
-    }
-    // Sets of old service chains go (their rules were flushed); wanted ones are
-    // declared afresh below, so their definitions may change.
-    let (old_sets, old_counters) = old_objects(existing_chains);
-    for set in &old_sets {
-        let _ = writeln!(s, "delete set {TABLE} {set}");
     }
     for c in &new.counters {
         let _ = writeln!(s, "add counter {TABLE} {c}");
-    }
-    for (name, (def, elements)) in &new.sets {
-        let _ = writeln!(s, "add set {TABLE} {name} {def}");
-        add_elements(&mut s, name, elements);
-    }
-    for (name, def, rules) in skeleton() {
-        let _ = writeln!(s, "add chain {TABLE} {name} {def}");
-        for r in rules {
-            let _ = writeln!(s, "add rule {TABLE} {name} {r}");
-        }
     }
     for (name, rules) in &new.chains {
         let _ = writeln!(s, "add chain {TABLE} {name}");
@@ -318,76 +281,69 @@ pub fn full_script(new: &PolicyObjects, existing_chains: &BTreeSet<String>) -> S
             let _ = writeln!(s, "add rule {TABLE} {name} {r}");
         }
     }
-    add_verdicts(&mut s, new.verdicts.iter());
-    let fixed: BTreeSet<&str> = skeleton().iter().map(|(n, _, _)| *n).collect();
+    for (name, def, rules) in skeleton() {
+        let _ = writeln!(s, "add chain {TABLE} {name} {def}");
+        for r in rules {
+            let _ = writeln!(s, "add rule {TABLE} {name} {r}");
+        }
+    }
+    add_elements(&mut s, new.elements.iter());
+    let fixed: BTreeSet<String> = skeleton().into_iter().map(|(n, _, _)| n).collect();
     for chain in existing_chains {
-        if owns(chain) && !fixed.contains(chain.as_str()) && !new.chains.contains_key(chain) {
+        if owns(chain) && !fixed.contains(chain) && !new.chains.contains_key(chain) {
             let _ = writeln!(s, "delete chain {TABLE} {chain}");
         }
     }
-    for c in old_counters.difference(&new.counters) {
+    for c in old_counters(existing_chains).difference(&new.counters) {
         let _ = writeln!(s, "delete counter {TABLE} {c}");
     }
     s
 }
 
-/// The sets and counters that exist with the service chains among `chains` (made
-/// and deleted together).
-fn old_objects(chains: &BTreeSet<String>) -> (BTreeSet<String>, BTreeSet<String>) {
-    let (mut sets, mut counters) = (BTreeSet::new(), BTreeSet::new());
+/// The counters that exist with the per-service chains among `chains` (made and
+/// deleted together).
+fn old_counters(chains: &BTreeSet<String>) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
     for chain in chains {
         let Some(rest) = chain.strip_prefix("pol-") else {
+            continue;
+        };
+        let Some((what, rest)) = rest.split_once('-') else {
             continue;
         };
         let Some((d, rest)) = rest.split_once('-') else {
             continue;
         };
-        let direction = match d {
-            "in" => Direction::Ingress,
-            "out" => Direction::Egress,
-            _ => continue, // pol-fail-…, pol-forward, …
-        };
-        let Some(service) = rest.strip_prefix("e-").or_else(|| rest.strip_prefix("a-")) else {
-            continue;
-        };
-        let Some((namespace, name)) = service.split_once('/') else {
-            continue;
-        };
-        let key = ServiceKey::new(namespace, name);
-        for f in ['4', '6'] {
-            for kind in ["any", "ports", "peers"] {
-                sets.insert(set_name(direction, f, kind, &key));
+        let service = match what {
+            "fail" => {
+                out.insert(format!("pc-{d}-unprog-{rest}"));
+                continue;
             }
-        }
-        for kind in COUNTER_KINDS {
-            counters.insert(counter(direction, kind, &key));
-        }
-    }
-    for chain in chains {
-        // pol-fail-DIR-NS/NAME: its one counter.
-        let Some(rest) = chain.strip_prefix("pol-fail-") else {
-            continue;
+            "ok" | "port" | "nomatch" => rest.get(2..).unwrap_or_default(),
+            _ => continue,
         };
-        if let Some((d, service)) = rest.split_once('-') {
-            counters.insert(format!("pc-{d}-unprog-{service}"));
+        for kind in COUNTER_KINDS {
+            out.insert(format!("pc-{d}-{kind}-{service}"));
         }
     }
-    (sets, counters)
+    out
 }
 
-fn add_elements(s: &mut String, set: &str, elements: &BTreeSet<String>) {
-    let items: Vec<&str> = elements.iter().map(String::as_str).collect();
-    for chunk in items.chunks(4096) {
-        let _ = writeln!(s, "add element {TABLE} {set} {{ {} }}", chunk.join(", "));
-    }
-}
-
-fn add_verdicts<'a>(
+fn add_elements<'a>(
     s: &mut String,
-    verdicts: impl Iterator<Item = (&'a (&'static str, IpAddr), &'a String)>,
+    elements: impl Iterator<Item = (&'a (String, String), &'a String)>,
 ) {
-    for ((map, addr), chain) in verdicts {
-        let _ = writeln!(s, "add element {TABLE} {map} {{ {addr} : jump {chain} }}");
+    let mut by_map: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for ((map, key), chain) in elements {
+        by_map
+            .entry(map)
+            .or_default()
+            .push(format!("{key} : goto {chain}"));
+    }
+    for (map, items) in by_map {
+        for chunk in items.chunks(4096) {
+            let _ = writeln!(s, "add element {TABLE} {map} {{ {} }}", chunk.join(", "));
+        }
     }
 }
 
@@ -398,68 +354,39 @@ pub fn change_script(old: &PolicyObjects, new: &PolicyObjects) -> String {
     if old == new {
         return s;
     }
-    // 1. Verdicts that change or go, and set elements that go.
-    for (key @ (map, addr), chain) in &old.verdicts {
-        if new.verdicts.get(key) != Some(chain) {
-            let _ = writeln!(s, "delete element {TABLE} {map} {{ {addr} }}");
+    // 1. Elements that change or go.
+    let mut gone: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (key @ (map, k), chain) in &old.elements {
+        if new.elements.get(key) != Some(chain) {
+            gone.entry(map).or_default().push(k);
         }
     }
-    for (name, (_, elements)) in &old.sets {
-        if let Some((_, new_elements)) = new.sets.get(name) {
-            let gone: Vec<&str> = elements
-                .difference(new_elements)
-                .map(String::as_str)
-                .collect();
-            if !gone.is_empty() {
-                let _ = writeln!(s, "delete element {TABLE} {name} {{ {} }}", gone.join(", "));
-            }
-        }
+    for (map, keys) in gone {
+        let _ = writeln!(s, "delete element {TABLE} {map} {{ {} }}", keys.join(", "));
     }
-    // 2. New counters and sets, and new elements. A set's definition is the same
-    //    for the whole run (only the size flag changes it; a start re-declares).
+    // 2. New counters and chains (a chain's one rule never changes: its name
+    //    says what it does).
     for c in new.counters.difference(&old.counters) {
         let _ = writeln!(s, "add counter {TABLE} {c}");
     }
-    for (name, (def, elements)) in &new.sets {
-        match old.sets.get(name) {
-            None => {
-                let _ = writeln!(s, "add set {TABLE} {name} {def}");
-                add_elements(&mut s, name, elements);
-            }
-            Some((_, old_elements)) => {
-                let added: BTreeSet<String> = elements.difference(old_elements).cloned().collect();
-                add_elements(&mut s, name, &added);
-            }
-        }
-    }
-    // 3. Chains that are new or changed.
     for (name, rules) in &new.chains {
-        match old.chains.get(name) {
-            Some(old_rules) if old_rules == rules => continue,
-            Some(_) => {
-                let _ = writeln!(s, "flush chain {TABLE} {name}");
+        if !old.chains.contains_key(name) {
+            let _ = writeln!(s, "add chain {TABLE} {name}");
+            for r in rules {
+                let _ = writeln!(s, "add rule {TABLE} {name} {r}");
             }
-            None => {
-                let _ = writeln!(s, "add chain {TABLE} {name}");
-            }
-        }
-        for r in rules {
-            let _ = writeln!(s, "add rule {TABLE} {name} {r}");
         }
     }
-    // 4. Verdicts that are new or changed.
-    add_verdicts(
+    // 3. Elements that are new or changed.
+    add_elements(
         &mut s,
-        new.verdicts
+        new.elements
             .iter()
-            .filter(|(key, chain)| old.verdicts.get(key) != Some(chain)),
+            .filter(|(key, chain)| old.elements.get(*key) != Some(*chain)),
     );
-    // 5. What is gone.
+    // 4. What is gone.
     for name in old.chains.keys().filter(|c| !new.chains.contains_key(*c)) {
         let _ = writeln!(s, "delete chain {TABLE} {name}");
-    }
-    for name in old.sets.keys().filter(|n| !new.sets.contains_key(*n)) {
-        let _ = writeln!(s, "delete set {TABLE} {name}");
     }
     for c in old.counters.difference(&new.counters) {
         let _ = writeln!(s, "delete counter {TABLE} {c}");

@@ -13,135 +13,129 @@ use crate::{
 use std::collections::{BTreeMap, BTreeSet};
 
 fn plan(policy: &str, eps: &str) -> PolicyPlan {
+    let ports = "[{name: http, port: 80, targetPort: 8080}]";
     compile(
         "node-a",
-        &views(&service(
-            "shop",
-            "web",
-            "[{name: http, port: 80, targetPort: 8080}]",
-            "",
-            policy,
-            eps,
-        )),
+        &views(&service("shop", "web", ports, "", policy, eps)),
     )
 }
 
-fn elements<'o>(o: &'o PolicyObjects, set: &str) -> &'o BTreeSet<String> {
-    &o.sets
-        .get(set)
-        .unwrap_or_else(|| panic!("no set {set}: {:?}", o.sets.keys()))
-        .1
+/// The elements of `map` as `key : goto chain` lines.
+fn elements(o: &PolicyObjects, map: &str) -> Vec<String> {
+    o.elements
+        .iter()
+        .filter(|((m, _), _)| m == map)
+        .map(|((_, k), c)| format!("{k} : goto {c}"))
+        .collect()
 }
 
 #[test]
-fn rules_become_aggregated_set_elements_keyed_by_the_guarded_address() {
+fn rules_become_aggregated_elements_keyed_by_the_guarded_address() {
     let p = plan(
         "{ingress: [{from: [{cidr: 198.18.1.2/32}, {cidr: 198.18.1.3/32}, {cidr: 198.18.0.0/16}]}, \
          {from: [{cidr: 10.0.0.0/8}], ports: [http, \"53/udp\"]}]}",
         "[{address: 198.18.11.2}]",
     );
-    let o = objects(&p, None);
+    let o = objects(&p);
     assert_eq!(
-        elements(&o, "pol-in4-any-shop/web"),
-        &BTreeSet::from(["198.18.11.2 . 198.18.0.0/16".to_owned()])
-    );
-    assert_eq!(
-        elements(&o, "pol-in4-ports-shop/web"),
-        &BTreeSet::from([
-            "198.18.11.2 . 10.0.0.0/8 . tcp . 8080".to_owned(),
-            "198.18.11.2 . 10.0.0.0/8 . udp . 53".to_owned(),
-        ])
+        elements(&o, "pol-in4-any"),
+        ["198.18.11.2 . 198.18.0.0/16 : goto pol-ok-in-e-shop/web"]
     );
     assert_eq!(
-        elements(&o, "pol-in4-peers-shop/web"),
-        &BTreeSet::from(["198.18.11.2 . 10.0.0.0/8".to_owned()])
+        elements(&o, "pol-in4-ports"),
+        [
+            "198.18.11.2 . 10.0.0.0/8 . tcp . 8080 : goto pol-ok-in-e-shop/web",
+            "198.18.11.2 . 10.0.0.0/8 . udp . 53 : goto pol-ok-in-e-shop/web",
+        ]
     );
-    assert!(elements(&o, "pol-in6-any-shop/web").is_empty());
-    let chain = &o.verdicts[&("pol-to4", "198.18.11.2".parse().unwrap())];
-    assert_eq!(chain, "pol-in-e-shop/web");
-    let rules = &o.chains[chain];
     assert_eq!(
-        rules.last().unwrap(),
-        "counter name pc-in-nomatch-shop/web drop"
+        elements(&o, "pol-in4-peers"),
+        ["198.18.11.2 . 10.0.0.0/8 : goto pol-port-in-e-shop/web"]
     );
-    assert!(
-        rules.contains(
-            &"ip daddr . ip saddr @pol-in4-peers-shop/web counter name pc-in-port-shop/web drop"
-                .to_owned()
-        )
+    assert_eq!(
+        elements(&o, "pol-in4"),
+        ["198.18.11.2 : goto pol-nomatch-in-e-shop/web"]
     );
-    assert!(!o.sets["pol-in4-any-shop/web"].0.contains("size"));
-    assert!(
-        objects(&p, Some(9)).sets["pol-in4-any-shop/web"]
-            .0
-            .contains("size 9 ;")
+    assert_eq!(
+        o.chains["pol-nomatch-in-e-shop/web"],
+        ["counter name pc-in-nomatch-shop/web drop"]
+    );
+    assert_eq!(
+        o.chains["pol-ok-in-e-shop/web"],
+        ["counter name pc-in-allow-shop/web return"]
     );
 }
 
 #[test]
-fn audit_chains_count_and_pass() {
+fn audit_chains_count_and_return() {
     let p = plan(
         "{mode: audit, egress: [{to: [{cidr: 10.0.0.0/8}]}]}",
         "[{address: \"fd00:11::2\"}]",
     );
-    let o = objects(&p, None);
-    let chain = &o.verdicts[&("pol-from6", "fd00:11::2".parse().unwrap())];
-    assert_eq!(chain, "pol-out-a-shop/web");
-    let rules = &o.chains[chain];
-    assert_eq!(rules.last().unwrap(), "counter name pc-out-audit-shop/web");
-    assert!(rules.iter().all(|r| !r.ends_with("drop")), "{rules:?}");
-    assert!(rules.contains(&"ip6 saddr . ip6 daddr @pol-out6-any-shop/web counter name pc-out-allow-shop/web return".to_owned()));
+    let o = objects(&p);
+    assert_eq!(
+        elements(&o, "pol-out6"),
+        ["fd00:11::2 : goto pol-nomatch-out-a-shop/web"]
+    );
+    assert_eq!(
+        o.chains["pol-nomatch-out-a-shop/web"],
+        ["counter name pc-out-audit-shop/web return"]
+    );
+    assert!(o.chains.values().flatten().all(|r| !r.ends_with("drop")));
 }
 
 #[test]
 fn a_new_endpoint_changes_elements_only() {
     let policy = "{ingress: [{from: [{cidr: 198.18.1.2/32}]}]}";
-    let before = objects(&plan(policy, "[{address: 198.18.11.2}]"), None);
-    let after = objects(&plan(policy, "[{address: 198.18.12.2}]"), None);
+    let before = objects(&plan(policy, "[{address: 198.18.11.2}]"));
+    let after = objects(&plan(policy, "[{address: 198.18.12.2}]"));
     let script = change_script(&before, &after);
     let lines: Vec<&str> = script.lines().collect();
     assert_eq!(
         lines,
         [
-            "delete element inet rune pol-to4 { 198.18.11.2 }",
-            "delete element inet rune pol-in4-any-shop/web { 198.18.11.2 . 198.18.1.2/32 }",
-            "add element inet rune pol-in4-any-shop/web { 198.18.12.2 . 198.18.1.2/32 }",
-            "add element inet rune pol-to4 { 198.18.12.2 : jump pol-in-e-shop/web }",
+            "delete element inet rune pol-in4 { 198.18.11.2 }",
+            "delete element inet rune pol-in4-any { 198.18.11.2 . 198.18.1.2/32 }",
+            "add element inet rune pol-in4 { 198.18.12.2 : goto pol-nomatch-in-e-shop/web }",
+            "add element inet rune pol-in4-any { 198.18.12.2 . 198.18.1.2/32 : goto pol-ok-in-e-shop/web }",
         ]
     );
     assert_eq!(change_script(&after, &after), "");
 }
 
 #[test]
-fn a_removed_policy_takes_its_objects_along() {
-    let before = objects(&plan("{ingress: [{}]}", "[{address: 198.18.11.2}]"), None);
+fn a_removed_policy_takes_its_objects_along_after_its_elements() {
+    let before = objects(&plan("{ingress: [{}]}", "[{address: 198.18.11.2}]"));
     let script = change_script(&before, &PolicyObjects::default());
+    let chain = script
+        .find("delete chain inet rune pol-ok-in-e-shop/web\n")
+        .unwrap();
     assert!(
-        script.contains("delete chain inet rune pol-in-e-shop/web\n"),
+        script.find("delete element inet rune pol-in4 ").unwrap() < chain,
         "{script}"
     );
     assert!(
-        script.contains("delete set inet rune pol-in6-peers-shop/web\n"),
-        "{script}"
+        chain
+            < script
+                .find("delete counter inet rune pc-in-allow-shop/web\n")
+                .unwrap()
     );
-    assert!(
-        script.contains("delete counter inet rune pc-in-allow-shop/web\n"),
-        "{script}"
-    );
-    let chain = script.find("delete chain").unwrap();
-    assert!(script.find("delete element inet rune pol-to4").unwrap() < chain);
-    assert!(chain < script.find("delete set").unwrap());
 }
 
 #[test]
 fn failure_objects_drop_enforced_and_pass_audited_traffic() {
-    let p = plan("{ingress: [{}], egress: [{}]}", "[{address: 198.18.11.2}]");
-    let o = failed_objects(&p);
+    let o = failed_objects(&plan(
+        "{ingress: [{}], egress: [{}]}",
+        "[{address: 198.18.11.2}]",
+    ));
     assert_eq!(
         o.chains["pol-fail-in-shop/web"],
         ["counter name pc-in-unprog-shop/web drop"]
     );
-    assert_eq!(o.verdicts.len(), 2);
+    assert_eq!(
+        elements(&o, "pol-out4"),
+        ["198.18.11.2 : goto pol-fail-out-shop/web"]
+    );
     let audit = failed_objects(&plan(
         "{mode: audit, ingress: [{}]}",
         "[{address: 198.18.11.2}]",
@@ -150,20 +144,28 @@ fn failure_objects_drop_enforced_and_pass_audited_traffic() {
 }
 
 #[test]
-fn a_full_sync_replaces_the_sets_of_old_chains_and_deletes_unwanted_ones() {
-    let o = objects(&plan("{ingress: [{}]}", "[{address: 198.18.11.2}]"), None);
+fn a_full_sync_declares_bounded_maps_and_deletes_what_is_unwanted() {
+    let o = objects(&plan("{ingress: [{}]}", "[{address: 198.18.11.2}]"));
     let existing = BTreeSet::from([
-        "pol-in-e-shop/web".to_owned(),
-        "pol-out-a-shop/gone".to_owned(),
+        "pol-ok-in-e-shop/web".to_owned(),
+        "pol-ok-out-a-shop/gone".to_owned(),
+        "pol-fail-in-shop/old".to_owned(),
+        "pol".to_owned(),
         "services".to_owned(),
     ]);
-    let script = full_script(&o, &existing);
-    assert!(script.contains("delete set inet rune pol-in4-any-shop/web\n"));
-    assert!(script.contains("add set inet rune pol-in4-any-shop/web "));
-    assert!(script.contains("delete chain inet rune pol-out-a-shop/gone\n"));
+    let script = full_script(&o, &existing, Some(7));
+    assert!(script.contains(
+        "add map inet rune pol-in4-ports { type ipv4_addr . ipv4_addr . inet_proto . inet_service : verdict ; flags interval ; size 7 ; }\n"
+    ), "{script}");
+    assert!(
+        script.contains("add map inet rune pol-out6 { type ipv6_addr : verdict ; size 7 ; }\n")
+    );
+    assert!(script.contains("delete chain inet rune pol-ok-out-a-shop/gone\n"));
     assert!(script.contains("delete counter inet rune pc-out-allow-shop/gone\n"));
+    assert!(script.contains("delete counter inet rune pc-in-unprog-shop/old\n"));
     assert!(!script.contains("delete counter inet rune pc-in-allow-shop/web"));
     assert!(!script.contains("delete chain inet rune services"));
+    assert!(!script.contains("delete chain inet rune pol\n"));
 }
 
 #[test]
@@ -183,30 +185,12 @@ fn named_counters_map_back_to_verdicts() {
         counts[&(web.clone(), Direction::Ingress, Verdict::Allow)],
         4
     );
-    assert_eq!(
-        counts[&(
-            web.clone(),
-            Direction::Ingress,
-            Verdict::Drop(DropReason::PortNotAllowed)
-        )],
-        2
-    );
-    assert_eq!(
-        counts[&(
-            web.clone(),
-            Direction::Egress,
-            Verdict::Drop(DropReason::NoMatchingRule)
-        )],
-        1
-    );
-    assert_eq!(
-        counts[&(
-            web.clone(),
-            Direction::Egress,
-            Verdict::Drop(DropReason::PolicyUnprogrammable)
-        )],
-        3
-    );
+    let port = Verdict::Drop(DropReason::PortNotAllowed);
+    assert_eq!(counts[&(web.clone(), Direction::Ingress, port)], 2);
+    let nomatch = Verdict::Drop(DropReason::NoMatchingRule);
+    assert_eq!(counts[&(web.clone(), Direction::Egress, nomatch)], 1);
+    let unprog = Verdict::Drop(DropReason::PolicyUnprogrammable);
+    assert_eq!(counts[&(web.clone(), Direction::Egress, unprog)], 3);
     assert_eq!(
         counts[&(web, Direction::Ingress, Verdict::AuditWouldDrop)],
         5
