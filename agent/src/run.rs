@@ -216,7 +216,10 @@ pub async fn run(config: Config) -> Result<()> {
         "starting rune-agent"
     );
     if mode == Mode::Dev {
-        tracing::warn!("dev mode: network policy is not enforced");
+        tracing::warn!(
+            "dev mode: network policy is checked for connections through the proxies only \
+             (ingress, not direct traffic to endpoints, not egress)"
+        );
     }
     // One signal future for the whole run, installed before start: a SIGTERM that
     // arrives between start and the wait below is not lost.
