@@ -17,7 +17,7 @@ use std::{
 };
 
 use rune_agent_tests::{
-    modes::{Mode, ModeAgent, TCP_PORT, UDP_PORT, VIP4, is_refused},
+    modes::{Mode, ModeAgent, TCP_PORT, UDP_PORT, VIP4, VIP6, is_refused},
     vip::{BACKEND_PORT, PATIENCE, topology, wait_reachable},
 };
 use rune_harness::{
@@ -164,6 +164,25 @@ fn nftables_a_cidr_rule_admits_one_client_on_the_vip_and_direct_paths() {
     // Without the policy, B gets through again.
     m.apply(&service("web", VIP4, "", &backends));
     wait_ok(&topo, b, vip());
+}
+
+#[test]
+fn nftables_ipv6_clients_are_told_apart_too() {
+    require_root().unwrap();
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let topo = topology(1);
+    let m = ModeAgent::start(Mode::Nftables, &topo);
+    let (a, b) = (
+        IpAddr::V6(topo.client_addr().v6),
+        IpAddr::V6(topo.client_alt_addr().v6),
+    );
+    let backend = IpAddr::V6(topo.backends()[0].addr().v6);
+    let policy = format!("{{ingress: [{{from: [{{cidr: \"{a}/128\"}}], ports: [http]}}]}}");
+    m.apply(&service("web", VIP6, &policy, &[backend]));
+    let vip6 = SocketAddr::new(VIP6.parse().unwrap(), TCP_PORT);
+    wait_ok(&topo, a, vip6);
+    assert!(tcp_ok(&topo, a, SocketAddr::new(backend, BACKEND_PORT)));
+    assert_dropped(&topo, b, vip6);
 }
 
 #[test]
