@@ -15,9 +15,9 @@
 //!   `pc-DIR-KIND-NS/NAME`) and returns (allowed, or audit) or drops; a return
 //!   from a goto'd chain ends that direction's check, so a packet between two
 //!   guarded addresses is checked both ways.
-//! * Only the sixteen lookup rules bind the maps: a full sync of 1,000 policies is
-//!   elements and one-rule chains, which the kernel takes in well under a second
-//!   (per-service sets bound by per-service rules took ~8 s).
+//! * Only the sixteen lookup rules bind the maps (binding walks a map's elements):
+//!   a full sync is elements and one-rule chains, and a change is elements (plus
+//!   the chains of a service's first policy).
 //! * Fail closed ([`failed_objects`]): when the kernel refuses the policy, each
 //!   guarded address `goto`s `pol-fail-DIR-NS/NAME`, which counts and drops (audit
 //!   policies: returns).
