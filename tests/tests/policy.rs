@@ -242,6 +242,33 @@ fn nftables_a_service_peer_follows_its_endpoints() {
     assert_dropped(&topo, a, backend);
 }
 
+#[test]
+fn nftables_a_namespace_peer_admits_its_services_endpoints() {
+    require_root().unwrap();
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let topo = topology(1);
+    let m = ModeAgent::start(Mode::Nftables, &topo);
+    let (a, b) = (
+        IpAddr::V4(topo.client_addr().v4),
+        IpAddr::V4(topo.client_alt_addr().v4),
+    );
+    // Service `api` in namespace `ops` has client A as its endpoint; B is in no
+    // service of `ops`.
+    let api = service("api", "198.18.100.30", "", &[a]).replace(
+        "metadata: {name: api}",
+        "metadata: {namespace: ops, name: api}",
+    );
+    m.apply(&api);
+    m.apply(&service(
+        "web",
+        VIP4,
+        "{ingress: [{from: [{namespace: ops}]}]}",
+        &[v4(&topo, 0)],
+    ));
+    wait_ok(&topo, a, vip());
+    assert_dropped(&topo, b, vip());
+}
+
 /// A TCP request from backend `from`'s namespace to `to`: whether it was answered.
 fn backend_dial(topo: &Topology, from: usize, to: SocketAddr) -> bool {
     topo.backends()[from]
