@@ -374,6 +374,16 @@ fn nftables_a_policy_the_kernel_refuses_fails_closed() {
         "{}",
         m.agent().metrics_text()
     );
+    // A policy that fits is programmed again.
+    let policy = format!("{{ingress: [{{from: [{{cidr: {a}/32}}]}}]}}");
+    m.apply(&service("web", VIP4, &policy, &[v4(&topo, 0)]));
+    wait_ok(&topo, a, vip());
+    let text = status(&m);
+    assert!(
+        text.lines()
+            .any(|l| l.contains("default/web  enforce") && l.contains("programmed")),
+        "{text}"
+    );
 }
 
 #[test]

@@ -125,9 +125,11 @@ fn apply_blocking(
     let mut st = lock(state);
     let plan = st.ruleset.plan(delta, &existing);
     let lines = plan.script.lines().count();
-    // Policy: recompiled when the delta may change it, in the same transaction.
+    // Policy: recompiled when the delta may change it (or the kernel refused it
+    // last time: every transaction tries again), in the same transaction.
     let policy_changed = st.book.apply(delta);
-    let policy_plan = (delta.full || policy_changed).then(|| st.book.plan());
+    let retry = st.policy_failure.is_some();
+    let policy_plan = (delta.full || policy_changed || retry).then(|| st.book.plan());
     let policy_script = |objects: &PolicyObjects, old: &PolicyObjects| {
         if delta.full {
             policy::full_script(objects, &existing.chains, set_size)
