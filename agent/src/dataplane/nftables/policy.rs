@@ -3,7 +3,8 @@
 //!
 //! * Base chains `pol-forward`, `pol-output`, `pol-input` (filter, priority 0,
 //!   after DNAT: VIP traffic is checked on its chosen backend) jump to `pol`, which
-//!   accepts established and related packets (replies of allowed connections), then
+//!   accepts established and related packets (replies of allowed connections) and
+//!   IPv6 neighbour and router discovery, then
 //!   jumps to `pol-out` (egress: the source is guarded) and `pol-in` (ingress: the
 //!   destination is guarded).
 //! * Each of those looks the packet up in shared interval verdict maps keyed by
@@ -95,6 +96,11 @@ fn skeleton() -> Vec<(String, &'static str, Vec<String>)> {
         "",
         vec![
             "ct state established,related accept".to_owned(),
+            // IPv6 neighbour discovery is the link's, not a peer's: without it a
+            // guarded address's neighbour entries fail and allowed traffic stops.
+            "icmpv6 type { nd-neighbor-solicit, nd-neighbor-advert, nd-router-solicit, \
+             nd-router-advert } accept"
+                .to_owned(),
             "jump pol-out".to_owned(),
             "jump pol-in".to_owned(),
         ],
