@@ -243,7 +243,10 @@ pub async fn run(config: Config) -> Result<()> {
         "starting rune-agent"
     );
     if mode == Mode::Dev {
-        tracing::warn!("dev mode: network policy is not enforced");
+        tracing::warn!(
+            "dev mode: network policy is checked for connections through the proxies only \
+             (ingress, not direct traffic to endpoints, not egress)"
+        );
     }
     // One signal future for the whole run, installed before start: a SIGTERM that
     // arrives between start and the wait below is not lost.
@@ -455,16 +458,19 @@ fn start_dataplane(
             let attached = ebpf.attachments().to_vec();
             return Ok(Started::Plane(Arc::new(ebpf), Some(attached)));
         }
-        DataplaneMode::Nftables => Arc::new(
-            NftablesDataPlane::new(NftablesConfig {
+        DataplaneMode::Nftables => {
+            let nft = NftablesDataPlane::new(NftablesConfig {
                 node_name: identity.hostname.clone(),
                 keep_rules_on_stop: config.keep_rules_on_stop,
+                policy_set_size: config.nft_policy_set_size,
             })
             .context(
                 "starting the nftables data plane (its preflight checks passed: this is an \
                  error of nft itself)",
-            )?,
-        ),
+            )?;
+            metrics.set_dataplane_collector(nft.collector());
+            Arc::new(nft)
+        }
         DataplaneMode::Userspace => userspace_proxy(config, identity, metrics, ListenOn::Vips, 0)?,
     };
     Ok(Started::Plane(plane, None))
@@ -478,7 +484,7 @@ fn userspace_proxy(
     listen: ListenOn,
     port_offset: u16,
 ) -> Result<Arc<dyn DataPlane>> {
-    Ok(Arc::new(UserspaceProxy::new(
+    let proxy = UserspaceProxy::new(
         ProxyConfig {
             listen,
             port_offset,
@@ -488,7 +494,9 @@ fn userspace_proxy(
             ..ProxyConfig::default()
         },
         metrics.clone(),
-    )?))
+    )?;
+    metrics.set_dataplane_collector(proxy.collector());
+    Ok(Arc::new(proxy))
 }
 
 /// The eBPF data plane's settings: hooks from the config, else the cgroup v2 root

@@ -6,10 +6,17 @@
 //! namespace or CIDR and by port. The data planes cannot evaluate names: [`plan`]
 //! holds the same rules resolved against the endpoint cache into addresses,
 //! prefixes and ports, per endpoint of this node, which the eBPF maps, the nftables
-//! sets and the userspace proxies each program in their own way.
+//! verdict maps and the userspace proxies each program in their own way.
+//!
+//! A data plane keeps a [`PolicyBook`] fed with the endpoint cache's deltas;
+//! [`compile`] turns it into the plan (the semantics live there); [`metrics`] writes
+//! the verdict counts every data plane hands over as the `rune_policy_*` families;
+//! [`status`] is what `status` shows per policy. User documentation:
+//! `docs/policy.md`.
 
 pub mod book;
 pub mod compile;
+pub mod metrics;
 pub mod plan;
 pub mod status;
 
