@@ -18,6 +18,7 @@ mod error;
 pub mod loader;
 pub mod maps;
 pub mod pins;
+pub mod policy;
 pub mod prefilter;
 pub mod stats;
 pub mod sync;
