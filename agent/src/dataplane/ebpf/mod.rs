@@ -36,6 +36,7 @@ use crate::{endpoints::Delta, lock::lock, maglev};
 use agent_common::{codec::frontend_key, lb};
 use async_trait::async_trait;
 use maps::{KernelMaps, LbMaps};
+use policy::{KernelPolicyMaps, PolicySync};
 use std::{
     path::PathBuf,
     sync::{Arc, Mutex},
@@ -74,15 +75,21 @@ impl Default for EbpfConfig {
                 table_size: maglev::DEFAULT_TABLE_SIZE,
                 flows: 262_144,
                 affinity: 65_536,
+                policy_entries: crate::config::DEFAULT_POLICY_MAX_ENTRIES,
             },
             node_name: String::new(),
         }
     }
 }
 
+/// The policy sync engine over the kernel's policy maps, shared with the collector.
+pub type SharedPolicySync = Arc<Mutex<PolicySync<KernelPolicyMaps>>>;
+
 /// The eBPF data plane (over the kernel's maps, or a fake in tests).
 pub struct EbpfDataPlane<M: LbMaps + 'static = KernelMaps> {
     sync: Arc<Mutex<LbSync<M>>>,
+    /// The network policy maps' engine (`None` over fake maps).
+    policy: Option<SharedPolicySync>,
     attachments: Vec<Attachment>,
     cancel: CancellationToken,
     tasks: TaskTracker,
@@ -144,6 +151,12 @@ impl EbpfDataPlane<KernelMaps> {
                 taken.insert(name.to_owned(), map);
             }
         }
+        for name in policy::POLICY_MAPS {
+            if let Some(map) = ebpf.take_map(name) {
+                taken.insert(name.to_owned(), map);
+            }
+        }
+        let policy_maps = KernelPolicyMaps::new(&mut taken).map_err(EbpfError::from)?;
         let maps = KernelMaps::new(&mut taken)
             .map_err(EbpfError::from)?
             .pinned_before(pinned);
@@ -165,7 +178,20 @@ impl EbpfDataPlane<KernelMaps> {
         let plane = Self::with_maps(maps, &config.node_name);
         Ok(Self {
             attachments,
+            policy: Some(Arc::new(Mutex::new(PolicySync::new(policy_maps)))),
             ..plane
+        })
+    }
+
+    /// Makes the policy maps enforce `plan` (written before the load balancer's
+    /// maps in an apply, so a new endpoint is guarded before a VIP leads to it).
+    pub fn apply_policy(&self, plan: &crate::policy::PolicyPlan) -> Result<(), DataPlaneError> {
+        let Some(policy) = &self.policy else {
+            return Ok(());
+        };
+        lock(policy).apply(plan).map_err(|e| DataPlaneError::Apply {
+            mode: "ebpf",
+            reason: e.to_string(),
         })
     }
 }
@@ -177,6 +203,7 @@ impl<M: LbMaps + 'static> EbpfDataPlane<M> {
     pub fn with_maps(maps: M, node_name: &str) -> Self {
         let plane = Self {
             sync: Arc::new(Mutex::new(LbSync::new(maps, node_name))),
+            policy: None,
             attachments: Vec::new(),
             cancel: CancellationToken::new(),
             tasks: TaskTracker::new(),
@@ -209,6 +236,7 @@ impl<M: LbMaps + 'static> EbpfDataPlane<M> {
     pub fn collector(&self) -> LbCollector<M> {
         LbCollector {
             sync: self.sync.clone(),
+            policy: self.policy.clone(),
         }
     }
 
@@ -276,6 +304,13 @@ impl<M: LbMaps + 'static> DataPlane for EbpfDataPlane<M> {
         ports
     }
 
+    fn policy(&self) -> Vec<crate::policy::ServicePolicyStatus> {
+        self.policy
+            .as_ref()
+            .map(|p| policy::statuses(&lock(p)))
+            .unwrap_or_default()
+    }
+
     fn programs(&self) -> Vec<String> {
         self.attachments
             .iter()
@@ -324,7 +359,11 @@ impl From<lb::TrafficStats> for TrafficCounters {
 /// start, in `auto` too, instead of reading as a kernel that cannot attach (which
 /// `auto` answers with another data plane).
 fn check_hook_targets(hooks: &Hooks) -> Result<(), DataPlaneError> {
-    let interfaces = [("interfaces", &hooks.tc), ("xdpInterfaces", &hooks.xdp)];
+    let interfaces = [
+        ("interfaces", &hooks.tc),
+        ("xdpInterfaces", &hooks.xdp),
+        ("policyInterfaces", &hooks.policy),
+    ];
     for (field, names) in interfaces {
         for name in names {
             let exists = std::ffi::CString::new(name.as_str())

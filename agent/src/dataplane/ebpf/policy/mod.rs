@@ -7,6 +7,7 @@
 //! [`sync::PolicySync`] writes it by difference over [`maps::PolicyMaps`] (the
 //! kernel's, or a fake in tests).
 
+pub mod collector;
 #[cfg(test)]
 pub mod fake;
 pub mod maps;
@@ -18,3 +19,19 @@ mod tests;
 
 pub use maps::{KernelPolicyMaps, POLICY_MAPS, PolicyCapacity, PolicyMaps};
 pub use sync::PolicySync;
+
+/// Each service with a policy as `status` shows it.
+pub fn statuses<P: PolicyMaps>(sync: &PolicySync<P>) -> Vec<crate::policy::ServicePolicyStatus> {
+    sync.services()
+        .iter()
+        .map(
+            |(service, (rules, mode, state))| crate::policy::ServicePolicyStatus {
+                service: service.to_string(),
+                mode: *mode,
+                ingress_rules: *rules,
+                egress_rules: 0,
+                state: state.clone(),
+            },
+        )
+        .collect()
+}
