@@ -9,11 +9,15 @@
 mod document;
 mod endpoints;
 mod error;
+mod policy;
 mod service;
 
 pub use document::{parse_documents, parse_json, parse_stored};
 pub use endpoints::{Endpoint, Endpoints, EndpointsSpec, PortOverrides, check_endpoint_ports};
 pub use error::ModelError;
+pub use policy::{
+    EgressRule, IngressRule, NetworkPolicy, Peer, PeerSelector, PolicyMode, PortEntry, parse_cidr,
+};
 pub use service::{
     Discovery, LocalityPreference, Protocol, Service, ServicePort, ServiceSpec, SessionAffinity,
 };

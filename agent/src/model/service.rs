@@ -30,6 +30,9 @@ pub struct ServiceSpec {
     /// How long terminating endpoints keep their established flows.
     #[serde(default = "default_drain_seconds")]
     pub drain_seconds: u32,
+    /// Who may reach the endpoints and what they may reach; none: no restriction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_policy: Option<super::NetworkPolicy>,
 }
 
 fn default_drain_seconds() -> u32 {
@@ -257,6 +260,9 @@ impl Service {
                     spec.drain_seconds
                 ),
             ));
+        }
+        if let Some(policy) = &spec.network_policy {
+            policy.check(object, spec)?;
         }
         Ok(())
     }

@@ -8,8 +8,11 @@
 //! prefixes and ports, per endpoint of this node, which the eBPF maps, the nftables
 //! sets and the userspace proxies each program in their own way.
 
+pub mod book;
+pub mod compile;
 pub mod plan;
 pub mod status;
 
+pub use book::PolicyBook;
 pub use plan::{DirectionRules, GuardedEndpoint, PolicyMode, PolicyPlan, PortMatch, Rule};
 pub use status::{PolicyState, ServicePolicyStatus};

@@ -7,6 +7,7 @@
 //! services) is guarded by the union of their rules, as Kubernetes unions the
 //! policies selecting a pod.
 
+pub use crate::model::PolicyMode;
 use crate::model::{Protocol, ServiceKey};
 use ipnet::IpNet;
 use std::{
@@ -49,17 +50,6 @@ pub struct DirectionRules {
     pub service: ServiceKey,
     /// The allow rules; empty means nothing is allowed.
     pub rules: Vec<Rule>,
-}
-
-/// Whether a policy drops what its rules do not allow.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PolicyMode {
-    /// Packets no rule allows are dropped.
-    #[default]
-    Enforce,
-    /// Nothing is dropped; packets no rule allows are counted and reported.
-    Audit,
 }
 
 /// One allow rule: a packet whose peer address is in `peers` and whose port at the

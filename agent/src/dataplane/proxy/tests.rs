@@ -38,6 +38,7 @@ fn service(name: &str, port: u16, protocol: Protocol) -> Service {
             discovery: Discovery::default(),
             session_affinity: SessionAffinity::None,
             drain_seconds: 30,
+            network_policy: None,
         },
     }
 }
