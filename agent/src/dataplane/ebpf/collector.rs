@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 pub struct LbCollector<M: LbMaps + 'static> {
     pub(super) sync: Arc<Mutex<LbSync<M>>>,
     /// The policy engine, whose verdict counters are exported too.
-    pub(super) policy: Option<super::SharedPolicySync>,
+    pub(super) policy: Option<super::SharedPolicy>,
 }
 
 impl<M: LbMaps + 'static> std::fmt::Debug for LbCollector<M> {
@@ -140,7 +140,7 @@ impl<M: LbMaps + 'static> Collector for LbCollector<M> {
         )?;
         ConstCounter::new(sync.full_errors()).encode(family.encode_family(&[("map", "any")])?)?;
         if let Some(policy) = &self.policy {
-            super::policy::collector::encode(&lock(policy), &mut encoder)?;
+            super::policy::collector::encode(lock(policy).sync(), &mut encoder)?;
         }
         Ok(())
     }

@@ -36,7 +36,7 @@ use crate::{endpoints::Delta, lock::lock, maglev};
 use agent_common::{codec::frontend_key, lb};
 use async_trait::async_trait;
 use maps::{KernelMaps, LbMaps};
-use policy::{KernelPolicyMaps, PolicySync};
+use policy::{KernelPolicyMaps, PolicyEngine};
 use std::{
     path::PathBuf,
     sync::{Arc, Mutex},
@@ -82,14 +82,14 @@ impl Default for EbpfConfig {
     }
 }
 
-/// The policy sync engine over the kernel's policy maps, shared with the collector.
-pub type SharedPolicySync = Arc<Mutex<PolicySync<KernelPolicyMaps>>>;
+/// The policy engine over the kernel's policy maps, shared with the collector.
+pub type SharedPolicy = Arc<Mutex<PolicyEngine<KernelPolicyMaps>>>;
 
 /// The eBPF data plane (over the kernel's maps, or a fake in tests).
 pub struct EbpfDataPlane<M: LbMaps + 'static = KernelMaps> {
     sync: Arc<Mutex<LbSync<M>>>,
     /// The network policy maps' engine (`None` over fake maps).
-    policy: Option<SharedPolicySync>,
+    policy: Option<SharedPolicy>,
     attachments: Vec<Attachment>,
     cancel: CancellationToken,
     tasks: TaskTracker,
@@ -178,20 +178,12 @@ impl EbpfDataPlane<KernelMaps> {
         let plane = Self::with_maps(maps, &config.node_name);
         Ok(Self {
             attachments,
-            policy: Some(Arc::new(Mutex::new(PolicySync::new(policy_maps)))),
+            policy: Some(Arc::new(Mutex::new(PolicyEngine::new(
+                &config.node_name,
+                policy_maps,
+                !config.hooks.policy.is_empty(),
+            )))),
             ..plane
-        })
-    }
-
-    /// Makes the policy maps enforce `plan` (written before the load balancer's
-    /// maps in an apply, so a new endpoint is guarded before a VIP leads to it).
-    pub fn apply_policy(&self, plan: &crate::policy::PolicyPlan) -> Result<(), DataPlaneError> {
-        let Some(policy) = &self.policy else {
-            return Ok(());
-        };
-        lock(policy).apply(plan).map_err(|e| DataPlaneError::Apply {
-            mode: "ebpf",
-            reason: e.to_string(),
         })
     }
 }
@@ -257,6 +249,15 @@ impl<M: LbMaps + 'static> DataPlane for EbpfDataPlane<M> {
             return Err(DataPlaneError::ShutDown { mode: "ebpf" });
         }
         let started = Instant::now();
+        // Policy first: a new endpoint is guarded before a VIP leads to it.
+        if let Some(policy) = &self.policy {
+            lock(policy)
+                .apply(delta)
+                .map_err(|e| DataPlaneError::Apply {
+                    mode: "ebpf",
+                    reason: e.to_string(),
+                })?;
+        }
         lock(&self.sync)
             .apply(delta, started)
             .map_err(|e| DataPlaneError::Apply {
@@ -307,7 +308,7 @@ impl<M: LbMaps + 'static> DataPlane for EbpfDataPlane<M> {
     fn policy(&self) -> Vec<crate::policy::ServicePolicyStatus> {
         self.policy
             .as_ref()
-            .map(|p| policy::statuses(&lock(p)))
+            .map(|p| lock(p).statuses())
             .unwrap_or_default()
     }
 

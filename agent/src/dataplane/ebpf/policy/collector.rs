@@ -43,43 +43,43 @@ pub fn encode<P: PolicyMaps>(
         ConstCounter::new(counts[Verdict::Allow as usize])
             .encode(family.encode_family(&labels)?)?;
     }
-    for (name, help, audit) in [
-        (
-            "policy_drops",
-            "Packets a network policy dropped, by reason",
-            false,
-        ),
-        (
-            "policy_audit_would_drop",
-            "New flows an audit-mode network policy would have dropped, by reason",
-            true,
-        ),
-    ] {
-        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
-        for (service, dir, counts) in &rows {
-            for verdict in Verdict::ALL {
-                let is_audit = matches!(
-                    verdict,
-                    Verdict::AuditNoMatchingRule
-                        | Verdict::AuditPortNotAllowed
-                        | Verdict::AuditUnprogrammable
-                );
-                let Some(reason) = verdict.reason() else {
-                    continue;
-                };
-                if is_audit != audit {
-                    continue;
-                }
-                let labels = [
-                    ("namespace", service.namespace.as_str()),
-                    ("service", service.name.as_str()),
-                    ("direction", direction(*dir)),
-                    ("reason", reason),
-                ];
-                ConstCounter::new(counts[verdict as usize])
-                    .encode(family.encode_family(&labels)?)?;
-            }
+    let mut family = encoder.encode_descriptor(
+        "policy_drops",
+        "Packets a network policy dropped, by reason",
+        None,
+        MetricType::Counter,
+    )?;
+    for (service, dir, counts) in &rows {
+        for verdict in Verdict::ALL.into_iter().filter(|v| v.dropped()) {
+            let labels = [
+                ("namespace", service.namespace.as_str()),
+                ("service", service.name.as_str()),
+                ("direction", direction(*dir)),
+                ("reason", verdict.reason().unwrap_or_default()),
+            ];
+            ConstCounter::new(counts[verdict as usize]).encode(family.encode_family(&labels)?)?;
         }
+    }
+    let mut family = encoder.encode_descriptor(
+        "policy_audit_would_drop",
+        "New flows an audit-mode network policy would have dropped",
+        None,
+        MetricType::Counter,
+    )?;
+    for (service, dir, counts) in &rows {
+        let labels = [
+            ("namespace", service.namespace.as_str()),
+            ("service", service.name.as_str()),
+            ("direction", direction(*dir)),
+        ];
+        let audit = [
+            Verdict::AuditNoMatchingRule,
+            Verdict::AuditPortNotAllowed,
+            Verdict::AuditUnprogrammable,
+        ]
+        .iter()
+        .fold(0u64, |sum, v| sum.wrapping_add(counts[*v as usize]));
+        ConstCounter::new(audit).encode(family.encode_family(&labels)?)?;
     }
     let mut family = encoder.encode_descriptor(
         "policy_rules",

@@ -5,9 +5,12 @@
 //!
 //! [`table`] puts a plan into the maps' shape (peer prefixes with merged ports),
 //! [`sync::PolicySync`] writes it by difference over [`maps::PolicyMaps`] (the
-//! kernel's, or a fake in tests).
+//! kernel's, or a fake in tests), [`engine::PolicyEngine`] feeds it from the
+//! endpoint cache's deltas through a `PolicyBook`, [`collector`] exports the
+//! verdict counters.
 
 pub mod collector;
+pub mod engine;
 #[cfg(test)]
 pub mod fake;
 pub mod maps;
@@ -17,21 +20,6 @@ pub mod table;
 #[cfg(test)]
 mod tests;
 
+pub use engine::PolicyEngine;
 pub use maps::{KernelPolicyMaps, POLICY_MAPS, PolicyCapacity, PolicyMaps};
 pub use sync::PolicySync;
-
-/// Each service with a policy as `status` shows it.
-pub fn statuses<P: PolicyMaps>(sync: &PolicySync<P>) -> Vec<crate::policy::ServicePolicyStatus> {
-    sync.services()
-        .iter()
-        .map(
-            |(service, (rules, mode, state))| crate::policy::ServicePolicyStatus {
-                service: service.to_string(),
-                mode: *mode,
-                ingress_rules: *rules,
-                egress_rules: 0,
-                state: state.clone(),
-            },
-        )
-        .collect()
-}
