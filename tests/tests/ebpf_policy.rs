@@ -19,7 +19,8 @@ use rune_harness::{
     agent::{Agent, eventually, metric},
     bpffs::PinDir,
     netns::require_root,
-    topology::{Topology, TopologyConfig},
+    test_programs,
+    topology::{CLIENT_IF, NODE_CLIENT_IF, Topology, TopologyConfig},
 };
 
 /// `web`'s VIP and ports.
@@ -51,6 +52,9 @@ struct PolicyAgent<'t> {
     state: tempfile::TempDir,
     pins: PinDir,
     extra: Vec<String>,
+    /// XDP mode: the test object's pass program on the client's veth (a veth
+    /// delivers the frames the node's XDP sends back at once only then).
+    _peer_xdp: Option<aya::Ebpf>,
 }
 
 impl<'t> PolicyAgent<'t> {
@@ -67,12 +71,27 @@ impl<'t> PolicyAgent<'t> {
         let pins = PinDir::new("ebpf-policy");
         let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
         let agent = start_agent(topo, state.path(), &pins, &extra);
+        let peer_xdp = extra.iter().any(|a| a == "--xdp-interfaces").then(|| {
+            let mut bpf = test_programs::load().unwrap_or_else(|e| panic!("{e:#}"));
+            topo.client()
+                .run(|| {
+                    test_programs::attach_xdp_pass(
+                        &mut bpf,
+                        CLIENT_IF,
+                        aya::programs::XdpMode::Driver,
+                    )
+                })
+                .unwrap()
+                .unwrap_or_else(|e| panic!("{e:#}"));
+            bpf
+        });
         Self {
             topo,
             agent,
             state,
             pins,
             extra,
+            _peer_xdp: peer_xdp,
         }
     }
 
@@ -185,8 +204,19 @@ fn assert_refused(topo: &Topology, from_b: bool, to: SocketAddr) {
 
 #[test]
 fn a_cidr_rule_lets_client_a_in_on_every_path_and_refuses_client_b() {
+    cidr_rule(&[]);
+}
+
+/// The same with the VIP's DNAT in XDP on the client-facing veth: the policy
+/// programs see the packets after it all the same.
+#[test]
+fn a_cidr_rule_holds_with_xdp_load_balancing() {
+    cidr_rule(&["--xdp-interfaces", NODE_CLIENT_IF]);
+}
+
+fn cidr_rule(extra: &[&str]) {
     let topo = topology();
-    let m = PolicyAgent::start(&topo, &[]);
+    let m = PolicyAgent::start(&topo, extra);
     apply(
         &m.agent,
         &web_yaml(&topo, &allow_client_a(&topo, "enforce", "[]")),
@@ -307,4 +337,83 @@ fn kill_and_restart_keep_enforcing_with_no_failed_request() {
     assert!(refused_b, "client B got through while the agent was down");
     assert_refused(&topo, true, vip);
     assert_reaches(&topo, false, vip);
+}
+
+/// `api`'s endpoint "is" the client's main address (an endpoint on another node):
+/// `web` admits the endpoints of `api`. Moving `api`'s endpoint to the client's
+/// second address flips who gets in, without touching `web`.
+#[test]
+fn a_service_peer_follows_the_peer_services_endpoints() {
+    let topo = topology();
+    let m = PolicyAgent::start(&topo, &[]);
+    let api = |address: IpAddr| {
+        format!(
+            "apiVersion: rune/v1
+kind: Service
+metadata: {{name: api}}
+spec:
+  ports: [{{name: http, port: {HTTP}, protocol: TCP}}]
+  discovery: {{vips: [\"198.18.100.20\"]}}
+---
+apiVersion: rune/v1
+kind: Endpoints
+metadata: {{name: api}}
+spec:
+  endpoints: [{{address: \"{address}\", node: node-b, ready: true}}]
+"
+        )
+    };
+    apply(&m.agent, &api(topo.client_addr().v4.into()));
+    apply(
+        &m.agent,
+        &web_yaml(&topo, "    ingress:\n      - from: [{service: api}]"),
+    );
+    let vip = SocketAddr::new(VIP4.parse().unwrap(), HTTP);
+    assert_reaches(&topo, false, vip);
+    assert_refused(&topo, true, vip);
+    apply(&m.agent, &api(topo.client_alt_addr().v4.into()));
+    assert_reaches(&topo, true, vip);
+    assert_refused(&topo, false, vip);
+}
+
+/// `web`'s endpoints may open connections only to the client's main address on
+/// one port: a backend reaches a server there, not the same server through the
+/// client's second address, nor another port.
+#[test]
+fn egress_rules_limit_what_an_endpoint_reaches() {
+    let topo = topology();
+    let m = PolicyAgent::start(&topo, &[]);
+    let a = topo.client_addr().v4;
+    let policy =
+        format!("    egress:\n      - to: [{{cidr: \"{a}/32\"}}]\n        ports: [\"7000/tcp\"]");
+    apply(&m.agent, &web_yaml(&topo, &policy));
+    let listeners: Vec<std::net::TcpListener> = [7000u16, 7001]
+        .iter()
+        .map(|port| {
+            topo.client()
+                .run(|| std::net::TcpListener::bind(("0.0.0.0", *port)))
+                .unwrap()
+                .unwrap()
+        })
+        .collect();
+    let backend = &topo.backends()[0];
+    let connect = |to: SocketAddr| {
+        backend
+            .ns()
+            .run(|| std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2)))
+            .unwrap()
+    };
+    let allowed = SocketAddr::new(a.into(), 7000);
+    eventually(PATIENCE, "the endpoint reaches the allowed peer", || {
+        connect(allowed).ok()
+    });
+    let other_addr = SocketAddr::new(topo.client_alt_addr().v4.into(), 7000);
+    let other_port = SocketAddr::new(a.into(), 7001);
+    for to in [other_addr, other_port] {
+        assert!(connect(to).is_err(), "the endpoint reached {to}");
+    }
+    // Replies to connections into the endpoint are not egress: the client still
+    // reaches web.
+    assert_reaches(&topo, true, SocketAddr::new(VIP4.parse().unwrap(), HTTP));
+    drop(listeners);
 }
