@@ -128,3 +128,6 @@ impl<P: PolicyMaps> PolicyEngine<P> {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests;
