@@ -244,7 +244,54 @@ pub const fn verdict_slot(counter: u32, verdict: Verdict) -> u32 {
 /// Counter ids [`VERDICTS`] has room for (one per service and direction).
 pub const MAX_COUNTERS: u32 = 2048;
 
+/// A verdict event: a new flow (or a packet without ports) a policy dropped or,
+/// in audit mode, would have dropped. Records of [`EVENTS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct VerdictEvent {
+    /// Source address (network order; IPv4 in word 0).
+    pub saddr: Addr,
+    /// Destination address.
+    pub daddr: Addr,
+    /// Source port (network order; 0 without ports).
+    pub sport: u16,
+    /// Destination port.
+    pub dport: u16,
+    /// The counter id of the service and direction ([`PolicyDirection::counter`]).
+    pub counter: u32,
+    /// IP protocol.
+    pub proto: u8,
+    /// [`crate::lb::FAMILY_V4`] or [`crate::lb::FAMILY_V6`].
+    pub family: u8,
+    /// [`DIR_INGRESS`] or [`DIR_EGRESS`].
+    pub dir: u8,
+    /// The [`Verdict`] as a number.
+    pub verdict: u8,
+}
+
+/// Events each CPU may write per [`EVENT_WINDOW_NS`]; more are counted in
+/// [`EVENT_DROPS`] (slot [`EVENT_DROP_RATE`]) and not written, so a flood cannot
+/// starve the agent.
+pub const EVENTS_PER_WINDOW: u64 = 200;
+/// The rate limit's window: 100 ms.
+pub const EVENT_WINDOW_NS: u64 = 100_000_000;
+/// [`EVENT_DROPS`] slot: events over the rate limit.
+pub const EVENT_DROP_RATE: u32 = 0;
+/// [`EVENT_DROPS`] slot: events the ring buffer had no room for.
+pub const EVENT_DROP_FULL: u32 = 1;
+/// Bytes of the [`EVENTS`] ring buffer (a power of two of pages).
+pub const EVENTS_BYTES: u32 = 256 * 1024;
+
 // Map names.
+
+/// `RingBuf` of [`VerdictEvent`]s.
+pub const EVENTS: &str = "RUNE_POL_EVENTS";
+/// `PerCpuArray<[u64; 2]>` of one entry: each CPU's rate-limit window start and
+/// events written in it.
+pub const EVENT_BUDGET: &str = "RUNE_POL_EVENT_BUDGET";
+/// `PerCpuArray<u64>` of 2: events not written, by [`EVENT_DROP_RATE`] and
+/// [`EVENT_DROP_FULL`].
+pub const EVENT_DROPS: &str = "RUNE_POL_EVENT_DROPS";
 
 /// `HashMap<EndpointKey, EndpointPolicy>`: the guarded addresses.
 pub const ENDPOINTS: &str = "RUNE_POL_EP";
@@ -277,6 +324,7 @@ const _: () = assert!(size_of::<PortKey>() == 8);
 const _: () = assert!(size_of::<PolicyCtKeyV4>() == 16);
 const _: () = assert!(size_of::<PolicyCtKeyV6>() == 40);
 const _: () = assert!(size_of::<PolicyCtValue>() == 4);
+const _: () = assert!(size_of::<VerdictEvent>() == 44);
 
 // SAFETY (all below): each type is `#[repr(C)]`, built only of integers and integer
 // arrays, has no implicit padding (sizes checked above) and every bit pattern is a
@@ -293,4 +341,5 @@ mod pod {
     unsafe impl aya::Pod for PolicyCtKeyV4 {}
     unsafe impl aya::Pod for PolicyCtKeyV6 {}
     unsafe impl aya::Pod for PolicyCtValue {}
+    unsafe impl aya::Pod for VerdictEvent {}
 }

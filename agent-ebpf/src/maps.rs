@@ -16,7 +16,7 @@ use agent_common::policy::{
 use aya_ebpf::{
     bindings::BPF_F_MMAPABLE,
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
 };
 
 /// IPv4 frontends (`agent_common::lb::SERVICES_V4`).
@@ -128,3 +128,15 @@ pub static RUNE_POL_VERDICTS: PerCpuArray<u64> = PerCpuArray::pinned(
     agent_common::policy::MAX_COUNTERS * agent_common::policy::VERDICT_SLOTS,
     0,
 );
+
+/// Verdict events (`agent_common::policy::EVENTS`).
+#[map]
+pub static RUNE_POL_EVENTS: RingBuf = RingBuf::pinned(agent_common::policy::EVENTS_BYTES, 0);
+
+/// Each CPU's event budget (`agent_common::policy::EVENT_BUDGET`).
+#[map]
+pub static RUNE_POL_EVENT_BUDGET: PerCpuArray<[u64; 2]> = PerCpuArray::pinned(1, 0);
+
+/// Events not written (`agent_common::policy::EVENT_DROPS`).
+#[map]
+pub static RUNE_POL_EVENT_DROPS: PerCpuArray<u64> = PerCpuArray::pinned(2, 0);

@@ -16,9 +16,10 @@
 use agent_common::{
     lb::{Addr, CT_UDP_TIMEOUT_UNITS, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, ct_now},
     policy::{
-        DIR_EGRESS, DIR_INGRESS, EndpointKey, MODE_AUDIT, MODE_AUDIT_UNPROGRAMMABLE, MODE_DENY_ALL,
+        DIR_EGRESS, DIR_INGRESS, EVENT_DROP_FULL, EVENT_DROP_RATE, EVENT_WINDOW_NS,
+        EVENTS_PER_WINDOW, EndpointKey, MODE_AUDIT, MODE_AUDIT_UNPROGRAMMABLE, MODE_DENY_ALL,
         MODE_NONE, PORTS_ALL, PeerV4, PeerV6, PeerValue, PolicyCtKeyV4, PolicyCtKeyV6,
-        PolicyCtValue, PolicyDirection, PortKey, Verdict, verdict_slot,
+        PolicyCtValue, PolicyDirection, PortKey, Verdict, VerdictEvent, verdict_slot,
     },
 };
 use aya_ebpf::{
@@ -31,8 +32,8 @@ use aya_ebpf::{
 
 use crate::{
     maps::{
-        RUNE_POL_CT4, RUNE_POL_CT6, RUNE_POL_EP, RUNE_POL_PEER4, RUNE_POL_PEER6, RUNE_POL_PORTS,
-        RUNE_POL_VERDICTS,
+        RUNE_POL_CT4, RUNE_POL_CT6, RUNE_POL_EP, RUNE_POL_EVENT_BUDGET, RUNE_POL_EVENT_DROPS,
+        RUNE_POL_EVENTS, RUNE_POL_PEER4, RUNE_POL_PEER6, RUNE_POL_PORTS, RUNE_POL_VERDICTS,
     },
     nat::parse::{ETH_LEN, ETH_P_IP, ETH_P_IPV6, IPV4_LEN, IPV6_LEN, ethertype, load},
     tc::pull_headers,
@@ -171,8 +172,22 @@ fn check_v4(data: usize, end: usize, dir: u8) -> bool {
             ))
             .copied()
     };
+    let event = |v: Verdict| {
+        let (sport, dport) = t.ports.unwrap_or((0, 0));
+        emit(&VerdictEvent {
+            saddr: [saddr, 0, 0, 0],
+            daddr: [daddr, 0, 0, 0],
+            sport,
+            dport,
+            counter: this.counter,
+            proto,
+            family: FAMILY_V4,
+            dir,
+            verdict: v as u8,
+        });
+    };
     let Some((sport, dport)) = t.ports else {
-        return verdict(&this, peers, None);
+        return verdict(&this, peers, None, event);
     };
     let flow = PolicyCtKeyV4 {
         saddr,
@@ -197,7 +212,7 @@ fn check_v4(data: usize, end: usize, dir: u8) -> bool {
             return true;
         }
     }
-    let pass = verdict(&this, peers, Some((dport, proto)));
+    let pass = verdict(&this, peers, Some((dport, proto)), event);
     if pass && (this.mode != MODE_NONE || other.mode != MODE_NONE) {
         remember(&RUNE_POL_CT4, &flow, proto);
     }
@@ -256,8 +271,22 @@ fn check_v6(data: usize, end: usize, dir: u8) -> bool {
             ))
             .copied()
     };
+    let event = |v: Verdict| {
+        let (sport, dport) = t.ports.unwrap_or((0, 0));
+        emit(&VerdictEvent {
+            saddr,
+            daddr,
+            sport,
+            dport,
+            counter: this.counter,
+            proto,
+            family: FAMILY_V6,
+            dir,
+            verdict: v as u8,
+        });
+    };
     let Some((sport, dport)) = t.ports else {
-        return verdict(&this, peers, None);
+        return verdict(&this, peers, None, event);
     };
     let flow = PolicyCtKeyV6 {
         saddr,
@@ -282,7 +311,7 @@ fn check_v6(data: usize, end: usize, dir: u8) -> bool {
             return true;
         }
     }
-    let pass = verdict(&this, peers, Some((dport, proto)));
+    let pass = verdict(&this, peers, Some((dport, proto)), event);
     if pass && (this.mode != MODE_NONE || other.mode != MODE_NONE) {
         remember(&RUNE_POL_CT6, &flow, proto);
     }
@@ -346,6 +375,7 @@ fn verdict(
     dir: &PolicyDirection,
     peers: impl FnOnce(u32) -> Option<PeerValue>,
     port: Option<(u16, u8)>,
+    event: impl FnOnce(Verdict),
 ) -> bool {
     let v = match dir.mode {
         MODE_NONE => return true,
@@ -383,5 +413,39 @@ fn verdict(
         // SAFETY: a per-CPU slot from a successful lookup; only this CPU writes it.
         unsafe { *count = (*count).wrapping_add(1) };
     }
+    if v != Verdict::Allow {
+        event(v);
+    }
     !v.dropped()
+}
+
+/// Writes `event` to the ring buffer, at most `EVENTS_PER_WINDOW` per CPU per
+/// window; what is not written is counted.
+#[inline(always)]
+fn emit(event: &VerdictEvent) {
+    let Some(budget) = RUNE_POL_EVENT_BUDGET.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: the helper only reads the clock; `budget` is this CPU's slot from a
+    // successful lookup, only this CPU writes it.
+    let over = unsafe {
+        let now = bpf_ktime_get_ns();
+        if now.wrapping_sub((*budget)[0]) > EVENT_WINDOW_NS {
+            (*budget)[0] = now;
+            (*budget)[1] = 0;
+        }
+        (*budget)[1] += 1;
+        (*budget)[1] > EVENTS_PER_WINDOW
+    };
+    let slot = if over {
+        EVENT_DROP_RATE
+    } else if RUNE_POL_EVENTS.output::<VerdictEvent>(event, 0).is_err() {
+        EVENT_DROP_FULL
+    } else {
+        return;
+    };
+    if let Some(count) = RUNE_POL_EVENT_DROPS.get_ptr_mut(slot) {
+        // SAFETY: a per-CPU slot from a successful lookup; only this CPU writes it.
+        unsafe { *count = (*count).wrapping_add(1) };
+    }
 }

@@ -14,6 +14,7 @@
 pub mod certs;
 pub mod drain;
 pub mod nodes;
+pub mod observe;
 mod output;
 
 pub use output::StdoutClosed;
@@ -130,6 +131,9 @@ pub enum Command {
     /// the services with their ports and backends when there are at most 20 (more
     /// are counted only: `--all` lists them, SERVICE shows one).
     Status(StatusArgs),
+    /// Stream the running agent's network policy verdicts: flows refused, or in
+    /// audit mode that would have been (eBPF data plane).
+    Observe(observe::ObserveArgs),
     /// Remove the kernel state a stopped agent left behind: detach the eBPF programs
     /// and unpin their maps (established flows through the VIPs end).
     Cleanup {
@@ -242,7 +246,7 @@ impl Command {
             | Command::Drain { etcd, .. }
             | Command::Undrain { etcd, .. }
             | Command::Status(StatusArgs { etcd, .. }) => etcd.clone().into(),
-            Command::Certs { .. } | Command::Version => FileConfig::default(),
+            Command::Certs { .. } | Command::Version | Command::Observe(_) => FileConfig::default(),
         }
     }
 }

@@ -16,7 +16,7 @@ use std::{
 
 use rune_agent_tests::vip::{BACKEND_PORT, PATIENCE, apply};
 use rune_harness::{
-    agent::{Agent, eventually, metric},
+    agent::{Agent, agent_bin, eventually, metric},
     bpffs::PinDir,
     netns::require_root,
     test_programs,
@@ -254,7 +254,7 @@ fn a_port_rule_allows_its_port_and_refuses_another_port_of_the_service() {
 }
 
 #[test]
-fn audit_mode_refuses_nothing_and_counts_what_it_would_drop() {
+fn audit_mode_refuses_nothing_counts_and_shows_what_it_would_drop() {
     let topo = topology();
     let m = PolicyAgent::start(&topo, &[]);
     apply(
@@ -263,6 +263,53 @@ fn audit_mode_refuses_nothing_and_counts_what_it_would_drop() {
     );
     let to = SocketAddr::new(VIP4.parse().unwrap(), HTTP);
     assert_reaches(&topo, false, to);
+    // `observe` streams from the agent while client B connects.
+    let mut observe = std::process::Command::new(agent_bin())
+        .args([
+            "observe",
+            "-o",
+            "json",
+            "--verdict",
+            "audit",
+            "--service",
+            "web",
+        ])
+        .arg("--state-dir")
+        .arg(m.state.path())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = observe.stdout.take().unwrap();
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    let reader = thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+            let Ok(line) = line else { break };
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let b = topo.client_alt_addr().v4.to_string();
+    let mut seen = None;
+    // Bounded in count: a connection a second until the event shows.
+    for _ in 0..20 {
+        request(&topo, true, to).expect("audit mode refuses nothing");
+        if let Ok(line) = lines.recv_timeout(Duration::from_secs(1)) {
+            seen = Some(line);
+            break;
+        }
+    }
+    let _ = observe.kill();
+    let _ = observe.wait();
+    let _ = reader.join();
+    let line = seen.expect("observe showed no audit verdict");
+    let event: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(event["verdict"], "audit", "{line}");
+    assert_eq!(event["reason"], "no_matching_rule", "{line}");
+    assert_eq!(event["service"], "web", "{line}");
+    assert_eq!(event["direction"], "ingress", "{line}");
+    assert_eq!(event["protocol"], "TCP", "{line}");
+    assert!(event["source"].as_str().unwrap().starts_with(&b), "{line}");
     for _ in 0..3 {
         request(&topo, true, to).expect("audit mode refuses nothing");
     }

@@ -157,6 +157,9 @@ impl EbpfDataPlane<KernelMaps> {
             }
         }
         let policy_maps = KernelPolicyMaps::new(&mut taken).map_err(EbpfError::from)?;
+        let events = ebpf
+            .take_map(agent_common::policy::EVENTS)
+            .and_then(|map| aya::maps::RingBuf::try_from(map).ok());
         let maps = KernelMaps::new(&mut taken)
             .map_err(EbpfError::from)?
             .pinned_before(pinned);
@@ -176,13 +179,21 @@ impl EbpfDataPlane<KernelMaps> {
             tracing::info!(program = a.program, hook = a.hook, target = %a.target, "eBPF program attached");
         }
         let plane = Self::with_maps(maps, &config.node_name);
+        let policy = Arc::new(Mutex::new(PolicyEngine::new(
+            &config.node_name,
+            policy_maps,
+            !config.hooks.policy.is_empty(),
+        )));
+        if let Some(ring) = events {
+            plane.tasks.spawn(policy::events::read(
+                ring,
+                policy.clone(),
+                plane.cancel.clone(),
+            ));
+        }
         Ok(Self {
             attachments,
-            policy: Some(Arc::new(Mutex::new(PolicyEngine::new(
-                &config.node_name,
-                policy_maps,
-                !config.hooks.policy.is_empty(),
-            )))),
+            policy: Some(policy),
             ..plane
         })
     }

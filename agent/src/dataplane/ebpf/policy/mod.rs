@@ -11,6 +11,7 @@
 
 pub mod collector;
 pub mod engine;
+pub mod events;
 #[cfg(test)]
 pub mod fake;
 pub mod maps;
