@@ -8,8 +8,12 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
-use agent_common::policy::{self as pol, Verdict};
-use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
+use agent_common::policy::{self as pol, EVENTS_PER_WINDOW, Verdict, VerdictEvent};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{MapData, RingBuf},
+    programs::SchedClassifier,
+};
 use rune_agent::{
     dataplane::ebpf::{
         EMBEDDED_OBJECT,
@@ -118,6 +122,7 @@ fn plan() -> PolicyPlan {
 struct Policy {
     ebpf: Ebpf,
     sync: PolicySync<KernelPolicyMaps>,
+    events: RingBuf<MapData>,
     _pins: PinDir,
 }
 
@@ -143,13 +148,23 @@ impl Policy {
         for name in POLICY_MAPS {
             taken.insert(name.to_owned(), ebpf.take_map(name).expect(name));
         }
+        let events = RingBuf::try_from(ebpf.take_map(pol::EVENTS).expect(pol::EVENTS)).unwrap();
         let mut sync = PolicySync::new(KernelPolicyMaps::new(&mut taken).unwrap());
         sync.apply(plan).unwrap_or_else(|e| panic!("apply: {e}"));
         Self {
             ebpf,
             sync,
+            events,
             _pins: pins,
         }
+    }
+
+    /// The next verdict event in the ring buffer.
+    fn next_event(&mut self) -> Option<VerdictEvent> {
+        let item = self.events.next()?;
+        assert!(item.len() >= size_of::<VerdictEvent>());
+        // SAFETY: a `VerdictEvent`, plain integers; read unaligned.
+        Some(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<VerdictEvent>()) })
     }
 
     fn run(&self, prog: &str, spec: &PacketSpec) -> u32 {
@@ -293,4 +308,42 @@ fn a_policy_that_does_not_fit_denies_its_endpoints_and_reports_the_cause() {
         TC_ACT_OK
     );
     assert_eq!(p.count("audit", INGRESS, Verdict::Allow), 1);
+}
+
+#[test]
+fn refused_flows_become_events_rate_limited_per_cpu() {
+    let mut p = Policy::new(64, &plan());
+    let denied = tcp(CLIENT_B, 40000, WEB, 8080, TCP_SYN);
+    assert_eq!(p.to(&denied), TC_ACT_SHOT);
+    let e = p.next_event().expect("an event for the refused SYN");
+    assert_eq!(e.saddr[0], u32::from_ne_bytes(CLIENT_B.octets()));
+    assert_eq!(e.daddr[0], u32::from_ne_bytes(WEB.octets()));
+    assert_eq!(
+        (u16::from_be(e.sport), u16::from_be(e.dport)),
+        (40000, 8080)
+    );
+    assert_eq!(e.verdict, Verdict::DropNoMatchingRule as u8);
+    assert_eq!(e.dir, pol::DIR_INGRESS);
+    assert_eq!(e.counter, p.sync.counters()[&(svc("web"), INGRESS)]);
+    // Allowed flows make none.
+    assert_eq!(p.to(&tcp(CLIENT_A, 40000, WEB, 8080, TCP_SYN)), TC_ACT_OK);
+    assert!(p.next_event().is_none());
+    // A flood in one run (one CPU, far shorter than a window): the budget is
+    // written, the rest counted.
+    let prog: &SchedClassifier = p
+        .ebpf
+        .program(pol::PROG_POLICY_TO)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let run = test_run(prog.fd().unwrap(), &denied.build(), 1000).unwrap();
+    assert_eq!(run.retval, TC_ACT_SHOT);
+    let mut events = 0u64;
+    while p.next_event().is_some() {
+        events += 1;
+    }
+    let [rate_limited, full] = p.sync.maps().event_drops().unwrap();
+    assert_eq!(events + rate_limited + full, 1000);
+    assert!(events < EVENTS_PER_WINDOW * 2, "{events} events written");
+    assert!(rate_limited > 0);
 }

@@ -81,6 +81,17 @@ pub fn encode<P: PolicyMaps>(
         .fold(0u64, |sum, v| sum.wrapping_add(counts[*v as usize]));
         ConstCounter::new(audit).encode(family.encode_family(&labels)?)?;
     }
+    if let Ok(drops) = sync.maps().event_drops() {
+        let mut family = encoder.encode_descriptor(
+            "policy_events_dropped",
+            "Policy verdict events not written for `observe`, by reason",
+            None,
+            MetricType::Counter,
+        )?;
+        for (reason, n) in [("rate_limited", drops[0]), ("buffer_full", drops[1])] {
+            ConstCounter::new(n).encode(family.encode_family(&[("reason", reason)])?)?;
+        }
+    }
     let mut family = encoder.encode_descriptor(
         "policy_rules",
         "Rules in each service's network policy",

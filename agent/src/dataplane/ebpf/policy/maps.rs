@@ -65,6 +65,11 @@ pub trait PolicyMaps: Send {
     fn verdicts(&self, counter: u32) -> Result<[u64; Verdict::ALL.len()], MapsError>;
     /// Zeroes counter `counter` (before it is given to another service).
     fn reset_counter(&mut self, counter: u32) -> Result<(), MapsError>;
+    /// Verdict events not written, summed over CPUs: over the rate limit, and
+    /// with the ring buffer full.
+    fn event_drops(&self) -> Result<[u64; 2], MapsError> {
+        Ok([0, 0])
+    }
 }
 
 /// The map key of guarded address `addr`.
@@ -88,16 +93,18 @@ pub struct KernelPolicyMaps {
     peers_v6: LpmTrie<MapData, PeerV6, PeerValue>,
     ports: HashMap<MapData, PortKey, u32>,
     verdicts: PerCpuArray<MapData, u64>,
+    event_drops: PerCpuArray<MapData, u64>,
     capacity: PolicyCapacity,
 }
 
 /// Every policy map's name, for taking them out of the loaded object.
-pub const POLICY_MAPS: [&str; 5] = [
+pub const POLICY_MAPS: [&str; 6] = [
     pol::ENDPOINTS,
     pol::PEERS_V4,
     pol::PEERS_V6,
     pol::PORTS,
     pol::VERDICTS,
+    pol::EVENT_DROPS,
 ];
 
 fn err(map: &'static str, op: &'static str) -> impl Fn(MapError) -> MapsError {
@@ -135,6 +142,7 @@ impl KernelPolicyMaps {
             peers_v6: typed(maps, pol::PEERS_V6)?,
             ports,
             verdicts: typed(maps, pol::VERDICTS)?,
+            event_drops: typed(maps, pol::EVENT_DROPS)?,
             capacity,
         })
     }
@@ -268,6 +276,21 @@ impl PolicyMaps for KernelPolicyMaps {
                 .get(&verdict_slot(counter, *verdict), 0)
                 .map_err(err(pol::VERDICTS, "read"))?;
             out[i] = values.iter().fold(0u64, |a, b| a.wrapping_add(*b));
+        }
+        Ok(out)
+    }
+
+    fn event_drops(&self) -> Result<[u64; 2], MapsError> {
+        let mut out = [0; 2];
+        for (slot, sum) in [pol::EVENT_DROP_RATE, pol::EVENT_DROP_FULL]
+            .into_iter()
+            .zip(&mut out)
+        {
+            let values = self
+                .event_drops
+                .get(&slot, 0)
+                .map_err(err(pol::EVENT_DROPS, "read"))?;
+            *sum = values.iter().fold(0u64, |a, b| a.wrapping_add(*b));
         }
         Ok(out)
     }
