@@ -184,7 +184,8 @@ impl EbpfDataPlane<KernelMaps> {
             policy_maps,
             !config.hooks.policy.is_empty(),
         )));
-        if let Some(ring) = events {
+        // The reader needs the runtime's reactor (the drain timer's condition too).
+        if let Some(ring) = events.filter(|_| tokio::runtime::Handle::try_current().is_ok()) {
             plane.tasks.spawn(policy::events::read(
                 ring,
                 policy.clone(),
