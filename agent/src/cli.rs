@@ -2,9 +2,11 @@
 //! `undrain`, `status`, `cleanup`, `preflight`, `certs`, `version`.
 //!
 //! `apply`, `get` and `delete` reach a running agent through its socket
-//! (`<state-dir>/agent.sock`); when no agent runs they open the embedded store
-//! directly, so a node can be prepared before its agent starts. With
-//! `--etcd-endpoints` they read and write etcd itself, no agent needed. `status`
+//! (`<state-dir>/agent.sock`); when no agent runs they use the etcd its agent
+//! last ran on (recorded in the state dir), else the embedded store directly (only
+//! `apply` creates it, so a node can be prepared before its agent starts). With
+//! `--etcd-endpoints` (or a config file naming it) they read and write etcd
+//! itself, no agent needed. `status`
 //! asks the local agent (else, in embedded mode, reads the store).
 //!
 //! Answers of any size stream to standard output as they arrive (`get`,
@@ -22,13 +24,13 @@ pub use output::StdoutClosed;
 use crate::{
     config::{
         Config, ConfigError, DataplaneSettings, EtcdSettings, FileConfig, GlobalSettings,
-        KernelSettings, PinSettings, RunSettings,
+        KernelSettings, PinSettings, RunSettings, recorded,
     },
     localapi::{self, Client, LocalApiError, StatusPart, StatusQuery},
     model::{Kind, ObjectKey, parse_documents},
     orderedlog::{
-        embedded::{EmbeddedLog, EmbeddedOptions},
-        etcd::EtcdLog,
+        embedded::{EmbeddedLog, EmbeddedOptions, STORE_FILE},
+        etcd::{EtcdLog, EtcdOptions},
         store::ObjectStore,
     },
     status::{StatusSource, StoreStatus},
@@ -246,6 +248,9 @@ impl Command {
             | Command::Drain { etcd, .. }
             | Command::Undrain { etcd, .. }
             | Command::Status(StatusArgs { etcd, .. }) => etcd.clone().into(),
+            Command::Certs {
+                command: certs::CertsCommand::EtcdRbac(args),
+            } => args.etcd.clone().into(),
             Command::Certs { .. } | Command::Version | Command::Observe(_) => FileConfig::default(),
         }
     }
@@ -277,15 +282,38 @@ enum Target {
     Etcd(EtcdLog),
 }
 
-/// etcd with `--etcd-endpoints`; else the agent on the state dir's socket, else the
-/// embedded store.
-async fn target(config: &Config) -> Result<Target> {
+/// etcd with `--etcd-endpoints` (flags, variables or config file); else the agent
+/// on the state dir's socket; else the etcd the node's agent last ran on (recorded
+/// in the state dir, [`recorded`]); else the embedded store, opened only when it
+/// exists unless `create` (`apply` prepares a node before its agent's first start,
+/// and says so): a read never makes an empty store that would hide a cluster.
+async fn target(config: &Config, create: bool) -> Result<Target> {
     if let Some(options) = config.etcd_options()? {
         return Ok(Target::Etcd(EtcdLog::connect(options).await?));
     }
     let socket = localapi::socket_path(&config.state_dir);
     if let Some(client) = Client::connect(&socket).await? {
         return Ok(Target::Agent(client));
+    }
+    if let Some(options) = recorded_etcd(config)? {
+        return Ok(Target::Etcd(EtcdLog::connect(options).await?));
+    }
+    let dir = config.state_dir.display();
+    if !config.state_dir.join(STORE_FILE).exists() {
+        if !create {
+            bail!(
+                "no agent answers on {} and {dir} holds no embedded store ({STORE_FILE}) nor a \
+                 record of the etcd its agent uses ({}): nothing to read. On a node of a \
+                 cluster give --etcd-endpoints (and its TLS flags) or --config with the agent's \
+                 config file; on a single node, start the agent (or `apply`) first",
+                socket.display(),
+                recorded::FILE
+            );
+        }
+        eprintln!(
+            "note: no agent answers and {dir} holds no store yet: creating the embedded store \
+             there (on a node of a cluster, give --etcd-endpoints or --config instead)"
+        );
     }
     let options = EmbeddedOptions {
         history: config.log_history,
@@ -297,6 +325,28 @@ async fn target(config: &Config) -> Result<Target> {
         )
     })?;
     Ok(Target::Store(store))
+}
+
+/// The etcd settings given (flags, variables, config file), else those the node's
+/// agent recorded in the state dir at its last start; `None` with neither.
+fn etcd_options_or_recorded(config: &Config) -> Result<Option<EtcdOptions>> {
+    match config.etcd_options()? {
+        Some(options) => Ok(Some(options)),
+        None => recorded_etcd(config),
+    }
+}
+
+/// The etcd the node's agent recorded in the state dir, when no etcd setting was
+/// given (naming the record when it is refused).
+fn recorded_etcd(config: &Config) -> Result<Option<EtcdOptions>> {
+    let path = config.state_dir.join(recorded::FILE);
+    let Some(recorded) = recorded::recorded(&config.state_dir)? else {
+        return Ok(None);
+    };
+    let options = recorded
+        .etcd_options()
+        .with_context(|| format!("the etcd settings recorded in {}", path.display()))?;
+    Ok(options)
 }
 
 fn parse_kind(kind: &str) -> Result<Kind> {
@@ -329,7 +379,7 @@ pub async fn apply(config: &Config, file: &str, wait: Option<std::time::Duration
     if objects.is_empty() {
         bail!("{file}: no objects found");
     }
-    let target = target(config).await?;
+    let target = target(config, true).await?;
     if wait.is_some() && !matches!(target, Target::Etcd(_)) {
         bail!(
             "--wait needs the etcd store (--etcd-endpoints): it waits for every node of a \
@@ -404,7 +454,7 @@ pub async fn get(
     };
     let mut out = Out::default();
     let mut printer = ObjectsOut::new(output, name.is_some()).map_err(output_error)?;
-    match target(config).await? {
+    match target(config, false).await? {
         Target::Agent(mut c) => {
             c.list(kind, namespace, name, |o| printer.push(&mut out, o))
                 .await
@@ -446,7 +496,7 @@ pub async fn get(
 /// `rune-agent get nodes` (a table, or every document with `-o`) and `get node
 /// NAME` (its document, YAML unless `-o json`): the nodes registered in etcd.
 async fn get_nodes(config: &Config, name: Option<&str>, output: Option<Format>) -> Result<()> {
-    let Some(options) = config.etcd_options()? else {
+    let Some(options) = etcd_options_or_recorded(config)? else {
         bail!("nodes are registered in etcd: give --etcd-endpoints (and its TLS flags)");
     };
     let etcd = EtcdLog::connect(options).await?;
@@ -480,7 +530,7 @@ async fn get_nodes(config: &Config, name: Option<&str>, output: Option<Format>) 
 /// `rune-agent delete KIND NAME`.
 pub async fn delete(config: &Config, kind: &str, name: &str, namespace: &str) -> Result<()> {
     let key = ObjectKey::new(parse_kind(kind)?, namespace, name);
-    let deleted = match target(config).await? {
+    let deleted = match target(config, false).await? {
         Target::Agent(mut c) => c.delete(&key).await?,
         Target::Store(store) => store.delete(&key)?,
         Target::Etcd(etcd) => ObjectStore::delete(&etcd, &key).await?,
@@ -501,7 +551,7 @@ pub async fn delete(config: &Config, kind: &str, name: &str, namespace: &str) ->
 /// drain record in etcd.
 pub async fn drain(config: &Config, node: &str, undo: bool) -> Result<()> {
     let command = if undo { "undrain" } else { "drain" };
-    let Some(options) = config.etcd_options()? else {
+    let Some(options) = etcd_options_or_recorded(config)? else {
         bail!("drains are kept in etcd: {command} needs --etcd-endpoints (and its TLS flags)");
     };
     let etcd = EtcdLog::connect(options).await?;
@@ -559,7 +609,7 @@ pub async fn status(config: &Config, args: &StatusArgs) -> Result<()> {
 /// without one, the embedded store (or etcd, which holds no agent's status).
 async fn status_target(config: &Config) -> Result<Target> {
     let Some(options) = config.etcd_options()? else {
-        return target(config).await;
+        return target(config, false).await;
     };
     let socket = localapi::socket_path(&config.state_dir);
     match Client::connect(&socket).await? {

@@ -15,6 +15,7 @@
 
 mod etcd;
 mod layers;
+pub mod recorded;
 mod resolve;
 
 use layers::settings;

@@ -277,6 +277,8 @@ impl EndpointCache {
                     }
                     skey
                 }
+                // Not an object: only the revision moves (consumers acknowledge it).
+                Event::Skipped { .. } => continue,
             };
             changed.insert(key);
         }

@@ -74,7 +74,7 @@ fn main() -> ExitCode {
             Command::Observe(args) => cli::observe::observe(&config, args).await,
             Command::Cleanup { .. } => cli::cleanup(&config).await,
             Command::Preflight { json, .. } => cli::preflight(&config, *json),
-            Command::Certs { command } => cli::certs::run(command).await,
+            Command::Certs { command } => cli::certs::run(command, &config).await,
             Command::Version => Ok(()),
         }
     });

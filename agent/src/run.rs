@@ -30,7 +30,7 @@ use crate::{
     metrics::{Metrics, server::MetricsServer},
     node::{
         drain_follower::DrainFollower,
-        facts::{FactsSource, MapFill},
+        facts::FactsSource,
         registrar::{Registrar, RegistrarOptions},
     },
     orderedlog::{
@@ -58,6 +58,10 @@ pub async fn run(config: Config) -> Result<()> {
     raise_fd_limit();
     // Creates the state dir when missing.
     let identity = Identity::load_or_create(&config.state_dir)?;
+    // The CLI on this node then reaches the same etcd (or none) without flags.
+    if let Err(e) = crate::config::recorded::record(&config) {
+        tracing::warn!(error = %e, file = crate::config::recorded::FILE, "recording the etcd settings in the state dir failed: the CLI on this node needs them given");
+    }
     // etcd takes the client certificate's CN as this node's user.
     if let Some(cert) = etcd_options.as_ref().and_then(|o| o.cert_file.as_deref()) {
         crate::certs::client::check_node_certificate(cert, &identity.node_id)?;
@@ -153,7 +157,6 @@ pub async fn run(config: Config) -> Result<()> {
                 .as_ref()
                 .map(|s| s.checks.clone())
                 .unwrap_or_default(),
-            map_capacities(&config, plane.mode()),
             config.state_dir.clone(),
         )
     });
@@ -267,27 +270,6 @@ impl Link {
             Link::Embedded(link) | Link::Etcd(link, _) => link.clone(),
         }
     }
-}
-
-/// The capacities of the data plane's maps (eBPF: its map sizes; the other modes
-/// keep no fixed-size tables), for the node's facts.
-fn map_capacities(config: &Config, mode: &str) -> Vec<MapFill> {
-    if mode != DataplaneMode::Ebpf.as_str() {
-        return Vec::new();
-    }
-    [
-        ("frontends", u64::from(config.lb_max_frontends)),
-        ("backends", u64::from(config.lb_max_backends)),
-        ("flows", u64::from(config.lb_max_flows)),
-        ("affinity", u64::from(config.lb_max_flows)),
-    ]
-    .into_iter()
-    .map(|(name, capacity)| MapFill {
-        name: name.to_owned(),
-        capacity,
-        used: None,
-    })
-    .collect()
 }
 
 /// The store the agent reads and writes: etcd with `options` (connecting sends

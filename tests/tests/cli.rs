@@ -127,13 +127,15 @@ fn bad_input_is_refused_with_a_clear_error_and_nothing_is_stored() {
         "{err}"
     );
     assert!(err.contains("70000"), "{err}");
+    // Not even an empty store was made.
     let out = cli(dir, &["get"], None);
-    assert_eq!(
-        stdout(&out).lines().count(),
-        1,
-        "only the header: {}",
-        stdout(&out)
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("holds no embedded store"),
+        "{}",
+        stderr(&out)
     );
+    assert!(std::fs::read_dir(dir).unwrap().next().is_none());
 
     let out = cli(dir, &["get", "pods"], None);
     assert!(!out.status.success());

@@ -394,6 +394,11 @@ fn a_drained_node_takes_no_new_connections_keeps_established_ones_and_undrain_re
     // Draining for drainSeconds (2) and a margin.
     let line = node_line(&c, "node-1");
     assert!(line.contains("Ready,Draining"), "{line}");
+    let yaml = ok(
+        &c.cli(&["get", "node", "node-1", "-o", "yaml"], None),
+        "get node -o yaml",
+    );
+    assert!(yaml.contains("\ndrain:\n  state: Drain"), "{yaml}");
     // New connections all go to pod-2 once node-3 has the drain, while the
     // established one stays on pod-1 (within the service's drainSeconds: 2).
     eventually(
@@ -438,6 +443,11 @@ fn a_drained_node_takes_no_new_connections_keeps_established_ones_and_undrain_re
     );
     let line = node_line(&c, "node-1");
     assert!(!line.contains("Drain"), "{line}");
+    let yaml = ok(
+        &c.cli(&["get", "node", "node-1", "-o", "yaml"], None),
+        "get node -o yaml",
+    );
+    assert!(!yaml.contains("drain:"), "{yaml}");
     let again = ok(&c.cli(&["undrain", "node-1"], None), "undrain node-1 again");
     assert!(again.contains("was not drained"), "{again}");
 }

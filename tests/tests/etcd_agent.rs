@@ -473,6 +473,97 @@ fn values_other_clients_wrote_that_are_not_objects_are_skipped() {
 }
 
 #[test]
+fn a_skipped_value_is_acknowledged_as_applied_and_apply_wait_goes_on() {
+    let etcd = Etcd::start();
+    let one = backend("one");
+    let dir = tempfile::tempdir().unwrap();
+    let (mut agent, proxy) = dev_agent(dir.path(), etcd.endpoint(), &[]);
+    agent.wait_ready(PATIENCE);
+    etcd_cli_ok(
+        etcd.endpoint(),
+        &["apply", "-f", "-", "--wait=20s"],
+        Some(&manifest("web", one)),
+    );
+    wait_answer(proxy, "one");
+
+    // Garbage as the last write: its revision is applied all the same.
+    let put = etcd.ctl_ok(&[
+        "put",
+        "/rune/v1/endpoints/default/web",
+        "{not json",
+        "-w",
+        "json",
+    ]);
+    let at = put.find("\"revision\":").expect("a revision") + 11;
+    let garbage: f64 = put[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect::<String>()
+        .parse()
+        .unwrap();
+    eventually(PATIENCE, "the garbage's revision applied", || {
+        let applied = metric(&agent.metrics_text(), "rune_applied_revision")?;
+        (applied >= garbage).then_some(())
+    });
+    // The last valid endpoints stay in service.
+    assert_eq!(ask(proxy).unwrap(), "one");
+    let log = agent.log();
+    assert!(log.contains("/rune/v1/endpoints/default/web"), "{log}");
+
+    // And a good apply after it is waited for and returns.
+    let two = backend("two");
+    let out = etcd_cli_ok(
+        etcd.endpoint(),
+        &["apply", "-f", "-", "--wait=20s"],
+        Some(&manifest("web", two)),
+    );
+    assert!(out.contains("endpoints/default/web"), "{out}");
+    assert_eq!(ask(proxy).unwrap(), "two");
+}
+
+#[test]
+fn the_cli_on_a_node_uses_the_etcd_its_agent_ran_on_and_never_makes_an_empty_store() {
+    let etcd = Etcd::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut agent, _) = dev_agent(dir.path(), etcd.endpoint(), &[]);
+    agent.wait_ready(PATIENCE);
+    // Stopped: the CLI cannot ask it, and is given no etcd setting.
+    agent.terminate(PATIENCE);
+    let out = cli(dir.path(), &["apply", "-f", "-"], Some(&manifest("web", 9)));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed = etcd_cli_ok(etcd.endpoint(), &["get", "svc"], None);
+    assert!(listed.contains("web"), "the apply went to etcd: {listed}");
+    let out = cli(dir.path(), &["get", "svc", "web"], None);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("web"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !dir.path().join("store.redb").exists(),
+        "no embedded store beside the etcd record"
+    );
+
+    // A state dir with neither a store nor a record: said so, nothing created.
+    let empty = tempfile::tempdir().unwrap();
+    for args in [&["get"][..], &["delete", "svc", "web"]] {
+        let out = cli(empty.path(), args, None);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(err.contains("holds no embedded store"), "{args:?}: {err}");
+        assert!(err.contains("--etcd-endpoints"), "{args:?}: {err}");
+    }
+    assert!(
+        std::fs::read_dir(empty.path()).unwrap().next().is_none(),
+        "nothing created in the empty state dir"
+    );
+}
+
+#[test]
 fn mutual_tls_settings_reach_etcd_from_flags_and_from_a_config_file() {
     let pki = Pki::new("rune agent test CA");
     let etcd = Etcd::builder().tls(&pki).client_cert_auth().start();

@@ -309,7 +309,25 @@ async fn a_malformed_value_is_skipped_with_an_error_naming_the_key_and_the_rest_
     let api = svc("api", "198.18.100.2");
     let r = log.apply(vec![api.clone()]).await.unwrap();
 
-    // The stream goes on with the next valid event.
+    // Each is a skipped event naming its key (consumers acknowledge its
+    // revision), and the stream goes on with the next valid event.
+    let skipped: Vec<String> = take(&mut stream, 4)
+        .await
+        .iter()
+        .map(|e| match e {
+            Event::Skipped { key, .. } => key.clone(),
+            other => panic!("expected a skipped value, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        skipped,
+        [
+            bad,
+            renamed,
+            "/rune-test/v1/secret/default/tls",
+            "/rune-test/v1/service/default/zero"
+        ]
+    );
     assert_eq!(
         next(&mut stream).await.unwrap(),
         Event::Put {

@@ -212,6 +212,28 @@ async fn a_revoked_lease_is_replaced_and_the_document_written_again() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_deleted_by_hand_is_written_again_at_the_next_heartbeat() {
+    let etcd = Etcd::start();
+    let log = connect(etcd.endpoint()).await;
+    let id = identity("cccccccccccccccccccccccccccccccc", "deleted");
+    let node = start(&log, &id, short(), true).await;
+    let first = until(&log, &id.node_id, "registration", |r| r.is_some())
+        .await
+        .unwrap();
+    let key = format!("{}nodes/{}", options(etcd.endpoint()).prefix, id.node_id);
+    let deleted = etcd.ctl_ok(&["del", &key]);
+    assert_eq!(deleted.trim(), "1", "{key}");
+    // Nothing about the node changed: only the heartbeat's check brings it back,
+    // under the same lease.
+    let again = until(&log, &id.node_id, "the key written again", |r| r.is_some())
+        .await
+        .unwrap();
+    assert_eq!(again.lease, first.lease);
+    assert_eq!(document(&again).identity.id, id.node_id);
+    node.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_out_of_reach_longer_than_the_ttl_means_a_new_registration_when_it_returns() {
     let etcd = Etcd::start();
     let log = connect(etcd.endpoint()).await;

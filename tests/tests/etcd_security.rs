@@ -143,7 +143,7 @@ impl Cluster {
             s(cert),
             "--etcd-key",
             s(key),
-            "--prefix",
+            "--etcd-prefix",
             PREFIX,
         ];
         for n in nodes {
@@ -369,6 +369,40 @@ async fn nodes_read_the_prefix_and_write_only_their_own_key_and_the_admin_writes
                 && err.to_string().contains("permission denied"),
             "{err:?}"
         );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_rbac_takes_its_connection_from_the_config_file_like_every_command() {
+    bounded(async {
+        let cluster = Cluster::start();
+        cluster.issue("n1");
+        let file = cluster.tmp.path().join("admin.yaml");
+        let ca = cluster.dir.join(certs::CA_CERT);
+        let (cert, key) = (
+            cluster.dir.join(certs::ADMIN_CERT),
+            cluster.dir.join(certs::ADMIN_KEY),
+        );
+        fs::write(
+            &file,
+            format!(
+                "etcdEndpoints: [{}]\netcdCa: {}\netcdCert: {}\netcdKey: {}\netcdPrefix: {PREFIX}\n",
+                cluster.etcd.endpoint(),
+                s(&ca),
+                s(&cert),
+                s(&key)
+            ),
+        )
+        .unwrap();
+        let out = agent_ok(
+            &cluster.state(),
+            &["certs", "etcd-rbac", "--config", s(&file), "--node", "n1"],
+        );
+        assert!(out.contains("n1"), "{out}");
+        // The node's role is on the configured prefix: it may write its own key.
+        let mut raw = cluster.raw(cluster.node("n1")).await;
+        register(&mut raw, "n1").await.unwrap();
     })
     .await;
 }

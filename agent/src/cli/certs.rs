@@ -8,9 +8,9 @@ use crate::{
         self, DEFAULT_CA_DAYS, DEFAULT_DAYS, InitOptions, Validity, Written,
         rbac::{self, RbacReport},
     },
-    orderedlog::etcd::{DEFAULT_PREFIX, EtcdOptions},
+    config::{Config, EtcdSettings},
 };
-use anyhow::{Context as _, Result};
+use anyhow::{Context as _, Result, bail};
 use clap::{Args, Subcommand};
 use std::{fmt::Write as _, path::PathBuf};
 
@@ -66,36 +66,23 @@ pub enum CertsCommand {
     EtcdRbac(RbacArgs),
 }
 
-/// Flags of `certs etcd-rbac`: how to reach etcd (as the admin) and which nodes.
+/// Flags of `certs etcd-rbac`: how to reach etcd (as the admin: the same
+/// `--etcd-*` flags, variables and config-file keys as every command) and which
+/// nodes.
 #[derive(Debug, Args)]
 pub struct RbacArgs {
-    /// etcd client URLs, comma-separated or repeated (https://HOST:2379).
-    #[arg(
-        long = "etcd-endpoints",
-        value_delimiter = ',',
-        required = true,
-        value_name = "URL"
-    )]
-    pub endpoints: Vec<String>,
-    /// The CA that signed the etcd members' certificates (ca.pem).
-    #[arg(long = "etcd-ca", value_name = "FILE")]
-    pub ca: Option<PathBuf>,
-    /// The admin's client certificate (admin.pem).
-    #[arg(long = "etcd-cert", value_name = "FILE")]
-    pub cert: Option<PathBuf>,
-    /// The admin's key (admin-key.pem).
-    #[arg(long = "etcd-key", value_name = "FILE")]
-    pub key: Option<PathBuf>,
-    /// The key prefix rune's objects live under.
-    #[arg(long, visible_alias = "etcd-prefix", default_value = DEFAULT_PREFIX, value_name = "PREFIX")]
-    pub prefix: String,
+    /// `--etcd-endpoints`, `--etcd-ca`, the admin's `--etcd-cert`/`--etcd-key`,
+    /// `--etcd-prefix` and the rest.
+    #[command(flatten)]
+    pub etcd: EtcdSettings,
     /// A node id to create a user and role for (repeat for each).
     #[arg(long = "node", value_name = "ID")]
     pub nodes: Vec<String>,
 }
 
-/// Runs a `certs` subcommand; prints what it wrote or changed.
-pub async fn run(command: &CertsCommand) -> Result<()> {
+/// Runs a `certs` subcommand (`etcd-rbac` reaches etcd as `config` says); prints
+/// what it wrote or changed.
+pub async fn run(command: &CertsCommand, config: &Config) -> Result<()> {
     match command {
         CertsCommand::Init {
             dir,
@@ -123,11 +110,13 @@ pub async fn run(command: &CertsCommand) -> Result<()> {
             print_all(&written_text(&written))
         }
         CertsCommand::EtcdRbac(args) => {
-            let mut options = EtcdOptions::new(args.endpoints.clone());
-            options.ca_file = args.ca.clone();
-            options.cert_file = args.cert.clone();
-            options.key_file = args.key.clone();
-            options.prefix = args.prefix.clone();
+            let Some(options) = config.etcd_options()? else {
+                bail!(
+                    "etcd-rbac sets up etcd: give --etcd-endpoints (or RUNE_ETCD_ENDPOINTS, or \
+                     etcdEndpoints in --config) with --etcd-ca and the admin's --etcd-cert and \
+                     --etcd-key"
+                );
+            };
             let report = rbac::apply(&options, &args.nodes)
                 .await
                 .context("setting up etcd's users and roles")?;

@@ -5,7 +5,7 @@
 
 use crate::{
     node::{
-        NodeDocument,
+        NodeDocument, Timestamp,
         drain::{DrainRecord, DrainState, longest_drain},
         format_age,
     },
@@ -16,6 +16,7 @@ use crate::{
     },
 };
 use futures::StreamExt;
+use serde::Serialize;
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
@@ -215,35 +216,64 @@ pub enum GetNodeError {
     Output(String),
 }
 
-/// `get node NAME -o yaml|json`: the whole document of the node with that id, or
-/// else that host name.
+/// A node as `get node(s) -o yaml|json` prints it: its own document, and the
+/// admin's drain of it when it is drained.
+#[derive(Serialize)]
+struct ShownNode<'a> {
+    #[serde(flatten)]
+    document: &'a NodeDocument,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    drain: Option<ShownDrain<'a>>,
+}
+
+/// A drain as `get node NAME -o yaml|json` prints it.
+#[derive(Serialize)]
+struct ShownDrain<'a> {
+    /// `Draining` or `Drained`, as the table's STATE column says.
+    state: &'static str,
+    since: Timestamp,
+    by: &'a str,
+}
+
+impl<'a> ShownNode<'a> {
+    /// `entry` as printed, when it has a document.
+    fn of(entry: &'a NodeEntry) -> Result<Self, &'a str> {
+        let document = entry.document.as_ref().map_err(String::as_str)?;
+        Ok(Self {
+            document,
+            drain: entry.drain.as_ref().map(|d| ShownDrain {
+                state: d.state.as_str(),
+                since: d.record.since,
+                by: &d.record.by,
+            }),
+        })
+    }
+}
+
+/// `get node NAME -o yaml|json`: the whole document of the registered node with
+/// that id, or else that host name, with its drain when drained.
 pub async fn get_node(
     log: &EtcdLog,
     name: &str,
     format: DocumentFormat,
     out: &mut dyn Write,
 ) -> Result<(), GetNodeError> {
-    let document = match log.get_node(name).await? {
-        Some(record) => {
-            NodeDocument::parse(&record.id, &record.value).map_err(GetNodeError::Invalid)?
-        }
+    let entries = list_nodes(log).await?;
+    let by_id = entries.iter().find(|e| e.registered && e.id == name);
+    let entry = match by_id {
+        Some(e) => e,
         None => {
-            let matches: Vec<NodeEntry> = list_nodes(log)
-                .await?
-                .into_iter()
+            let matches: Vec<&NodeEntry> = entries
+                .iter()
                 .filter(|e| {
                     e.document
                         .as_ref()
                         .is_ok_and(|d| d.identity.hostname == name)
                 })
                 .collect();
-            match matches.len() {
-                0 => return Err(GetNodeError::NotFound(name.to_owned())),
-                1 => matches
-                    .into_iter()
-                    .next()
-                    .and_then(|e| e.document.ok())
-                    .ok_or_else(|| GetNodeError::NotFound(name.to_owned()))?,
+            match matches[..] {
+                [] => return Err(GetNodeError::NotFound(name.to_owned())),
+                [e] => e,
                 _ => {
                     let ids: Vec<&str> = matches.iter().map(|e| e.id.as_str()).collect();
                     return Err(GetNodeError::Ambiguous {
@@ -254,9 +284,10 @@ pub async fn get_node(
             }
         }
     };
+    let shown = ShownNode::of(entry).map_err(|why| GetNodeError::Invalid(why.to_owned()))?;
     let text = match format {
-        DocumentFormat::Yaml => serde_yaml_ng::to_string(&document).map_err(|e| e.to_string()),
-        DocumentFormat::Json => serde_json::to_string_pretty(&document)
+        DocumentFormat::Yaml => serde_yaml_ng::to_string(&shown).map_err(|e| e.to_string()),
+        DocumentFormat::Json => serde_json::to_string_pretty(&shown)
             .map(|t| t + "\n")
             .map_err(|e| e.to_string()),
     }
@@ -265,9 +296,9 @@ pub async fn get_node(
         .map_err(|e| GetNodeError::Output(e.to_string()))
 }
 
-/// `get nodes -o yaml|json`: every node's whole document (a JSON array, or YAML
-/// documents one after another); a value that is not a node document is named on
-/// standard error and left out.
+/// `get nodes -o yaml|json`: every node's whole document with its drain (a JSON
+/// array, or YAML documents one after another); a value that is not a node
+/// document is named on standard error and left out.
 pub fn write_documents(
     entries: &[NodeEntry],
     format: DocumentFormat,
@@ -275,7 +306,7 @@ pub fn write_documents(
 ) -> Result<(), GetNodeError> {
     let mut documents = Vec::with_capacity(entries.len());
     for e in entries.iter().filter(|e| e.registered) {
-        match &e.document {
+        match ShownNode::of(e) {
             Ok(d) => documents.push(d),
             Err(why) => eprintln!("warning: node {}: {why}", e.id),
         }
@@ -576,7 +607,7 @@ mod tests {
             record: DrainRecord {
                 node_id: id.into(),
                 hostname: hostname.into(),
-                since: crate::node::Timestamp(1_796_000_000),
+                since: Timestamp(1_796_000_000),
                 by: String::new(),
             },
             state,
@@ -614,5 +645,53 @@ mod tests {
         let mut out = Vec::new();
         write_documents(&entries[1..], DocumentFormat::Json, &mut out).unwrap();
         assert_eq!(String::from_utf8(out).unwrap(), "[]\n");
+    }
+
+    #[test]
+    fn documents_show_the_drain_of_a_drained_node() {
+        let document = NodeDocument {
+            identity: crate::node::NodeIdentity {
+                id: "abc".into(),
+                hostname: "node-1".into(),
+                labels: BTreeMap::new(),
+            },
+            addresses: Vec::new(),
+            facts: crate::node::facts::Facts::default(),
+            conditions: Vec::new(),
+            applied_revision: 12,
+            heartbeat_time: Timestamp(1_796_000_000),
+        };
+        let mut entry = NodeEntry {
+            id: "abc".into(),
+            document: Ok(document),
+            heartbeat_age: None,
+            registered: true,
+            drain: None,
+        };
+        let json = |entry: &NodeEntry| {
+            let mut out = Vec::new();
+            write_documents(std::slice::from_ref(entry), DocumentFormat::Json, &mut out).unwrap();
+            serde_json::from_slice::<serde_json::Value>(&out).unwrap()[0].clone()
+        };
+        let shown = json(&entry);
+        assert_eq!(shown["appliedRevision"], 12, "{shown}");
+        assert!(shown.get("drain").is_none(), "{shown}");
+        entry.drain = Some(NodeDrain {
+            record: DrainRecord {
+                node_id: "abc".into(),
+                hostname: "node-1".into(),
+                since: Timestamp(1_796_000_000),
+                by: "ops@admin".into(),
+            },
+            state: DrainState::Draining,
+        });
+        let shown = json(&entry);
+        assert_eq!(shown["drain"]["state"], "Draining", "{shown}");
+        assert_eq!(shown["drain"]["by"], "ops@admin", "{shown}");
+        assert_eq!(shown["identity"]["hostname"], "node-1", "{shown}");
+        let mut yaml = Vec::new();
+        write_documents(&[entry], DocumentFormat::Yaml, &mut yaml).unwrap();
+        let yaml = String::from_utf8(yaml).unwrap();
+        assert!(yaml.contains("drain:\n  state: Draining"), "{yaml}");
     }
 }

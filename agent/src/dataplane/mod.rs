@@ -42,8 +42,39 @@ pub trait DataPlane: Send + Sync {
     fn policy(&self) -> Vec<crate::policy::ServicePolicyStatus> {
         Vec::new()
     }
+
+    /// The data plane's fixed-size maps with their capacity and fill (`count` says
+    /// whether the flow tables are walked too); `None` where the mode keeps no
+    /// fixed-size maps (nftables and the userspace proxies grow as needed).
+    fn maps(&self, count: MapCount) -> Option<Vec<MapUsage>> {
+        let _ = count;
+        None
+    }
+
     /// Stops everything the data plane runs and waits until it has stopped.
     async fn shutdown(&self);
+}
+
+/// How much of a data plane's maps [`DataPlane::maps`] counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MapCount {
+    /// Only the maps whose fill the data plane knows from its own bookkeeping
+    /// (cheap: asked after every change).
+    Tables,
+    /// Those and the flow tables, whose entries the kernel adds and evicts: their
+    /// keys are walked (bounded by their capacity; asked with the facts).
+    WithFlows,
+}
+
+/// One fixed-size map of a data plane: how many entries it holds and can hold.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapUsage {
+    /// The map's name in the node's facts (`frontends`, `conntrack_v4`).
+    pub name: &'static str,
+    /// Entries it can hold.
+    pub capacity: u64,
+    /// Entries it holds; `None` when counting them failed.
+    pub used: Option<u64>,
 }
 
 /// One service port as the `status` command shows it.

@@ -108,8 +108,8 @@ pub struct Inputs<'a> {
     pub degraded: Option<String>,
     /// The last etcd failure, while it lasts.
     pub store_error: Option<String>,
-    /// The data plane's maps.
-    pub maps: &'a [MapFill],
+    /// The data plane's maps; `None` when the mode keeps no fixed-size maps.
+    pub maps: Option<&'a [MapFill]>,
     /// Memory and disk readings.
     pub host: HostSample,
 }
@@ -120,7 +120,7 @@ impl Default for Inputs<'_> {
             ready: Ok(()),
             degraded: None,
             store_error: None,
-            maps: &[],
+            maps: None,
             host: HostSample::default(),
         }
     }
@@ -157,11 +157,19 @@ pub fn observe(inputs: &Inputs<'_>) -> Vec<Observed> {
     };
     let full: Vec<String> = inputs
         .maps
+        .unwrap_or_default()
         .iter()
         .filter(|m| m.at_least(MAP_PRESSURE_PERCENT))
         .map(|m| format!("{} {}/{}", m.name, m.used.unwrap_or(0), m.capacity))
         .collect();
-    let maps = if full.is_empty() {
+    let maps = if inputs.maps.is_none() {
+        Observed::new(
+            Kind::MapPressure,
+            false,
+            "NoMaps",
+            "the data plane keeps no fixed-size maps".into(),
+        )
+    } else if full.is_empty() {
         Observed::new(
             Kind::MapPressure,
             false,
@@ -274,7 +282,7 @@ mod tests {
         }];
         let mut inputs = Inputs {
             ready: Err("dns is not ready".into()),
-            maps: &maps,
+            maps: Some(&maps),
             ..Inputs::default()
         };
         let mut set = ConditionSet::default();
@@ -309,7 +317,7 @@ mod tests {
             capacity: 100,
             used: Some(95),
         }];
-        inputs.maps = &full;
+        inputs.maps = Some(&full);
         set.update(observe(&inputs), Timestamp(400));
         let (s, t, message) = status(&set, Kind::MapPressure);
         assert_eq!((s, t), (Status::True, Timestamp(400)));
@@ -334,5 +342,10 @@ mod tests {
         assert_eq!(get(Kind::DiskPressure), Status::False, "10% free is enough");
         assert_eq!(get(Kind::StoreDisconnected), Status::True);
         assert_eq!(get(Kind::MapPressure), Status::False);
+        let maps = observed
+            .iter()
+            .find(|o| o.kind == Kind::MapPressure)
+            .unwrap();
+        assert_eq!(maps.reason, "NoMaps", "no maps: said so");
     }
 }

@@ -6,7 +6,7 @@
 use crate::{
     agent::Agent,
     config::{DataplaneMode, Mode},
-    dataplane::{DataPlane, PortState},
+    dataplane::{DataPlane, MapCount, MapUsage, PortState},
     preflight::Check,
     subsystem::Readiness,
 };
@@ -38,9 +38,10 @@ pub struct Facts {
     pub dataplane: DataplaneFacts,
     /// The agent's version.
     pub agent_version: String,
-    /// The data plane's maps, where it knows their capacity.
-    #[serde(default)]
-    pub maps: Vec<MapFill>,
+    /// The data plane's fixed-size maps with their fill; absent where the mode
+    /// keeps none (nftables, userspace).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub maps: Option<Vec<MapFill>>,
 }
 
 /// The data plane in use, why, and the preflight checks that failed.
@@ -60,12 +61,22 @@ pub struct DataplaneFacts {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct MapFill {
-    /// The map's name (`frontends`, `backends`, `flows`).
+    /// The map's name (`frontends`, `backends`, `conntrack_v4`, `conntrack_v6`).
     pub name: String,
     /// Entries it can hold.
     pub capacity: u64,
-    /// Entries it holds; `None` where the data plane does not count them.
+    /// Entries it holds; `None` when counting them failed.
     pub used: Option<u64>,
+}
+
+impl From<MapUsage> for MapFill {
+    fn from(m: MapUsage) -> Self {
+        Self {
+            name: m.name.to_owned(),
+            capacity: m.capacity,
+            used: m.used,
+        }
+    }
 }
 
 impl MapFill {
@@ -81,14 +92,19 @@ impl MapFill {
 /// A closure giving one of the agent's facts.
 pub type Fact<T> = Arc<dyn Fn() -> T + Send + Sync>;
 
+/// A closure giving the data plane's maps, counted as far as asked (`None`: the
+/// mode keeps no fixed-size maps).
+pub type MapsFact = Arc<dyn Fn(MapCount) -> Option<Vec<MapFill>> + Send + Sync>;
+
 /// What the agent tells the registrar about itself; `run` fills it with closures
 /// over the data plane, preflight's results and the agent's readiness.
 #[derive(Clone)]
 pub struct FactsSource {
     /// The data plane's mode, why, and the failed preflight checks.
     pub dataplane: Fact<DataplaneFacts>,
-    /// The data plane's maps (empty when it has none or does not know).
-    pub maps: Fact<Vec<MapFill>>,
+    /// The data plane's maps: every one with the facts, the tables it keeps
+    /// itself after every change of the applied revision.
+    pub maps: MapsFact,
     /// `Ok` when the agent is ready, else why not (the `Ready` condition).
     pub ready: Fact<Result<(), String>>,
     /// A flag that changes when `ready` may have: the registrar writes the
@@ -114,8 +130,7 @@ impl std::fmt::Debug for FactsSource {
 impl FactsSource {
     /// What `run` has: the agent (held weakly: the agent owns the registrar),
     /// its data plane, preflight's reason and checks (none in dev mode), and the
-    /// state dir, and the data plane's maps with their capacities (eBPF: from
-    /// its map sizes; their fill is `None` until the data plane counts it). The
+    /// state dir; the maps are the data plane's own ([`DataPlane::maps`]). The
     /// data plane is degraded when, in production, it is not eBPF while checks
     /// eBPF needs failed, or when service ports fail.
     pub fn for_agent(
@@ -124,7 +139,6 @@ impl FactsSource {
         plane: Arc<dyn DataPlane>,
         reason: String,
         checks: Vec<Check>,
-        maps: Vec<MapFill>,
         state_dir: PathBuf,
     ) -> Self {
         let failed: Vec<String> = checks
@@ -144,11 +158,16 @@ impl FactsSource {
         };
         let facts_plane = dataplane.clone();
         let status_plane = plane.clone();
+        let maps_plane = plane.clone();
         let ready_changes = agent.upgrade().map(|a| a.readiness());
         Self {
             ready_changes,
             dataplane: Arc::new(move || facts_plane.clone()),
-            maps: Arc::new(move || maps.clone()),
+            maps: Arc::new(move |count| {
+                maps_plane
+                    .maps(count)
+                    .map(|maps| maps.into_iter().map(MapFill::from).collect())
+            }),
             ready: Arc::new(move || match agent.upgrade() {
                 None => Err("the agent is gone".to_owned()),
                 Some(a) => a.ready_err().map_or(Ok(()), |e| Err(e.to_string())),
@@ -206,7 +225,7 @@ impl FactsSource {
         };
         Self {
             dataplane: Arc::new(move || dataplane.clone()),
-            maps: Arc::new(Vec::new),
+            maps: Arc::new(|_| None),
             ready: Arc::new(|| Ok(())),
             ready_changes: None,
             degraded: Arc::new(|| None),
@@ -242,7 +261,7 @@ pub fn gather(source: &FactsSource) -> (Facts, HostSample) {
         memory_total_bytes: memory.map_or(0, |(total, _)| total),
         dataplane: (source.dataplane)(),
         agent_version: env!("CARGO_PKG_VERSION").to_owned(),
-        maps: (source.maps)(),
+        maps: (source.maps)(MapCount::WithFlows),
     };
     (facts, sample)
 }
@@ -355,6 +374,10 @@ mod tests {
         assert!(facts.memory_total_bytes > 0);
         assert_eq!(facts.dataplane.mode, "userspace");
         assert_eq!(facts.agent_version, env!("CARGO_PKG_VERSION"));
+        assert_eq!(
+            facts.maps, None,
+            "a data plane without maps has no map facts"
+        );
         let (total, available) = sample.memory.unwrap();
         assert!(available <= total && total == facts.memory_total_bytes);
         let (free, size) = sample.disk.unwrap();
@@ -417,7 +440,6 @@ mod tests {
             Arc::new(Failing(1)),
             "auto: eBPF unavailable".into(),
             checks,
-            Vec::new(),
             PathBuf::from("/"),
         );
         let facts = (source.dataplane)();
@@ -439,7 +461,6 @@ mod tests {
             Mode::Production,
             Arc::new(Failing(10_000)),
             "forced".into(),
-            Vec::new(),
             Vec::new(),
             PathBuf::from("/"),
         );

@@ -7,9 +7,15 @@
 //!   conditions, applied revision; never for its write time alone), so a quiet
 //!   node costs etcd one keep-alive per heartbeat and no revision.
 //! * **Facts** (and the data plane's degradation) are gathered every
-//!   [`RegistrarOptions::facts_interval`] (60 s); readiness (written at once when
+//!   [`RegistrarOptions::facts_interval`] (60 s), the data plane's conntrack maps
+//!   counted with them; the fill of the tables the data plane keeps itself
+//!   (frontends, backends) is read again at every new applied revision, so
+//!   `MapPressure` follows an apply at once; readiness (written at once when
 //!   [`FactsSource::ready_changes`] changes) and the applied revision at every step (a new applied
 //!   revision is written at once, then at most one per [`APPLIED_COALESCE`]).
+//! * **Key deleted** while the lease lives (by hand, `etcdctl del`): after each
+//!   renewal one count-only read of the key finds it missing, and the document is
+//!   written again in the same step.
 //! * **Lease lost** (etcd was unreachable longer than the TTL, or revoked it): a
 //!   new lease is granted and the document written again, same node id.
 //! * **Stop** revokes the lease, so the key is deleted at once; an agent that dies
@@ -22,13 +28,17 @@
 use super::{
     NodeDocument, NodeIdentity, Timestamp,
     conditions::{ConditionSet, Inputs, observe},
-    facts::{self, Facts, FactsSource, HostSample},
+    facts::{self, Facts, FactsSource, HostSample, MapFill},
 };
 use crate::{
     applied::AppliedRevision,
+    dataplane::MapCount,
     identity::Identity,
     lock::lock,
-    orderedlog::etcd::{EtcdLog, Lease},
+    orderedlog::{
+        Revision,
+        etcd::{EtcdLog, Lease},
+    },
     subsystem::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
 };
 use std::{
@@ -217,6 +227,7 @@ impl Keeper {
                     None => std::future::pending().await,
                 }
             };
+            let mut applied_moved = false;
             let beat = tokio::select! {
                 () = cancel.cancelled() => return,
                 _ = heartbeat.tick() => true,
@@ -240,10 +251,13 @@ impl Keeper {
                         () = tokio::time::sleep(wait) => {}
                     }
                     last_applied = Some(Instant::now());
+                    applied_moved = true;
                     false
                 }
             };
-            let _ = applied.borrow_and_update();
+            // Read before the maps: the document then never claims a revision
+            // whose effect on the maps' fill it does not show.
+            let revision = *applied.borrow_and_update();
             let stale = gathered
                 .as_ref()
                 .is_none_or(|g| g.at.elapsed() >= self.options.facts_interval);
@@ -263,22 +277,31 @@ impl Keeper {
                         at: Instant::now(),
                     });
                 }
+            } else if applied_moved && let Some(g) = &mut gathered {
+                let maps = self.source.maps.clone();
+                let read = tokio::task::spawn_blocking(move || maps(MapCount::Tables)).await;
+                if let (Ok(Some(fresh)), Some(known)) = (read, g.facts.maps.as_mut()) {
+                    refresh_maps(known, fresh);
+                }
             }
             let Some(g) = &gathered else { continue };
             tokio::select! {
                 () = cancel.cancelled() => return,
-                () = self.step(beat, g) => {}
+                () = self.step(beat, g, revision) => {}
             }
         }
     }
 
     /// One step: renew the lease on a heartbeat, and write the document when it
     /// changed or the lease is new.
-    async fn step(&mut self, beat: bool, g: &Gathered) {
+    async fn step(&mut self, beat: bool, g: &Gathered, revision: Revision) {
         let mut lease = *lock(&self.lease);
         if beat && let Some(held) = lease {
             match self.bounded(self.log.keep_alive(held)).await {
-                Ok(true) => self.connected(),
+                Ok(true) => {
+                    self.connected();
+                    self.check_key().await;
+                }
                 Ok(false) => {
                     tracing::warn!(
                         lease = held.id,
@@ -311,7 +334,7 @@ impl Keeper {
                 },
             };
             let was_disconnected = self.store_error.is_some();
-            let doc = self.document(g);
+            let doc = self.document(g, revision);
             let unchanged = lock(&self.written)
                 .as_ref()
                 .is_some_and(|w| !doc.differs_from(w));
@@ -355,14 +378,34 @@ impl Keeper {
         }
     }
 
-    /// The document now, its conditions brought up to date.
-    fn document(&mut self, g: &Gathered) -> NodeDocument {
+    /// After a renewal: when the key is gone while the lease lives (someone
+    /// deleted it), forgets what was written, so that this step writes it again.
+    async fn check_key(&mut self) {
+        if lock(&self.written).is_none() {
+            return;
+        }
+        match self.bounded(self.log.node_exists(&self.identity.id)).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(
+                    node_id = %self.identity.id,
+                    "the node's key was deleted while its lease lives; writing it again"
+                );
+                *lock(&self.written) = None;
+            }
+            Err(e) => self.failed("reading the node's key", &e),
+        }
+    }
+
+    /// The document now, at applied `revision`, its conditions brought up to
+    /// date.
+    fn document(&mut self, g: &Gathered, revision: Revision) -> NodeDocument {
         let now = Timestamp::now();
         let inputs = Inputs {
             ready: (self.source.ready)(),
             degraded: g.degraded.clone(),
             store_error: self.store_error.clone(),
-            maps: &g.facts.maps,
+            maps: g.facts.maps.as_deref(),
             host: g.host,
         };
         self.conditions.update(observe(&inputs), now);
@@ -371,7 +414,7 @@ impl Keeper {
             addresses: g.addresses.clone(),
             facts: g.facts.clone(),
             conditions: self.conditions.conditions().to_vec(),
-            applied_revision: self.applied.get(),
+            applied_revision: revision,
             heartbeat_time: now,
         }
     }
@@ -403,5 +446,33 @@ impl Keeper {
             tracing::warn!(error = %e, "{what} failed; retrying at the next heartbeat");
         }
         self.store_error = Some(format!("{what}: {e}"));
+    }
+}
+
+/// Takes the maps of `fresh` into `known` by name (a count of some maps replaces
+/// theirs and keeps the others' last count).
+fn refresh_maps(known: &mut Vec<MapFill>, fresh: Vec<MapFill>) {
+    for m in fresh {
+        match known.iter_mut().find(|k| k.name == m.name) {
+            Some(k) => *k = m,
+            None => known.push(m),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_partial_count_replaces_only_its_maps() {
+        let fill = |name: &str, used| MapFill {
+            name: name.to_owned(),
+            capacity: 10,
+            used: Some(used),
+        };
+        let mut known = vec![fill("frontends", 1), fill("conntrack_v4", 5)];
+        refresh_maps(&mut known, vec![fill("frontends", 9)]);
+        assert_eq!(known, [fill("frontends", 9), fill("conntrack_v4", 5)]);
     }
 }

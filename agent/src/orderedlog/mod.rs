@@ -42,13 +42,26 @@ pub enum Event {
         /// Which object.
         key: ObjectKey,
     },
+    /// A value at this revision is not an object (another client wrote it under
+    /// the prefix: malformed, or a kind this agent does not know). It was skipped
+    /// with an error naming the key; nothing changes, but the log reached the
+    /// revision, so that consumers acknowledge it as applied (`apply --wait`
+    /// and `appliedRevision` must not stall below it).
+    Skipped {
+        /// The revision of the value.
+        revision: Revision,
+        /// The key, as stored.
+        key: String,
+    },
 }
 
 impl Event {
     /// The revision of the event.
     pub fn revision(&self) -> Revision {
         match self {
-            Event::Put { revision, .. } | Event::Delete { revision, .. } => *revision,
+            Event::Put { revision, .. }
+            | Event::Delete { revision, .. }
+            | Event::Skipped { revision, .. } => *revision,
         }
     }
 }

@@ -109,6 +109,7 @@ pub fn describe(events: &[Event]) -> Vec<String> {
                     key.name
                 )
             }
+            Event::Skipped { revision, key } => format!("skipped {key}@{revision}"),
         })
         .collect()
 }

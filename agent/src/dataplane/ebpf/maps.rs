@@ -93,6 +93,9 @@ pub trait LbMaps: Send {
     fn drops(&self) -> Result<Vec<(DropReason, u64)>, MapsError>;
     /// Conntrack entries in use (both families), for map-pressure metrics.
     fn flows(&self) -> Result<usize, MapsError>;
+    /// Conntrack entries in use per family (IPv4, IPv6): each family's map has its
+    /// own capacity, so one can fill while the other is empty.
+    fn flows_by_family(&self) -> Result<(usize, usize), MapsError>;
     /// Writes what earlier calls queued (the kernel maps batch backend and frontend
     /// writes, see [`KernelMaps`]); called at the end of every sync and before the
     /// maps are read back.

@@ -22,6 +22,7 @@ pub mod policy;
 pub mod prefilter;
 pub mod stats;
 pub mod sync;
+mod usage;
 
 #[cfg(test)]
 mod tests;
@@ -322,6 +323,10 @@ impl<M: LbMaps + 'static> DataPlane for EbpfDataPlane<M> {
             .as_ref()
             .map(|p| lock(p).statuses())
             .unwrap_or_default()
+    }
+
+    fn maps(&self, count: super::MapCount) -> Option<Vec<super::MapUsage>> {
+        Some(self.map_usage(count))
     }
 
     fn programs(&self) -> Vec<String> {

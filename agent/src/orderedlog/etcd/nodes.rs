@@ -7,7 +7,7 @@
 
 use super::{EtcdLog, keys::Parsed, subtree::KeyChange};
 use crate::orderedlog::{LogError, Revision};
-use etcd_client::{LeaseTimeToLiveOptions, PutOptions};
+use etcd_client::{GetOptions, LeaseTimeToLiveOptions, PutOptions};
 use futures::{StreamExt, stream::BoxStream};
 use std::time::Duration;
 use tonic::Code;
@@ -128,6 +128,20 @@ impl EtcdLog {
             Err(e) if lease_not_found(&e) => Ok(None),
             Err(e) => Err(self.inner.error(&e)),
         }
+    }
+
+    /// Whether node `id`'s key exists (a count, no value sent back: the
+    /// registrar asks at every heartbeat, to write again a key someone deleted).
+    pub async fn node_exists(&self, id: &str) -> Result<bool, LogError> {
+        let mut kv = self.inner.kv.clone();
+        let response = kv
+            .get(
+                self.inner.layout.node(id),
+                Some(GetOptions::new().with_count_only()),
+            )
+            .await
+            .map_err(|e| self.inner.error(&e))?;
+        Ok(response.count() > 0)
     }
 
     /// Every node's document at one revision, ordered by id; `with_ttl` asks each

@@ -187,17 +187,28 @@ impl Cursor {
             }
             self.received = self.received.max(revision);
             match event.event_type() {
-                EventType::Put => {
-                    if let Some(object) = self.inner.decode(kv.clone()) {
-                        self.pending.push_back(Event::Put { revision, object });
+                EventType::Put => match self.inner.layout.parse(kv.key()) {
+                    // `decode` logs and counts a value that is not a valid object.
+                    Parsed::Object(_) => match self.inner.decode(kv.clone()) {
+                        Some(object) => self.pending.push_back(Event::Put { revision, object }),
+                        None => self.pending.push_back(skipped(kv.key(), revision)),
+                    },
+                    // Bookkeeping, node documents and drain records: not objects.
+                    Parsed::Internal | Parsed::Node(_) | Parsed::Drain(_) => {}
+                    Parsed::Unknown(reason) => {
+                        self.inner.skip(kv.key(), revision, reason);
+                        self.pending.push_back(skipped(kv.key(), revision));
                     }
-                }
+                },
                 EventType::Delete => match self.inner.layout.parse(kv.key()) {
                     Parsed::Object(key) => self.pending.push_back(Event::Delete { revision, key }),
                     // Bookkeeping, node documents (a lease expiring deletes
                     // one) and drain records (an undrain): not objects.
                     Parsed::Internal | Parsed::Node(_) | Parsed::Drain(_) => {}
-                    Parsed::Unknown(reason) => self.inner.skip(kv.key(), revision, reason),
+                    Parsed::Unknown(reason) => {
+                        self.inner.skip(kv.key(), revision, reason);
+                        self.pending.push_back(skipped(kv.key(), revision));
+                    }
                 },
             }
         }
@@ -217,5 +228,13 @@ impl Cursor {
         } else {
             Failure::End(self.inner.error(e))
         }
+    }
+}
+
+/// The event of a value at `revision` that was skipped (see [`Event::Skipped`]).
+fn skipped(key: &[u8], revision: Revision) -> Event {
+    Event::Skipped {
+        revision,
+        key: String::from_utf8_lossy(key).into_owned(),
     }
 }

@@ -151,6 +151,19 @@ impl LbMaps for FakeMaps {
     fn flows(&self) -> Result<usize, MapsError> {
         Ok(self.flows.len())
     }
+
+    fn flows_by_family(&self) -> Result<(usize, usize), MapsError> {
+        let v6 = self
+            .flows
+            .iter()
+            .filter(|id| {
+                self.backends
+                    .get(**id as usize)
+                    .is_some_and(|b| b.family == lb::FAMILY_V6)
+            })
+            .count();
+        Ok((self.flows.len() - v6, v6))
+    }
 }
 
 /// Wraps maps and fails every write once a countdown reaches zero, to test that a
@@ -223,6 +236,9 @@ impl<M: LbMaps> LbMaps for FaultyMaps<M> {
     }
     fn flows(&self) -> Result<usize, MapsError> {
         self.inner.flows()
+    }
+    fn flows_by_family(&self) -> Result<(usize, usize), MapsError> {
+        self.inner.flows_by_family()
     }
     fn flush(&mut self) -> Result<(), MapsError> {
         self.inner.flush()

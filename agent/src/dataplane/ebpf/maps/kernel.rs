@@ -508,6 +508,10 @@ impl LbMaps for KernelMaps {
         Ok(self.ct_v4.keys().count() + self.ct_v6.keys().count())
     }
 
+    fn flows_by_family(&self) -> Result<(usize, usize), MapsError> {
+        Ok((self.ct_v4.keys().count(), self.ct_v6.keys().count()))
+    }
+
     fn flush(&mut self) -> Result<(), MapsError> {
         let flushed = self.flush_all();
         if flushed.is_err() {
