@@ -16,6 +16,7 @@
 
 pub mod book;
 pub mod compile;
+pub mod events;
 pub mod metrics;
 pub mod plan;
 pub mod status;

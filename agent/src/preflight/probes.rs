@@ -91,6 +91,8 @@ const HELPERS: [(&str, ProgramType, &[BpfHelper]); 3] = {
                 BpfHelper::BPF_FUNC_skb_change_tail,
                 BpfHelper::BPF_FUNC_skb_adjust_room,
                 BpfHelper::BPF_FUNC_csum_level,
+                // Network policy verdict events for `observe`.
+                BpfHelper::BPF_FUNC_ringbuf_output,
             ],
         ),
         (
