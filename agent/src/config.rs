@@ -455,6 +455,14 @@ settings! {
         lb_max_flows: u32 => lb_max_flows: u32 = |n| {
             resolve::in_range(n, DEFAULT_LB_MAX_FLOWS, 2..=1 << 26)
         },
+        /// nftables mode: most elements each network-policy set holds; more fail the
+        /// policy closed [default: unbounded].
+        #[arg(
+            long = "nft-policy-set-size", env = "RUNE_NFT_POLICY_SET_SIZE", value_name = "N"
+        )]
+        nft_policy_set_size: u32 => nft_policy_set_size: Option<u32> = |n: Option<u32>| {
+            n.map(|n| resolve::in_range(Some(n), n, 1..=1 << 24)).transpose()
+        },
         /// nftables mode: leave the table `inet rune` in the kernel on stop.
         #[arg(
             long = "keep-rules-on-stop", env = "RUNE_KEEP_RULES_ON_STOP", num_args = 0,

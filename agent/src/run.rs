@@ -431,16 +431,19 @@ fn start_dataplane(
             let attached = ebpf.attachments().to_vec();
             return Ok(Started::Plane(Arc::new(ebpf), Some(attached)));
         }
-        DataplaneMode::Nftables => Arc::new(
-            NftablesDataPlane::new(NftablesConfig {
+        DataplaneMode::Nftables => {
+            let nft = NftablesDataPlane::new(NftablesConfig {
                 node_name: identity.hostname.clone(),
                 keep_rules_on_stop: config.keep_rules_on_stop,
+                policy_set_size: config.nft_policy_set_size,
             })
             .context(
                 "starting the nftables data plane (its preflight checks passed: this is an \
                  error of nft itself)",
-            )?,
-        ),
+            )?;
+            metrics.set_dataplane_collector(nft.collector());
+            Arc::new(nft)
+        }
         DataplaneMode::Userspace => userspace_proxy(config, identity, metrics, ListenOn::Vips, 0)?,
     };
     Ok(Started::Plane(plane, None))
@@ -454,7 +457,7 @@ fn userspace_proxy(
     listen: ListenOn,
     port_offset: u16,
 ) -> Result<Arc<dyn DataPlane>> {
-    Ok(Arc::new(UserspaceProxy::new(
+    let proxy = UserspaceProxy::new(
         ProxyConfig {
             listen,
             port_offset,
@@ -464,7 +467,9 @@ fn userspace_proxy(
             ..ProxyConfig::default()
         },
         metrics.clone(),
-    )?))
+    )?;
+    metrics.set_dataplane_collector(proxy.collector());
+    Ok(Arc::new(proxy))
 }
 
 /// The eBPF data plane's settings: hooks from the config, else the cgroup v2 root

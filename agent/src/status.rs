@@ -55,6 +55,9 @@ pub struct AgentStatus {
     /// The kernel programs the data plane runs, one line each.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub programs: Vec<String>,
+    /// Each service's network policy as the data plane enforces it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub policies: Vec<crate::policy::ServicePolicyStatus>,
     /// The embedded DNS server: `serving on ADDR, ...`, or `off: <reason>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dns: Option<String>,
@@ -375,6 +378,7 @@ impl StatusSource for LiveStatus {
             dataplane_reason: self.dataplane_reason.clone(),
             preflight: self.preflight.clone(),
             programs: self.plane.programs(),
+            policies: self.plane.policy(),
             dns: Some((self.dns)().to_string()),
             revision: self.cache.revision(),
             objects: counts(self.cache.counts()),
@@ -662,6 +666,10 @@ impl AgentStatus {
         }
         for (i, p) in self.programs.iter().enumerate() {
             let label = if i == 0 { "programs:" } else { "" };
+            writeln!(o, "{label:12}{p}")?;
+        }
+        for (i, p) in self.policies.iter().enumerate() {
+            let label = if i == 0 { "policies:" } else { "" };
             writeln!(o, "{label:12}{p}")?;
         }
         if let Some(d) = &self.dns {

@@ -1,10 +1,10 @@
 //! The desired state a policy plan is compiled from, kept up to date from the
 //! endpoint cache's deltas by whichever data plane enforces policy.
 
-use super::{PolicyPlan, compile::compile};
+use super::{PolicyPlan, PolicyState, ServicePolicyStatus, compile::compile};
 use crate::{
     endpoints::{Delta, ServiceView},
-    model::{PeerSelector, ServiceKey},
+    model::{NetworkPolicy, PeerSelector, ServiceKey},
 };
 use std::collections::{BTreeMap, HashSet};
 
@@ -67,6 +67,38 @@ impl PolicyBook {
     /// The plan of the services and endpoints held now.
     pub fn plan(&self) -> PolicyPlan {
         compile(&self.node_name, &self.views)
+    }
+
+    /// Each policy held, by service.
+    pub fn policies(&self) -> impl Iterator<Item = (&ServiceKey, &NetworkPolicy)> {
+        self.views.iter().filter_map(|(key, view)| {
+            view.service
+                .spec
+                .network_policy
+                .as_ref()
+                .map(|policy| (key, policy))
+        })
+    }
+
+    /// Each policy's rule count (ingress and egress), as [`PolicyPlan::services`]
+    /// has it, without compiling.
+    pub fn rule_counts(&self) -> BTreeMap<ServiceKey, usize> {
+        self.policies()
+            .map(|(key, p)| (key.clone(), p.ingress.len() + p.egress.len()))
+            .collect()
+    }
+
+    /// The `status` rows of every policy held, each in `state`.
+    pub fn statuses(&self, state: PolicyState) -> Vec<ServicePolicyStatus> {
+        self.policies()
+            .map(|(key, p)| ServicePolicyStatus {
+                service: key.to_string(),
+                mode: p.mode,
+                ingress_rules: p.ingress.len(),
+                egress_rules: p.egress.len(),
+                state: state.clone(),
+            })
+            .collect()
     }
 
     fn is_peer(&self, key: &ServiceKey) -> bool {

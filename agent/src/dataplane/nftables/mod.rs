@@ -12,6 +12,7 @@
 
 pub mod netlink;
 pub mod nft;
+pub mod policy;
 pub mod ruleset;
 
 #[cfg(test)]
@@ -22,9 +23,11 @@ use crate::{
     endpoints::{Delta, ServiceView},
     lock::lock,
     model::ServiceKey,
+    policy::{PolicyBook, PolicyState, ServicePolicyStatus},
 };
 use async_trait::async_trait;
 use nft::{Nft, NftError};
+use policy::PolicyObjects;
 use ruleset::{Ruleset, port_plans};
 use std::{
     collections::BTreeMap,
@@ -45,10 +48,20 @@ pub struct NftablesConfig {
     /// Leave the table in the kernel on stop (traffic keeps flowing while the agent
     /// is away); `rune-agent cleanup` removes it.
     pub keep_rules_on_stop: bool,
+    /// Most elements each policy verdict map holds (`size`); none: unbounded. More
+    /// is refused by the kernel, and policy fails closed.
+    pub policy_set_size: Option<u32>,
 }
 
 struct State {
     ruleset: Ruleset,
+    /// The desired state policy is compiled from.
+    book: PolicyBook,
+    /// The policy objects in the kernel.
+    policy: PolicyObjects,
+    /// Why the policy objects were refused, when the failure objects (fail
+    /// closed) stand in for them.
+    policy_failure: Option<String>,
     views: BTreeMap<ServiceKey, ServiceView>,
     /// Opened by the first element-only change; dropped after a failure.
     netlink: Option<netlink::Socket>,
@@ -72,6 +85,9 @@ impl NftablesDataPlane {
             nft,
             state: Arc::new(Mutex::new(State {
                 ruleset: Ruleset::new(config.node_name.clone()),
+                book: PolicyBook::new(&config.node_name),
+                policy: PolicyObjects::default(),
+                policy_failure: None,
                 views: BTreeMap::new(),
                 netlink: None,
             })),
@@ -94,7 +110,12 @@ pub fn cleanup() -> Result<bool, NftError> {
     Nft::default().delete_table()
 }
 
-fn apply_blocking(nft: &Nft, state: &Mutex<State>, delta: &Delta) -> Result<(), NftError> {
+fn apply_blocking(
+    nft: &Nft,
+    state: &Mutex<State>,
+    delta: &Delta,
+    set_size: Option<u32>,
+) -> Result<(), NftError> {
     let started = Instant::now();
     let existing = if delta.full {
         nft.existing()?
@@ -104,10 +125,25 @@ fn apply_blocking(nft: &Nft, state: &Mutex<State>, delta: &Delta) -> Result<(), 
     let mut st = lock(state);
     let plan = st.ruleset.plan(delta, &existing);
     let lines = plan.script.lines().count();
+    // Policy: recompiled when the delta may change it, in the same transaction.
+    let policy_changed = st.book.apply(delta);
+    let policy_plan = (delta.full || policy_changed).then(|| st.book.plan());
+    let policy_script = |objects: &PolicyObjects, old: &PolicyObjects| {
+        if delta.full {
+            policy::full_script(objects, &existing.chains, set_size)
+        } else {
+            policy::change_script(old, objects)
+        }
+    };
+    let desired = policy_plan.as_ref().map(policy::objects);
+    let policy_part = desired
+        .as_ref()
+        .map(|o| policy_script(o, &st.policy))
+        .unwrap_or_default();
     // An element-only change goes to the kernel as one netlink batch; should the
     // kernel refuse it (nothing applied), `nft` gets the same transaction.
-    let sent = match &plan.element_ops {
-        Some(ops) => {
+    let sent = match (&plan.element_ops, policy_part.is_empty()) {
+        (Some(ops), true) => {
             let result = match st.netlink.take() {
                 Some(socket) => Ok(socket),
                 None => netlink::Socket::open(),
@@ -124,10 +160,30 @@ fn apply_blocking(nft: &Nft, state: &Mutex<State>, delta: &Delta) -> Result<(), 
                 }
             }
         }
-        None => false,
+        _ => false,
     };
     if !sent {
-        nft.apply(&plan.script)?;
+        let script = format!("{}{policy_part}", plan.script);
+        match nft.apply(&script) {
+            Ok(()) => {
+                if let Some(objects) = desired {
+                    st.policy = objects;
+                    st.policy_failure = None;
+                }
+            }
+            Err(e) if !policy_part.is_empty() => {
+                // Fail closed: the same transaction with every guarded address
+                // refused instead of the policy the kernel did not take.
+                let policy_plan = policy_plan.as_ref().expect("policy_part comes from a plan");
+                let failed = policy::failed_objects(policy_plan);
+                let script = format!("{}{}", plan.script, policy_script(&failed, &st.policy));
+                nft.apply(&script)?;
+                tracing::error!(error = %e, "the kernel refused the policy: guarded traffic is refused");
+                st.policy = failed;
+                st.policy_failure = Some(e.to_string());
+            }
+            Err(e) => return Err(e),
+        }
     }
     st.ruleset.commit(plan);
     if delta.full {
@@ -143,11 +199,52 @@ fn apply_blocking(nft: &Nft, state: &Mutex<State>, delta: &Delta) -> Result<(), 
         full = delta.full,
         adopted = existing.table,
         commands = lines,
+        policy_commands = policy_part.lines().count(),
         netlink = sent,
         elapsed_us = started.elapsed().as_micros() as u64,
         "nftables table updated"
     );
     Ok(())
+}
+
+impl NftablesDataPlane {
+    /// The policy metrics, read from the table's named counters at each scrape.
+    pub fn collector(&self) -> PolicyCollector {
+        PolicyCollector {
+            nft: self.nft.clone(),
+            state: self.state.clone(),
+        }
+    }
+}
+
+/// Exports the policy metric families from the table's counters.
+pub struct PolicyCollector {
+    nft: Nft,
+    state: Arc<Mutex<State>>,
+}
+
+impl std::fmt::Debug for PolicyCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PolicyCollector")
+    }
+}
+
+impl prometheus_client::collector::Collector for PolicyCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        let rules = lock(&self.state).book.rule_counts();
+        if rules.is_empty() {
+            return crate::policy::metrics::encode(&mut encoder, &Default::default(), &rules);
+        }
+        let counts = self
+            .nft
+            .named_counters()
+            .map(|c| policy::verdict_counts(&c))
+            .unwrap_or_default();
+        crate::policy::metrics::encode(&mut encoder, &counts, &rules)
+    }
 }
 
 #[async_trait]
@@ -163,7 +260,8 @@ impl DataPlane for NftablesDataPlane {
         let nft = self.nft.clone();
         let state = self.state.clone();
         let delta = delta.clone();
-        tokio::task::spawn_blocking(move || apply_blocking(&nft, &state, &delta))
+        let set_size = self.config.policy_set_size;
+        tokio::task::spawn_blocking(move || apply_blocking(&nft, &state, &delta, set_size))
             .await
             .map_err(|e| DataPlaneError::Apply {
                 mode: MODE,
@@ -207,6 +305,19 @@ impl DataPlane for NftablesDataPlane {
             ruleset::TABLE,
             refused.map_or_else(|| "unknown".to_owned(), |n| n.to_string())
         )]
+    }
+
+    fn policy(&self) -> Vec<ServicePolicyStatus> {
+        let st = lock(&self.state);
+        let state = match &st.policy_failure {
+            None => PolicyState::Programmed,
+            Some(reason) => PolicyState::Failed {
+                reason: format!(
+                    "the kernel refused the policy sets or rules ({reason}); guarded traffic is refused"
+                ),
+            },
+        };
+        st.book.statuses(state)
     }
 
     async fn shutdown(&self) {

@@ -657,7 +657,10 @@ impl Ruleset {
         }
         // 4. What the desired state no longer has.
         for chain in &existing.chains {
-            if !desired_chains.contains(chain) && !skeleton_names.contains(chain.as_str()) {
+            if !desired_chains.contains(chain)
+                && !skeleton_names.contains(chain.as_str())
+                && !super::policy::owns(chain)
+            {
                 let _ = writeln!(s, "delete chain {TABLE} {chain}");
             }
         }

@@ -9,6 +9,7 @@
 //! retried) without stopping the others.
 
 mod backends;
+pub mod policy_gate;
 mod tcp;
 mod udp;
 pub mod vip_addrs;
@@ -18,6 +19,7 @@ mod tests;
 
 use self::{
     backends::{Backends, PortShared},
+    policy_gate::{GateCollector, PolicyGate},
     vip_addrs::{AddressOps, NetlinkAddressOps, VipAddrs},
 };
 use crate::{
@@ -99,6 +101,8 @@ pub struct UserspaceProxy {
 struct Inner {
     config: ProxyConfig,
     metrics: Arc<Metrics>,
+    /// Network policy for connections through the VIPs.
+    policy: Arc<PolicyGate>,
     state: Mutex<State>,
     /// The VIP addresses (with [`ListenOn::Vips`] only).
     vips: Option<VipAddrs>,
@@ -156,6 +160,11 @@ enum Listener {
 }
 
 impl UserspaceProxy {
+    /// The policy metric families, from the proxies' verdict counts.
+    pub fn collector(&self) -> GateCollector {
+        GateCollector(self.inner.policy.clone())
+    }
+
     /// A proxy with nothing to serve yet; listeners start on the first
     /// [`apply`](DataPlane::apply).
     pub fn new(config: ProxyConfig, metrics: Arc<Metrics>) -> Result<Self, DataPlaneError> {
@@ -190,6 +199,7 @@ impl UserspaceProxy {
         let vips = (config.listen == ListenOn::Vips).then(|| VipAddrs::new(ops));
         Ok(Self {
             inner: Arc::new(Inner {
+                policy: Arc::new(PolicyGate::new(&config.node_name)),
                 config,
                 metrics,
                 vips,
@@ -312,6 +322,7 @@ impl Inner {
                     self.tracker.spawn(tcp::serve(
                         l,
                         e.shared.clone(),
+                        self.policy.clone(),
                         stop.clone(),
                         self.cancel.clone(),
                         self.tracker.clone(),
@@ -325,6 +336,7 @@ impl Inner {
                     self.tracker.spawn(udp::serve(
                         s,
                         e.shared.clone(),
+                        self.policy.clone(),
                         limits,
                         stop.clone(),
                         self.tracker.clone(),
@@ -475,6 +487,7 @@ impl DataPlane for UserspaceProxy {
                 }
             }
         }
+        inner.policy.apply(delta);
         self.apply_listeners(delta);
         // Then drop the addresses no listener needs any more (and stale adopted ones).
         if let Some(vips) = &inner.vips {
@@ -519,6 +532,10 @@ impl DataPlane for UserspaceProxy {
             }
         }
         out
+    }
+
+    fn policy(&self) -> Vec<crate::policy::ServicePolicyStatus> {
+        self.inner.policy.statuses()
     }
 
     async fn shutdown(&self) {

@@ -1,6 +1,7 @@
 //! The TCP side of the proxy: accept, pick a backend, dial, splice.
 
-use super::backends::PortShared;
+use super::{backends::PortShared, policy_gate::PolicyGate};
+use crate::model::Protocol;
 use prometheus_client::metrics::counter::Counter;
 use std::{
     io,
@@ -26,6 +27,7 @@ pub(super) const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 pub(super) async fn serve(
     listener: TcpListener,
     port: Arc<PortShared>,
+    policy: Arc<PolicyGate>,
     stop: CancellationToken,
     conns: CancellationToken,
     tracker: TaskTracker,
@@ -51,6 +53,10 @@ pub(super) async fn serve(
             reset(client);
             continue;
         };
+        if !policy.admit(peer.ip(), backend, Protocol::Tcp) {
+            reset(client);
+            continue;
+        }
         tracker.spawn(connection(client, backend, port.clone(), conns.clone()));
     }
 }

@@ -1,7 +1,8 @@
 //! The UDP side of the proxy: one flow per client address, each with its own socket
 //! connected to the backend chosen for it, replies sent back from the service socket.
 
-use super::backends::PortShared;
+use super::{backends::PortShared, policy_gate::PolicyGate};
+use crate::model::Protocol;
 use std::{
     collections::HashMap,
     io::ErrorKind,
@@ -47,6 +48,7 @@ fn millis(epoch: Instant) -> u64 {
 pub(super) async fn serve(
     sock: UdpSocket,
     port: Arc<PortShared>,
+    policy: Arc<PolicyGate>,
     limits: UdpLimits,
     stop: CancellationToken,
     tracker: TaskTracker,
@@ -76,7 +78,7 @@ pub(super) async fn serve(
                 port.m.flow_limit.inc();
                 continue;
             }
-            match open_flow(&sock, peer, &port, limits, epoch, &stop, &tracker).await {
+            match open_flow(&sock, peer, &port, &policy, limits, epoch, &stop, &tracker).await {
                 Some(f) => {
                     flows.insert(peer, f);
                 }
@@ -101,10 +103,15 @@ pub(super) async fn serve(
     }
 }
 
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the serve loop's state, passed as it is; a struct would only rename it"
+)]
 async fn open_flow(
     service: &Arc<UdpSocket>,
     peer: SocketAddr,
     port: &Arc<PortShared>,
+    policy: &PolicyGate,
     limits: UdpLimits,
     epoch: Instant,
     stop: &CancellationToken,
@@ -114,6 +121,9 @@ async fn open_flow(
         port.m.no_backend.inc();
         return None;
     };
+    if !policy.admit(peer.ip(), backend, Protocol::Udp) {
+        return None;
+    }
     let any = match backend.ip() {
         IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
         IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
