@@ -8,6 +8,7 @@ pub mod codec;
 pub mod filter;
 pub mod hash;
 pub mod lb;
+pub mod policy;
 
 /// Packet and byte counters kept by an XDP program, one slot per CPU (the test
 /// object's `rune_xdp_pass`).

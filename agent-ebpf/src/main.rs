@@ -10,6 +10,7 @@
 
 mod maps;
 mod nat;
+mod policy;
 mod select;
 mod sock;
 mod tc;

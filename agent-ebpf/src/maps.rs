@@ -1,4 +1,4 @@
-//! Every map the load-balancing programs share, declared once.
+//! Every map the load-balancing and policy programs share, declared once.
 //!
 //! Names and layouts are the contract with the agent (`agent_common::lb`). All maps
 //! are pinned by name, so the agent can reopen them after a restart and established
@@ -9,10 +9,14 @@ use agent_common::lb::{
     AffinityKey, AffinityValue, Backend, CtKeyV4, CtKeyV6, CtReplyV4, CtReplyV6, CtValue,
     ServiceKeyV4, ServiceKeyV6, ServiceValue, SockRevKey, SockRevValue, TrafficStats,
 };
+use agent_common::policy::{
+    EndpointKey, EndpointPolicy, PeerV4, PeerV6, PeerValue, PolicyCtKeyV4, PolicyCtKeyV6,
+    PolicyCtValue, PortKey,
+};
 use aya_ebpf::{
     bindings::BPF_F_MMAPABLE,
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
 };
 
 /// IPv4 frontends (`agent_common::lb::SERVICES_V4`).
@@ -93,3 +97,46 @@ pub static RUNE_VIP_FILTER: Array<u64> = Array::pinned(agent_common::filter::VIP
 /// Drop counters by reason (`agent_common::lb::DROPS`).
 #[map]
 pub static RUNE_DROPS: PerCpuArray<u64> = PerCpuArray::pinned(agent_common::lb::DROP_REASONS, 0);
+
+/// Guarded endpoint addresses (`agent_common::policy::ENDPOINTS`).
+#[map]
+pub static RUNE_POL_EP: HashMap<EndpointKey, EndpointPolicy> = HashMap::pinned(65536, 0);
+
+/// IPv4 peer prefixes per rule set (`agent_common::policy::PEERS_V4`).
+#[map]
+pub static RUNE_POL_PEER4: LpmTrie<PeerV4, PeerValue> = LpmTrie::pinned(16384, 0);
+
+/// IPv6 peer prefixes per rule set (`agent_common::policy::PEERS_V6`).
+#[map]
+pub static RUNE_POL_PEER6: LpmTrie<PeerV6, PeerValue> = LpmTrie::pinned(16384, 0);
+
+/// Port sets (`agent_common::policy::PORTS`).
+#[map]
+pub static RUNE_POL_PORTS: HashMap<PortKey, u32> = HashMap::pinned(16384, 0);
+
+/// Flows a policy check allowed, IPv4 (`agent_common::policy::POLICY_CONNTRACK_V4`).
+#[map]
+pub static RUNE_POL_CT4: LruHashMap<PolicyCtKeyV4, PolicyCtValue> = LruHashMap::pinned(262_144, 0);
+
+/// Flows a policy check allowed, IPv6 (`agent_common::policy::POLICY_CONNTRACK_V6`).
+#[map]
+pub static RUNE_POL_CT6: LruHashMap<PolicyCtKeyV6, PolicyCtValue> = LruHashMap::pinned(262_144, 0);
+
+/// Verdict counters (`agent_common::policy::VERDICTS`).
+#[map]
+pub static RUNE_POL_VERDICTS: PerCpuArray<u64> = PerCpuArray::pinned(
+    agent_common::policy::MAX_COUNTERS * agent_common::policy::VERDICT_SLOTS,
+    0,
+);
+
+/// Verdict events (`agent_common::policy::EVENTS`).
+#[map]
+pub static RUNE_POL_EVENTS: RingBuf = RingBuf::pinned(agent_common::policy::EVENTS_BYTES, 0);
+
+/// Each CPU's event budget (`agent_common::policy::EVENT_BUDGET`).
+#[map]
+pub static RUNE_POL_EVENT_BUDGET: PerCpuArray<[u64; 2]> = PerCpuArray::pinned(1, 0);
+
+/// Events not written (`agent_common::policy::EVENT_DROPS`).
+#[map]
+pub static RUNE_POL_EVENT_DROPS: PerCpuArray<u64> = PerCpuArray::pinned(2, 0);

@@ -92,7 +92,7 @@ impl NatCtx for TcContext {
 /// Makes the headers directly accessible when the skb's linear part is shorter than
 /// the packet and than [`PULL_LEN`] (rare: GRO'd or fragmented skbs).
 #[inline(always)]
-fn pull_headers(ctx: &TcContext) {
+pub(crate) fn pull_headers(ctx: &TcContext) {
     let linear = ctx.data_end() - ctx.data();
     let len = ctx.len() as usize;
     if linear < len && linear < PULL_LEN {

@@ -16,6 +16,7 @@
 pub mod certs;
 pub mod drain;
 pub mod nodes;
+pub mod observe;
 mod output;
 
 pub use output::StdoutClosed;
@@ -132,6 +133,9 @@ pub enum Command {
     /// the services with their ports and backends when there are at most 20 (more
     /// are counted only: `--all` lists them, SERVICE shows one).
     Status(StatusArgs),
+    /// Stream the running agent's network policy verdicts: flows refused, or in
+    /// audit mode that would have been (eBPF data plane).
+    Observe(observe::ObserveArgs),
     /// Remove the kernel state a stopped agent left behind: detach the eBPF programs
     /// and unpin their maps (established flows through the VIPs end).
     Cleanup {
@@ -247,7 +251,7 @@ impl Command {
             Command::Certs {
                 command: certs::CertsCommand::EtcdRbac(args),
             } => args.etcd.clone().into(),
-            Command::Certs { .. } | Command::Version => FileConfig::default(),
+            Command::Certs { .. } | Command::Version | Command::Observe(_) => FileConfig::default(),
         }
     }
 }

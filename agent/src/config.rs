@@ -83,6 +83,10 @@ pub const DEFAULT_LB_MAX_BACKENDS: u32 = 65_536;
 /// Default `--lb-max-flows`: conntrack entries per family (LRU).
 pub const DEFAULT_LB_MAX_FLOWS: u32 = 262_144;
 
+/// Default `--policy-max-entries`: peer prefixes per family and port entries the
+/// eBPF network policy maps hold.
+pub const DEFAULT_POLICY_MAX_ENTRIES: u32 = 16_384;
+
 /// A data plane the agent can run in production: what preflight chooses (from a
 /// [`DataplaneRequest`] and the checks), what carries services, what `status` and
 /// `rune_dataplane_mode` show.
@@ -439,6 +443,21 @@ settings! {
         )]
         xdp_interfaces: Vec<String> => xdp_interfaces: Vec<String> = |list: Option<Vec<_>>| {
             Ok(list.map(resolve::names).unwrap_or_default())
+        },
+        /// Interfaces toward this node's endpoints for the eBPF network policy
+        /// programs, comma-separated [default: none].
+        #[arg(
+            long = "policy-interfaces", env = "RUNE_POLICY_INTERFACES", value_name = "A,B",
+            value_delimiter = ',', action = clap::ArgAction::Set
+        )]
+        policy_interfaces: Vec<String> => policy_interfaces: Vec<String> = |list: Option<Vec<_>>| {
+            Ok(list.map(resolve::names).unwrap_or_default())
+        },
+        /// Peer prefixes (per family) and port entries the eBPF policy maps hold
+        /// [default: 16384].
+        #[arg(long = "policy-max-entries", env = "RUNE_POLICY_MAX_ENTRIES", value_name = "N")]
+        policy_max_entries: u32 => policy_max_entries: u32 = |n| {
+            resolve::in_range(n, DEFAULT_POLICY_MAX_ENTRIES, 1..=1 << 24)
         },
         /// Frontends (VIP × port × protocol) the eBPF maps hold [default: 512].
         #[arg(long = "lb-max-frontends", env = "RUNE_LB_MAX_FRONTENDS", value_name = "N")]

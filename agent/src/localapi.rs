@@ -500,6 +500,57 @@ impl LocalApiService for LocalApi {
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
+    type ObserveStream = Answers<pb::ObserveEvent>;
+
+    async fn observe(
+        &self,
+        request: Request<pb::ObserveRequest>,
+    ) -> Result<Response<Self::ObserveStream>, Status> {
+        let filter = request.into_inner();
+        if !matches!(filter.verdict.as_str(), "" | "all" | "denied" | "audit") {
+            return Err(Status::invalid_argument(format!(
+                "verdict {:?}: not denied, audit or all",
+                filter.verdict
+            )));
+        }
+        let mut verdicts = crate::policy::events::hub().subscribe();
+        let (tx, rx) = mpsc::channel(QUEUED_MESSAGES);
+        tokio::spawn(async move {
+            let mut missed = 0u64;
+            loop {
+                use tokio::sync::broadcast::error::RecvError;
+                let v = tokio::select! {
+                    () = tx.closed() => return,
+                    v = verdicts.recv() => v,
+                };
+                let v = match v {
+                    Ok(v) => v,
+                    Err(RecvError::Lagged(n)) => {
+                        missed += n;
+                        continue;
+                    }
+                    Err(RecvError::Closed) => return,
+                };
+                let wanted = (filter.namespace.is_empty() || filter.namespace == v.namespace)
+                    && (filter.service.is_empty() || filter.service == v.service)
+                    && (matches!(filter.verdict.as_str(), "" | "all")
+                        || filter.verdict == v.verdict);
+                if !wanted {
+                    continue;
+                }
+                let Ok(json) = serde_json::to_string(&v) else {
+                    continue;
+                };
+                let event = pb::ObserveEvent { json, missed };
+                missed = 0;
+                if tx.send(Ok(event)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
     type StatusStreamStream = Answers<pb::StatusChunk>;
 
     async fn status_stream(

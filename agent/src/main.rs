@@ -71,6 +71,7 @@ fn main() -> ExitCode {
             Command::Drain { node, .. } => cli::drain(&config, node, false).await,
             Command::Undrain { node, .. } => cli::drain(&config, node, true).await,
             Command::Status(args) => cli::status(&config, args).await,
+            Command::Observe(args) => cli::observe::observe(&config, args).await,
             Command::Cleanup { .. } => cli::cleanup(&config).await,
             Command::Preflight { json, .. } => cli::preflight(&config, *json),
             Command::Certs { command } => cli::certs::run(command, &config).await,

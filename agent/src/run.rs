@@ -489,6 +489,7 @@ fn ebpf_config(config: &Config, identity: &Identity) -> EbpfConfig {
             cgroup,
             tc,
             xdp: config.xdp_interfaces.clone(),
+            policy: config.policy_interfaces.clone(),
             ..Hooks::default()
         },
         sizes: MapSizes {
@@ -497,6 +498,7 @@ fn ebpf_config(config: &Config, identity: &Identity) -> EbpfConfig {
             table_size: config.maglev_table_size,
             flows: config.lb_max_flows,
             affinity: config.lb_max_flows,
+            policy_entries: config.policy_max_entries,
         },
         node_name: identity.hostname.clone(),
     }

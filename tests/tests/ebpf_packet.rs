@@ -1326,6 +1326,7 @@ const SMALL_SIZES: rune_agent::dataplane::ebpf::MapSizes = rune_agent::dataplane
     table_size: 7,
     flows: 16,
     affinity: 16,
+    policy_entries: 16,
 };
 
 /// Pins left by an agent whose conntrack had another layout are reported with the

@@ -302,6 +302,24 @@ impl Client {
         Ok(r.deleted.then_some(r.revision))
     }
 
+    /// Streams the agent's policy verdicts that `filter` selects, each as its JSON
+    /// document and the number of events missed before it, to `each` until it
+    /// fails or the agent goes away.
+    pub async fn observe(
+        &mut self,
+        filter: pb::ObserveRequest,
+        mut each: impl FnMut(&str, u64) -> io::Result<()>,
+    ) -> Result<(), LocalApiError> {
+        let what = "the agent's policy verdicts";
+        let answer = deadline(CLIENT_TIMEOUT, what, self.inner.observe(filter)).await?;
+        let mut stream = answer.map_err(call_error)?.into_inner();
+        // No deadline per message: verdicts come when traffic is refused.
+        while let Some(event) = stream.message().await.map_err(call_error)? {
+            each(&event.json, event.missed).map_err(LocalApiError::Output)?;
+        }
+        Ok(())
+    }
+
     /// The agent's status as `query` asks, part by part: the summary first, then
     /// services and orphan endpoints as they arrive. A service asked for that does
     /// not exist is an error naming it.

@@ -10,6 +10,7 @@
 
 pub mod book;
 pub mod compile;
+pub mod events;
 pub mod metrics;
 pub mod plan;
 pub mod status;

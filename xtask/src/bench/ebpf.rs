@@ -125,7 +125,9 @@ pub fn section() -> Result<String> {
     // (objects with reply entries: their conntrack layout is read here).
     let objects = crate::build_ebpf::build()?;
     let object = std::env::var_os("RUNE_BENCH_EBPF_OBJECT").map_or(objects.agent, PathBuf::from);
-    measure(&object, &objects.test)
+    let mut report = measure(&object, &objects.test)?;
+    report.push_str(&super::ebpf_policy::measure(&object, repeat())?);
+    Ok(report)
 }
 
 /// The agent's object loaded with a default node's maps (pinned in a private

@@ -12,6 +12,7 @@ mod dev_proxy;
 mod dns;
 mod e2e;
 mod ebpf;
+mod ebpf_policy;
 mod modes;
 mod reuse;
 mod sync;

@@ -12,7 +12,7 @@ use super::{
     error::EbpfError,
     pins::{fs_type, links_dir},
 };
-use agent_common::lb;
+use agent_common::{lb, policy};
 use aya::{
     Ebpf,
     programs::{
@@ -38,6 +38,10 @@ pub struct Hooks {
     pub tc: Vec<String>,
     /// Interfaces that get the XDP load balancer.
     pub xdp: Vec<String>,
+    /// Interfaces toward local endpoints that get the network policy programs
+    /// (tc egress: ingress rules of the destination; tc ingress: egress rules of
+    /// the source).
+    pub policy: Vec<String>,
     /// How XDP is attached.
     pub xdp_mode: XdpMode,
 }
@@ -58,6 +62,9 @@ impl Hooks {
         if !self.xdp.is_empty() {
             programs.push(lb::PROG_XDP_LB);
         }
+        if !self.policy.is_empty() {
+            programs.extend([policy::PROG_POLICY_FROM, policy::PROG_POLICY_TO]);
+        }
         programs
     }
 }
@@ -74,8 +81,9 @@ pub struct Attachment {
 }
 
 /// Every program the agent attaches: the socket-LB ones first (in the order they
-/// are attached), then tc ingress and egress, then XDP. Preflight loads each.
-pub const PROGRAMS: [&str; 11] = [
+/// are attached), then tc ingress and egress, then XDP, then the policy programs.
+/// Preflight loads each.
+pub const PROGRAMS: [&str; 13] = [
     lb::PROG_CONNECT4,
     lb::PROG_CONNECT6,
     lb::PROG_SENDMSG4,
@@ -87,6 +95,8 @@ pub const PROGRAMS: [&str; 11] = [
     lb::PROG_TC_INGRESS,
     lb::PROG_TC_EGRESS,
     lb::PROG_XDP_LB,
+    policy::PROG_POLICY_FROM,
+    policy::PROG_POLICY_TO,
 ];
 
 /// The socket-LB programs: the first eight of [`PROGRAMS`].
@@ -227,11 +237,30 @@ pub fn attach_all(
         }
     }
 
-    for interface in &hooks.tc {
-        for (name, attach_type, hook) in [
-            (lb::PROG_TC_INGRESS, TcAttachType::Ingress, "tc-ingress"),
-            (lb::PROG_TC_EGRESS, TcAttachType::Egress, "tc-egress"),
-        ] {
+    let lb_tc = hooks.tc.iter().map(|interface| {
+        (
+            interface,
+            [
+                (lb::PROG_TC_INGRESS, TcAttachType::Ingress, "tc-ingress"),
+                (lb::PROG_TC_EGRESS, TcAttachType::Egress, "tc-egress"),
+            ],
+        )
+    });
+    let policy_tc = hooks.policy.iter().map(|interface| {
+        (
+            interface,
+            [
+                (
+                    policy::PROG_POLICY_FROM,
+                    TcAttachType::Ingress,
+                    "tc-ingress",
+                ),
+                (policy::PROG_POLICY_TO, TcAttachType::Egress, "tc-egress"),
+            ],
+        )
+    });
+    for (interface, programs) in lb_tc.chain(policy_tc) {
+        for (name, attach_type, hook) in programs {
             let path = pin_path(pin_dir, name, interface);
             let program: &mut SchedClassifier = load(ebpf, name)?;
             // An update in place keeps the pin; a new link is pinned.

@@ -15,6 +15,8 @@ use std::sync::{Arc, Mutex};
 /// from the maps at each scrape.
 pub struct LbCollector<M: LbMaps + 'static> {
     pub(super) sync: Arc<Mutex<LbSync<M>>>,
+    /// The policy engine, whose verdict counters are exported too.
+    pub(super) policy: Option<super::SharedPolicy>,
 }
 
 impl<M: LbMaps + 'static> std::fmt::Debug for LbCollector<M> {
@@ -137,6 +139,9 @@ impl<M: LbMaps + 'static> Collector for LbCollector<M> {
             prometheus_client::metrics::MetricType::Counter,
         )?;
         ConstCounter::new(sync.full_errors()).encode(family.encode_family(&[("map", "any")])?)?;
+        if let Some(policy) = &self.policy {
+            super::policy::collector::encode(lock(policy).sync(), &mut encoder)?;
+        }
         Ok(())
     }
 }

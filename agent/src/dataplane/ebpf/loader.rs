@@ -11,7 +11,7 @@
 //! [`EbpfError::ProgramLoad`], whose source carries the full verifier log (also
 //! reachable through [`EbpfError::verifier_log`]).
 
-use agent_common::lb;
+use agent_common::{lb, policy};
 use aya::{Ebpf, EbpfLoader};
 use std::path::Path;
 
@@ -66,6 +66,10 @@ pub struct MapSizes {
     pub flows: u32,
     /// ClientIP affinity entries.
     pub affinity: u32,
+    /// Peer prefixes per family and port entries of the network policy maps
+    /// (`--policy-max-entries`); the guarded-address map holds `backends` entries
+    /// and the policy conntrack `flows`.
+    pub policy_entries: u32,
 }
 
 /// Parses the embedded object and creates (or re-opens, when pinned by an earlier
@@ -99,7 +103,13 @@ pub fn load_lb(pin_dir: &Path, sizes: &MapSizes) -> Result<Ebpf, EbpfError> {
         .map_max_entries(lb::CONNTRACK_REPLY_V4, sizes.flows)
         .map_max_entries(lb::CONNTRACK_REPLY_V6, sizes.flows)
         .map_max_entries(lb::SOCK_REVERSE, sizes.flows)
-        .map_max_entries(lb::AFFINITY, sizes.affinity);
+        .map_max_entries(lb::AFFINITY, sizes.affinity)
+        .map_max_entries(policy::ENDPOINTS, sizes.backends)
+        .map_max_entries(policy::PEERS_V4, sizes.policy_entries)
+        .map_max_entries(policy::PEERS_V6, sizes.policy_entries)
+        .map_max_entries(policy::PORTS, sizes.policy_entries)
+        .map_max_entries(policy::POLICY_CONNTRACK_V4, sizes.flows)
+        .map_max_entries(policy::POLICY_CONNTRACK_V6, sizes.flows);
     let mut ebpf = match loader.load(EMBEDDED_OBJECT) {
         Ok(ebpf) => ebpf,
         Err(source) => {

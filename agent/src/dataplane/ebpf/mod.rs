@@ -18,6 +18,7 @@ mod error;
 pub mod loader;
 pub mod maps;
 pub mod pins;
+pub mod policy;
 pub mod prefilter;
 pub mod stats;
 pub mod sync;
@@ -36,6 +37,7 @@ use crate::{endpoints::Delta, lock::lock, maglev};
 use agent_common::{codec::frontend_key, lb};
 use async_trait::async_trait;
 use maps::{KernelMaps, LbMaps};
+use policy::{KernelPolicyMaps, PolicyEngine};
 use std::{
     path::PathBuf,
     sync::{Arc, Mutex},
@@ -74,15 +76,21 @@ impl Default for EbpfConfig {
                 table_size: maglev::DEFAULT_TABLE_SIZE,
                 flows: 262_144,
                 affinity: 65_536,
+                policy_entries: crate::config::DEFAULT_POLICY_MAX_ENTRIES,
             },
             node_name: String::new(),
         }
     }
 }
 
+/// The policy engine over the kernel's policy maps, shared with the collector.
+pub type SharedPolicy = Arc<Mutex<PolicyEngine<KernelPolicyMaps>>>;
+
 /// The eBPF data plane (over the kernel's maps, or a fake in tests).
 pub struct EbpfDataPlane<M: LbMaps + 'static = KernelMaps> {
     sync: Arc<Mutex<LbSync<M>>>,
+    /// The network policy maps' engine (`None` over fake maps).
+    policy: Option<SharedPolicy>,
     attachments: Vec<Attachment>,
     cancel: CancellationToken,
     tasks: TaskTracker,
@@ -144,6 +152,15 @@ impl EbpfDataPlane<KernelMaps> {
                 taken.insert(name.to_owned(), map);
             }
         }
+        for name in policy::POLICY_MAPS {
+            if let Some(map) = ebpf.take_map(name) {
+                taken.insert(name.to_owned(), map);
+            }
+        }
+        let policy_maps = KernelPolicyMaps::new(&mut taken).map_err(EbpfError::from)?;
+        let events = ebpf
+            .take_map(agent_common::policy::EVENTS)
+            .and_then(|map| aya::maps::RingBuf::try_from(map).ok());
         let maps = KernelMaps::new(&mut taken)
             .map_err(EbpfError::from)?
             .pinned_before(pinned);
@@ -163,8 +180,21 @@ impl EbpfDataPlane<KernelMaps> {
             tracing::info!(program = a.program, hook = a.hook, target = %a.target, "eBPF program attached");
         }
         let plane = Self::with_maps(maps, &config.node_name);
+        let policy = Arc::new(Mutex::new(PolicyEngine::new(
+            &config.node_name,
+            policy_maps,
+            !config.hooks.policy.is_empty(),
+        )));
+        if let Some(ring) = events {
+            plane.tasks.spawn(policy::events::read(
+                ring,
+                policy.clone(),
+                plane.cancel.clone(),
+            ));
+        }
         Ok(Self {
             attachments,
+            policy: Some(policy),
             ..plane
         })
     }
@@ -177,6 +207,7 @@ impl<M: LbMaps + 'static> EbpfDataPlane<M> {
     pub fn with_maps(maps: M, node_name: &str) -> Self {
         let plane = Self {
             sync: Arc::new(Mutex::new(LbSync::new(maps, node_name))),
+            policy: None,
             attachments: Vec::new(),
             cancel: CancellationToken::new(),
             tasks: TaskTracker::new(),
@@ -209,6 +240,7 @@ impl<M: LbMaps + 'static> EbpfDataPlane<M> {
     pub fn collector(&self) -> LbCollector<M> {
         LbCollector {
             sync: self.sync.clone(),
+            policy: self.policy.clone(),
         }
     }
 
@@ -229,6 +261,15 @@ impl<M: LbMaps + 'static> DataPlane for EbpfDataPlane<M> {
             return Err(DataPlaneError::ShutDown { mode: "ebpf" });
         }
         let started = Instant::now();
+        // Policy first: a new endpoint is guarded before a VIP leads to it.
+        if let Some(policy) = &self.policy {
+            lock(policy)
+                .apply(delta)
+                .map_err(|e| DataPlaneError::Apply {
+                    mode: "ebpf",
+                    reason: e.to_string(),
+                })?;
+        }
         lock(&self.sync)
             .apply(delta, started)
             .map_err(|e| DataPlaneError::Apply {
@@ -280,6 +321,13 @@ impl<M: LbMaps + 'static> DataPlane for EbpfDataPlane<M> {
         Some(self.map_usage(count))
     }
 
+    fn policy(&self) -> Vec<crate::policy::ServicePolicyStatus> {
+        self.policy
+            .as_ref()
+            .map(|p| lock(p).statuses())
+            .unwrap_or_default()
+    }
+
     fn programs(&self) -> Vec<String> {
         self.attachments
             .iter()
@@ -328,7 +376,11 @@ impl From<lb::TrafficStats> for TrafficCounters {
 /// start, in `auto` too, instead of reading as a kernel that cannot attach (which
 /// `auto` answers with another data plane).
 fn check_hook_targets(hooks: &Hooks) -> Result<(), DataPlaneError> {
-    let interfaces = [("interfaces", &hooks.tc), ("xdpInterfaces", &hooks.xdp)];
+    let interfaces = [
+        ("interfaces", &hooks.tc),
+        ("xdpInterfaces", &hooks.xdp),
+        ("policyInterfaces", &hooks.policy),
+    ];
     for (field, names) in interfaces {
         for name in names {
             let exists = std::ffi::CString::new(name.as_str())

@@ -843,6 +843,7 @@ fn kernel_maps(pins: &std::path::Path, cap: Capacity) -> (KernelMaps, Array<MapD
         table_size: cap.table_size,
         flows: cap.flows,
         affinity: cap.flows,
+        policy_entries: 16,
     };
     let mut ebpf = super::load_lb(pins, &sizes).unwrap_or_else(|e| panic!("{e:#}"));
     let filter_id = match ebpf.map(lb::VIP_FILTER) {

@@ -144,6 +144,7 @@ fn hooks_name_the_programs_they_run() {
         cgroup: Some("/sys/fs/cgroup".into()),
         tc: vec!["eth0".into()],
         xdp: vec!["eth1".into()],
+        policy: vec!["veth0".into()],
         ..Hooks::default()
     };
     assert_eq!(all.programs(), PROGRAMS);

@@ -42,6 +42,7 @@ fn backends_on_one_address_are_separate_series() {
     let mut registry = Registry::with_prefix("rune");
     registry.register_collector(Box::new(LbCollector {
         sync: Arc::new(Mutex::new(sync)),
+        policy: None,
     }));
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
