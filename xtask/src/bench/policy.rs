@@ -30,7 +30,7 @@ use std::{
     fmt::Write as _,
     net::Ipv4Addr,
     path::Path,
-    process::{Command, Stdio},
+    process::Command,
     thread::sleep,
     time::{Duration, Instant},
 };
@@ -207,17 +207,7 @@ fn measure(bin: &Path, plane: Plane, work: &Path, yaml: &Path) -> Result<Figures
     };
     for run in 0..SNAPSHOT_RUNS {
         let state = work.join(format!("{}-{run}", plane.label()));
-        let mut apply = Command::new(bin);
-        apply
-            .arg("--state-dir")
-            .arg(&state)
-            .args(["apply", "-f"])
-            .arg(yaml)
-            .stdout(Stdio::null());
-        crate::util::run_status(
-            "apply the snapshot to the stopped agent's store",
-            &mut apply,
-        )?;
+        super::common::apply_snapshot(bin, &state, yaml)?;
         std::fs::write(
             state.join("node-identity.json"),
             format!("{{\"node_id\":\"{:032x}\",\"hostname\":\"{NODE}\"}}\n", 11),
