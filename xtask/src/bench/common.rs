@@ -174,3 +174,19 @@ pub(crate) async fn wait_ready(agent: &Agent) -> Result<()> {
 pub(crate) fn apply(bin: &Path, agent: &Agent, yaml: &str) -> Result<()> {
     crate::util::rune_apply(bin, &agent.state_dir, yaml)
 }
+
+/// `rune-agent --state-dir STATE apply -f FILE`: writes a bench's snapshot into a
+/// stopped agent's store before the agent under measure starts on it.
+pub(crate) fn apply_snapshot(bin: &Path, state: &Path, file: &Path) -> Result<()> {
+    let mut apply = std::process::Command::new(bin);
+    apply
+        .arg("--state-dir")
+        .arg(state)
+        .args(["apply", "-f"])
+        .arg(file)
+        .stdout(std::process::Stdio::null());
+    crate::util::run_status(
+        "apply the snapshot to the stopped agent's store",
+        &mut apply,
+    )
+}

@@ -15,6 +15,7 @@ mod ebpf;
 mod ebpf_policy;
 mod ingress;
 mod modes;
+mod policy;
 mod reuse;
 mod sync;
 
@@ -35,6 +36,9 @@ pub enum Section {
     /// Short HTTP connections (nginx, wrk) with quick source port reuse through two
     /// VIPs sharing one backend, per data plane mode vs direct (netns).
     Reuse,
+    /// Network policy programming, eBPF and nftables: 1,000 services with 10-peer
+    /// policies snapshot to kernel, and one policy change's latency.
+    Policy,
     /// The embedded DNS server against dnsmasq, and its memory at 10,000 services.
     Dns,
     /// Applies into the embedded store up to 100,000 services: one object, and large
@@ -62,6 +66,7 @@ pub fn run(section: Option<Section>) -> Result<()> {
             Ok(())
         }
         Some(Section::Reuse) => reuse::run_alone(),
+        Some(Section::Policy) => policy::run_alone(),
         Some(Section::Dns) => dns::run_alone(),
         Some(Section::Apply) => apply::run_alone(),
         Some(Section::Cluster) => cluster::run_alone(),
@@ -83,6 +88,7 @@ fn run_all() -> Result<()> {
     })?;
     report.push_str(&ebpf::section()?);
     report.push_str(&sync::section(&bin)?);
+    report.push_str(&policy::section(&bin)?);
     report.push_str(&end_to_end(&bin)?);
     report.push_str(&apply::section(&bin)?);
     report.push_str(&cluster::section(&bin)?);

@@ -33,7 +33,6 @@ use std::{
     net::Ipv4Addr,
     os::fd::{AsFd as _, AsRawFd as _},
     path::Path,
-    process::{Command, Stdio},
     thread::sleep,
     time::{Duration, Instant},
 };
@@ -150,17 +149,7 @@ pub fn section(bin: &Path) -> Result<String> {
     for run in 0..SNAPSHOT_RUNS {
         let state = work.path().join(format!("state-{run}"));
         let t = Instant::now();
-        let mut apply = Command::new(bin);
-        apply
-            .arg("--state-dir")
-            .arg(&state)
-            .args(["apply", "-f"])
-            .arg(&yaml)
-            .stdout(Stdio::null());
-        crate::util::run_status(
-            "apply the snapshot to the stopped agent's store",
-            &mut apply,
-        )?;
+        super::common::apply_snapshot(bin, &state, &yaml)?;
         let store_apply = t.elapsed();
         let pins = PinDir::new("bench-sync");
         let agent = Agent::start(bin, &netns, &state, pins.path(), "")?;

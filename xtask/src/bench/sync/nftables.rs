@@ -31,7 +31,7 @@ use std::{
     fmt::Write as _,
     net::Ipv4Addr,
     path::Path,
-    process::{Command, Stdio},
+    process::Command,
     thread::sleep,
     time::{Duration, Instant},
 };
@@ -72,17 +72,7 @@ pub(super) fn section(
         // A fresh namespace each run: no table to adopt.
         let netns = NetNs::new("bench-nft")?;
         let state = work.path().join(format!("state-{run}"));
-        let mut apply = Command::new(bin);
-        apply
-            .arg("--state-dir")
-            .arg(&state)
-            .args(["apply", "-f"])
-            .arg(snapshot_yaml)
-            .stdout(Stdio::null());
-        crate::util::run_status(
-            "apply the snapshot to the stopped agent's store",
-            &mut apply,
-        )?;
+        crate::bench::common::apply_snapshot(bin, &state, snapshot_yaml)?;
         let agent = Agent::start_with(
             bin,
             &netns,
