@@ -215,7 +215,7 @@ pub async fn run(config: Config) -> Result<()> {
                 },
             },
             cache_for_ingress,
-            &metrics_for_ingress,
+            metrics_for_ingress.ingress.clone(),
         )))?;
     }
     // Registered last, so stopped first: the node's key is revoked while the

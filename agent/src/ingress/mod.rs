@@ -19,7 +19,6 @@ pub use proxy::ProxyLimits;
 
 use crate::{
     endpoints::EndpointCache,
-    metrics::Metrics,
     model::{Kind, ServiceKey},
     subsystem::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
 };
@@ -81,10 +80,10 @@ pub struct IngressServer {
 }
 
 impl IngressServer {
-    /// A server fed by `cache`, counting into `metrics`.
-    pub fn new(config: IngressConfig, cache: Arc<EndpointCache>, metrics: &Metrics) -> Self {
+    /// A server fed by `cache`, counting into `ingress` (the agent's
+    /// `rune_ingress_*` families).
+    pub fn new(config: IngressConfig, cache: Arc<EndpointCache>, ingress: IngressMetrics) -> Self {
         let (ready, readiness) = Readiness::new();
-        let ingress = metrics.ingress.clone();
         Self {
             proxy: Arc::new(Proxy::new(config.limits.clone(), ingress.clone())),
             config,

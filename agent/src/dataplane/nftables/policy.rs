@@ -26,7 +26,7 @@
 //! Interval maps refuse overlapping keys, so each peer list is the aggregate of its
 //! prefixes (contained prefixes dropped, neighbours merged).
 
-use super::ruleset::TABLE;
+use super::ruleset::{TABLE, is_policy_chain};
 use crate::{
     model::{PolicyMode, Protocol, ServiceKey},
     policy::{
@@ -117,12 +117,6 @@ fn skeleton() -> Vec<(String, &'static str, Vec<String>)> {
         ));
     }
     out
-}
-
-/// Whether a chain of the table belongs to policy (the rest of the planner leaves
-/// those to this module).
-pub fn owns(name: &str) -> bool {
-    name.starts_with("pol")
 }
 
 /// The policy objects of the table.
@@ -296,7 +290,7 @@ pub fn full_script(
     add_elements(&mut s, new.elements.iter());
     let fixed: BTreeSet<String> = skeleton().into_iter().map(|(n, _, _)| n).collect();
     for chain in existing_chains {
-        if owns(chain) && !fixed.contains(chain) && !new.chains.contains_key(chain) {
+        if is_policy_chain(chain) && !fixed.contains(chain) && !new.chains.contains_key(chain) {
             let _ = writeln!(s, "delete chain {TABLE} {chain}");
         }
     }

@@ -298,6 +298,12 @@ pub struct PortPlan {
     pub chain: String,
 }
 
+/// Whether a chain of the table belongs to network policy (`pol…`, planned by
+/// `policy.rs`): the service planner leaves those alone.
+pub fn is_policy_chain(name: &str) -> bool {
+    name.starts_with("pol")
+}
+
 /// The protocol as nft names it.
 pub fn proto(p: Protocol) -> &'static str {
     match p {
@@ -659,7 +665,7 @@ impl Ruleset {
         for chain in &existing.chains {
             if !desired_chains.contains(chain)
                 && !skeleton_names.contains(chain.as_str())
-                && !super::policy::owns(chain)
+                && !is_policy_chain(chain)
             {
                 let _ = writeln!(s, "delete chain {TABLE} {chain}");
             }
