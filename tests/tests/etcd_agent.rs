@@ -390,7 +390,7 @@ fn compaction_while_the_watch_is_cut_is_a_resync_that_loses_nothing() {
         "no resync after compaction in the log:\n{log}"
     );
     let st = status(&agent);
-    assert!(st.contains("Endpoints 1, Service 2"), "{st}");
+    assert!(st.contains("Endpoints 1, Secret 0, Service 2"), "{st}");
 }
 
 #[test]
