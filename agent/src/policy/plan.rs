@@ -55,7 +55,7 @@ pub struct DirectionRules {
 /// One allow rule: a packet whose peer address is in `peers` and whose port at the
 /// guarded side's peer (ingress: the guarded address's own port; egress: the
 /// destination port) is in `ports`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Rule {
     /// The peer addresses: CIDR peers as written, service and namespace peers as
     /// host prefixes of their endpoints' addresses (on any node) and their VIPs.

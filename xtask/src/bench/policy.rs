@@ -327,6 +327,8 @@ fn measure_changes(bin: &Path, agent: &Agent, state: &Path, f: &mut Figures) -> 
                 break;
             }
             first_look = false;
+            // Each look reads the whole log: a pause leaves the agent its core.
+            sleep(Duration::from_micros(500));
             ensure_alive(agent)?;
             ensure!(
                 returned.elapsed() < CHANGE_LIMIT,

@@ -20,7 +20,7 @@ use agent_common::policy::{
     self as pol, EndpointKey, EndpointPolicy, MAX_COUNTERS, PORTS_ALL, PeerValue, PolicyDirection,
     PortKey,
 };
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 /// Direction index of counters: ingress.
 pub const INGRESS: u8 = pol::DIR_INGRESS;
@@ -126,32 +126,25 @@ impl<P: PolicyMaps> PolicySync<P> {
     fn apply_once(&mut self, plan: &PolicyPlan) -> Result<bool, MapsError> {
         let desired = table::desired(plan);
         let capacity = self.maps.capacity();
-        // Tables to program, in a fixed order.
-        let tables: BTreeSet<&PeerTable> = desired
-            .values()
-            .flat_map(|e| [&e.ingress, &e.egress])
-            .flatten()
-            .map(|d| &d.table)
-            .collect();
-        let mut ids: BTreeMap<PeerTable, u32> = BTreeMap::new();
-        for (id, table) in &self.rule_sets {
-            ids.entry(table.clone()).or_insert(*id);
-        }
+        // Tables not in the maps yet, to program in a fixed order.
+        let missing: BTreeSet<&PeerTable> = {
+            let known = self.table_ids();
+            desired
+                .values()
+                .flat_map(|e| [&e.ingress, &e.egress])
+                .flatten()
+                .map(|d| &d.table)
+                .filter(|table| !known.contains_key(table))
+                .collect()
+        };
         let mut failed: BTreeMap<PeerTable, String> = BTreeMap::new();
-        for table in tables {
-            if ids.contains_key(table) {
-                continue;
-            }
-            match self.program(table, capacity) {
-                Ok(id) => {
-                    ids.insert(table.clone(), id);
-                }
-                Err(reason) => {
-                    failed.insert(table.clone(), reason);
-                }
+        for table in missing {
+            if let Err(reason) = self.program(table, capacity) {
+                failed.insert(table.clone(), reason);
             }
         }
         self.assign_counters(plan, &desired)?;
+        let ids = self.table_ids();
 
         // Guarded addresses, then what nothing uses any more.
         let mut endpoints = BTreeMap::new();
@@ -199,6 +192,7 @@ impl<P: PolicyMaps> PolicySync<P> {
             }
             endpoints.insert(endpoint_key(*addr), value);
         }
+        drop(ids);
         for (key, value) in &endpoints {
             if self.endpoints.get(key) == Some(value) {
                 continue;
@@ -235,16 +229,20 @@ impl<P: PolicyMaps> PolicySync<P> {
         }
         let freed = self.remove_unused()?;
 
+        // Each service's mode, as the first guarded address reporting to it has it.
+        let mut modes: HashMap<&ServiceKey, PolicyMode> = HashMap::new();
+        for d in desired
+            .values()
+            .flat_map(|e| [&e.ingress, &e.egress])
+            .flatten()
+        {
+            modes.entry(&d.service).or_insert(d.mode);
+        }
         self.services = plan
             .services
             .iter()
             .map(|(service, rules)| {
-                let mode = desired
-                    .values()
-                    .flat_map(|e| [&e.ingress, &e.egress])
-                    .flatten()
-                    .find(|d| &d.service == service)
-                    .map_or(PolicyMode::Enforce, |d| d.mode);
+                let mode = modes.get(service).copied().unwrap_or(PolicyMode::Enforce);
                 let state = match failures.get(service) {
                     Some(reason) => PolicyState::Failed {
                         reason: reason.clone(),
@@ -255,6 +253,16 @@ impl<P: PolicyMaps> PolicySync<P> {
             })
             .collect();
         Ok(!failed.is_empty() && freed)
+    }
+
+    /// The id of each rule set in the maps, by its table (the lowest id where an
+    /// adopted table is there twice).
+    fn table_ids(&self) -> HashMap<&PeerTable, u32> {
+        let mut ids = HashMap::with_capacity(self.rule_sets.len());
+        for (id, table) in &self.rule_sets {
+            ids.entry(table).or_insert(*id);
+        }
+        ids
     }
 
     /// Writes `table` under a new id (its port sets first); `Err` with the reason
@@ -392,7 +400,7 @@ impl<P: PolicyMaps> PolicySync<P> {
                 removed = true;
             }
         }
-        let used_sets: BTreeSet<&BTreeSet<Port>> = self
+        let used_sets: HashSet<&BTreeSet<Port>> = self
             .rule_sets
             .values()
             .flat_map(|t| t.values().flatten())

@@ -9,7 +9,7 @@ use super::super::codec::proto_number;
 use crate::model::ServiceKey;
 use crate::policy::{DirectionRules, PolicyMode, PolicyPlan, Rule};
 use ipnet::IpNet;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 
 /// One port as the maps hold it: (IP protocol number, port in host order).
@@ -45,23 +45,34 @@ pub struct DesiredEndpoint {
 /// Every guarded address of `plan` with its rules in the maps' shape.
 #[must_use]
 pub fn desired(plan: &PolicyPlan) -> BTreeMap<IpAddr, DesiredEndpoint> {
+    // The endpoints of one service mostly share their rules: each table once.
+    let mut tables = HashMap::new();
     plan.endpoints
         .iter()
         .map(|(addr, guarded)| {
-            let direction = |rules: &Option<DirectionRules>| {
-                rules.as_ref().map(|r| DesiredDirection {
-                    mode: r.mode,
-                    service: r.service.clone(),
-                    table: peer_table(&r.rules),
-                })
-            };
             let endpoint = DesiredEndpoint {
-                ingress: direction(&guarded.ingress),
-                egress: direction(&guarded.egress),
+                ingress: desired_direction(&mut tables, &guarded.ingress),
+                egress: desired_direction(&mut tables, &guarded.egress),
             };
             (*addr, endpoint)
         })
         .collect()
+}
+
+/// One direction of [`desired`], its table taken from `tables` when the same
+/// rules were seen before.
+fn desired_direction<'p>(
+    tables: &mut HashMap<&'p [Rule], PeerTable>,
+    rules: &'p Option<DirectionRules>,
+) -> Option<DesiredDirection> {
+    rules.as_ref().map(|r| DesiredDirection {
+        mode: r.mode,
+        service: r.service.clone(),
+        table: tables
+            .entry(r.rules.as_slice())
+            .or_insert_with(|| peer_table(&r.rules))
+            .clone(),
+    })
 }
 
 /// The peer table of `rules`: every peer prefix with the union of the ports of
@@ -87,11 +98,17 @@ pub fn peer_table(rules: &[Rule]) -> PeerTable {
             merge(entry, &ports);
         }
     }
-    own.keys()
-        .map(|prefix| {
-            let mut ports: PortSpec = Some(BTreeSet::new());
-            for (outer, outer_ports) in &own {
-                if outer.contains(prefix) {
+    // Only a prefix shorter than a host prefix can contain another one: most peers
+    // are host prefixes (endpoints, VIPs), so each prefix checks a few networks.
+    let networks: Vec<(&IpNet, &PortSpec)> = own
+        .iter()
+        .filter(|(net, _)| net.prefix_len() < net.max_prefix_len())
+        .collect();
+    own.iter()
+        .map(|(prefix, own_ports)| {
+            let mut ports = own_ports.clone();
+            for (outer, outer_ports) in &networks {
+                if *outer != prefix && outer.contains(prefix) {
                     merge(&mut ports, outer_ports);
                 }
             }
