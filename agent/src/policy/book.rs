@@ -1,7 +1,7 @@
 //! The desired state a policy plan is compiled from, kept up to date from the
 //! endpoint cache's deltas by whichever data plane enforces policy.
 
-use super::{PolicyPlan, PolicyState, ServicePolicyStatus, compile::compile};
+use super::{PolicyPlan, PolicyState, ServicePolicyStatus, compile::compile_guarding};
 use crate::{
     endpoints::{Delta, ServiceView},
     model::{NetworkPolicy, PeerSelector, ServiceKey},
@@ -12,8 +12,9 @@ use std::collections::{BTreeMap, HashSet};
 /// policies among them refer to, so that a change no policy can see is told apart.
 #[derive(Debug)]
 pub struct PolicyBook {
-    /// This node's name: endpoints naming it (or none) are guarded here.
-    node_name: String,
+    /// This node's name: endpoints naming it (or none) are guarded here; `None`:
+    /// the endpoints on every node are.
+    node_name: Option<String>,
     /// Every service, by key.
     views: BTreeMap<ServiceKey, ServiceView>,
     /// Services the policies name as peers.
@@ -25,8 +26,19 @@ pub struct PolicyBook {
 impl PolicyBook {
     /// An empty book for node `node_name`.
     pub fn new(node_name: &str) -> Self {
+        Self::guarding(Some(node_name.to_owned()))
+    }
+
+    /// An empty book whose plan guards the endpoints on every node: for a proxy,
+    /// which sends a VIP's connections to endpoints anywhere and is the only place
+    /// they are checked.
+    pub fn every_node() -> Self {
+        Self::guarding(None)
+    }
+
+    fn guarding(node_name: Option<String>) -> Self {
         Self {
-            node_name: node_name.to_owned(),
+            node_name,
             views: BTreeMap::new(),
             peer_services: HashSet::new(),
             peer_namespaces: HashSet::new(),
@@ -66,7 +78,7 @@ impl PolicyBook {
 
     /// The plan of the services and endpoints held now.
     pub fn plan(&self) -> PolicyPlan {
-        compile(&self.node_name, &self.views)
+        compile_guarding(self.node_name.as_deref(), &self.views)
     }
 
     /// Each policy held, by service.

@@ -39,6 +39,15 @@ type RuleMap = BTreeMap<BTreeSet<PortMatch>, BTreeSet<IpNet>>;
 
 /// Compiles the plan of node `node` from every service (with its endpoints).
 pub fn compile(node: &str, views: &BTreeMap<ServiceKey, ServiceView>) -> PolicyPlan {
+    compile_guarding(Some(node), views)
+}
+
+/// Compiles the plan guarding the endpoints on node `node`, or with `None` those
+/// on every node (a proxy that sends connections to any node checks them all).
+pub fn compile_guarding(
+    node: Option<&str>,
+    views: &BTreeMap<ServiceKey, ServiceView>,
+) -> PolicyPlan {
     let mut peers = PeerResolver::new(views);
     let mut plan = PolicyPlan::default();
     // Per guarded address and direction: mode, reporting service, rules.
@@ -125,11 +134,15 @@ impl Direction {
     }
 }
 
-/// The endpoints of `view` on node `node` (or naming none), by address.
-fn local_endpoints<'v>(view: &'v ServiceView, node: &str) -> BTreeMap<IpAddr, Vec<&'v Endpoint>> {
+/// The endpoints of `view` on node `node` (or naming none; every endpoint when
+/// `node` is `None`), by address.
+fn local_endpoints<'v>(
+    view: &'v ServiceView,
+    node: Option<&str>,
+) -> BTreeMap<IpAddr, Vec<&'v Endpoint>> {
     let mut out: BTreeMap<IpAddr, Vec<&Endpoint>> = BTreeMap::new();
     for e in view.endpoint_list() {
-        if e.node.is_empty() || *e.node == *node {
+        if node.is_none_or(|node| e.node.is_empty() || *e.node == *node) {
             out.entry(e.address).or_default().push(e);
         }
     }

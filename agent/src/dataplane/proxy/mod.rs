@@ -199,7 +199,7 @@ impl UserspaceProxy {
         let vips = (config.listen == ListenOn::Vips).then(|| VipAddrs::new(ops));
         Ok(Self {
             inner: Arc::new(Inner {
-                policy: Arc::new(PolicyGate::new(&config.node_name)),
+                policy: Arc::new(PolicyGate::new()),
                 config,
                 metrics,
                 vips,

@@ -31,11 +31,19 @@ pub struct PolicyGate {
     counts: Mutex<VerdictCounts>,
 }
 
+impl Default for PolicyGate {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl PolicyGate {
-    /// A gate with no policy, for node `node_name`.
-    pub fn new(node_name: &str) -> Self {
+    /// A gate with no policy yet. It guards the endpoints on every node: the
+    /// proxy sends connections to any of them, and no other node checks traffic
+    /// that came through this proxy.
+    pub fn new() -> Self {
         Self {
-            book: Mutex::new(PolicyBook::new(node_name)),
+            book: Mutex::new(PolicyBook::every_node()),
             plan: RwLock::new(Arc::new(PolicyPlan::default())),
             counts: Mutex::new(VerdictCounts::new()),
         }

@@ -18,7 +18,7 @@ fn gate(policy: &str) -> PolicyGate {
         policy,
         "[{address: 198.18.11.2}, {address: 198.18.12.2, node: node-z}]",
     );
-    let gate = PolicyGate::new("node-a");
+    let gate = PolicyGate::new();
     gate.apply(&Delta {
         full: true,
         upserted: views(&yaml).into_values().collect(),
@@ -39,12 +39,12 @@ fn the_client_and_the_backends_target_port_decide() {
     assert!(!g.admit(ip("198.18.1.3"), backend, Protocol::Tcp));
     assert!(!g.admit(ip("198.18.1.2"), backend, Protocol::Udp));
     assert!(
-        g.admit(
+        !g.admit(
             ip("198.18.1.3"),
             "198.18.12.2:8080".parse().unwrap(),
             Protocol::Tcp
         ),
-        "another node's endpoint"
+        "another node's endpoint: checked here too (no other node checks it)"
     );
     let counts = g.counts.lock().unwrap().clone();
     let web = ServiceKey::new("shop", "web");
@@ -58,7 +58,7 @@ fn the_client_and_the_backends_target_port_decide() {
             Direction::Ingress,
             Verdict::Drop(DropReason::NoMatchingRule)
         )],
-        1
+        2
     );
     assert_eq!(
         counts[&(
