@@ -3,7 +3,7 @@
 
 use super::{
     metrics::{IngressMetrics, ReasonLabels, RequestLabels},
-    routes::{Backend, Route, RouteTable, normalize_host},
+    routes::{Backend, Route, RouteTable, path_is_normal, request_host},
     upgrade,
 };
 use arc_swap::ArcSwap;
@@ -96,20 +96,35 @@ impl Proxy {
     ) -> Response<ProxyBody> {
         let start = Instant::now();
         let routes = self.routes.load();
-        let host = req
-            .uri()
-            .authority()
-            .map(|a| a.as_str().to_owned())
-            .or_else(|| {
-                let h = req.headers().get(header::HOST)?;
-                h.to_str().ok().map(str::to_owned)
-            })
-            .map(|h| normalize_host(&h))
-            .unwrap_or_default();
-        let route = routes.lookup(&host, req.uri().path()).cloned();
-        let response = match &route {
-            None => answer(StatusCode::NOT_FOUND, "no route\n"),
-            Some(route) => self.for_route(req, route, &host, peer, tls).await,
+        let host = request_host(
+            req.uri().authority().map(|a| a.as_str()),
+            req.headers()
+                .get(header::HOST)
+                .map(|h| h.to_str().unwrap_or("\u{0}")),
+        );
+        let (route, response) = match host {
+            None => (
+                None,
+                answer(
+                    StatusCode::BAD_REQUEST,
+                    "the Host header names another host than the request target\n",
+                ),
+            ),
+            Some(_) if !path_is_normal(req.uri().path()) => (
+                None,
+                answer(
+                    StatusCode::BAD_REQUEST,
+                    "the path has an empty or dot segment or an encoded unreserved character\n",
+                ),
+            ),
+            Some(host) => {
+                let route = routes.lookup(&host, req.uri().path()).cloned();
+                let response = match &route {
+                    None => answer(StatusCode::NOT_FOUND, "no route\n"),
+                    Some(route) => self.for_route(req, route, &host, peer, tls).await,
+                };
+                (route, response)
+            }
         };
         let (route_host, service) = route
             .as_ref()

@@ -153,5 +153,38 @@ pub fn normalize_host(host: &str) -> String {
     host.trim_end_matches('.').to_ascii_lowercase()
 }
 
+/// The host a request is routed by: the request target's authority (absolute form,
+/// h2's `:authority`) or else its `Host` header, normalized; `None` when both are
+/// given and name different hosts (the upstream would see another host than the
+/// one whose route, and allow-list, was chosen).
+pub fn request_host(authority: Option<&str>, host_header: Option<&str>) -> Option<String> {
+    match (
+        authority.map(normalize_host),
+        host_header.map(normalize_host),
+    ) {
+        (Some(a), Some(h)) if a != h => None,
+        (Some(a), _) => Some(a),
+        (None, h) => Some(h.unwrap_or_default()),
+    }
+}
+
+/// Whether `path` is in the one form routes match on: no empty segment (`//`), no
+/// dot segment (`/./`, `/../`) and no percent-encoded unreserved character
+/// (`%61` for `a`). A backend may read those forms as another path than the
+/// one matched (`//admin` as `/admin`), passing around that route's allow-list.
+pub fn path_is_normal(path: &str) -> bool {
+    // With no `//`, only the last segment can be empty (a trailing slash).
+    let no_dot_segment = path.split('/').all(|seg| seg != "." && seg != "..");
+    let bytes = path.as_bytes();
+    let encoded_unreserved = bytes.windows(3).any(|w| {
+        w[0] == b'%'
+            && std::str::from_utf8(&w[1..])
+                .ok()
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .is_some_and(|c| c.is_ascii_alphanumeric() || b"-._~".contains(&c))
+    });
+    path.starts_with('/') && !path.contains("//") && no_dot_segment && !encoded_unreserved
+}
+
 #[cfg(test)]
 mod tests;

@@ -105,3 +105,38 @@ fn the_least_loaded_backend_is_picked_and_a_failed_one_skipped() {
     assert!(route.allows("::ffff:198.18.0.9".parse().unwrap()));
     assert!(!route.allows("198.19.0.9".parse().unwrap()));
 }
+
+#[test]
+fn a_request_names_one_host_and_paths_in_another_form_than_routes_are_refused() {
+    assert_eq!(
+        request_host(None, Some("Web.Example:80")),
+        Some("web.example".into())
+    );
+    assert_eq!(
+        request_host(Some("web.example"), None),
+        Some("web.example".into())
+    );
+    assert_eq!(
+        request_host(Some("web.example:443"), Some("web.example")),
+        Some("web.example".into())
+    );
+    assert_eq!(
+        request_host(Some("open.example"), Some("restricted.example")),
+        None
+    );
+    assert_eq!(request_host(None, None), Some(String::new()));
+    for ok in ["/", "/api", "/api/", "/api/x.y", "/a%20b", "/a%2Fb"] {
+        assert!(path_is_normal(ok), "{ok}");
+    }
+    for bad in [
+        "//admin",
+        "/./admin",
+        "/x/../admin",
+        "/admin/.",
+        "/%61dmin",
+        "/a%7e",
+        "admin",
+    ] {
+        assert!(!path_is_normal(bad), "{bad}");
+    }
+}
