@@ -193,6 +193,17 @@ impl<P: PolicyMaps> PolicySync<P> {
             endpoints.insert(endpoint_key(*addr), value);
         }
         drop(ids);
+        // Addresses no longer guarded go first, so that new ones find their room.
+        let gone: Vec<EndpointKey> = self
+            .endpoints
+            .keys()
+            .filter(|k| !endpoints.contains_key(k))
+            .copied()
+            .collect();
+        for key in gone {
+            self.maps.delete_endpoint(&key)?;
+            self.endpoints.remove(&key);
+        }
         for (key, value) in &endpoints {
             if self.endpoints.get(key) == Some(value) {
                 continue;
@@ -216,16 +227,6 @@ impl<P: PolicyMaps> PolicySync<P> {
                 continue;
             }
             self.endpoints.insert(*key, *value);
-        }
-        let gone: Vec<EndpointKey> = self
-            .endpoints
-            .keys()
-            .filter(|k| !endpoints.contains_key(k))
-            .copied()
-            .collect();
-        for key in gone {
-            self.maps.delete_endpoint(&key)?;
-            self.endpoints.remove(&key);
         }
         let freed = self.remove_unused()?;
 
