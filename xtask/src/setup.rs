@@ -18,8 +18,10 @@ use crate::util;
 /// topology turns off TX checksum offload on veths, which XDP needs), `wrk` and
 /// `nginx` (the client and backends of the short-connection bench, `bench reuse`),
 /// `protoc` with the well-known `.proto` files (the etcd client's build compiles
-/// etcd's API with it), and `etcd` with `etcdctl` and `openssl` (the etcd tests
-/// start their own etcd, with certificates they make).
+/// etcd's API with it), `etcd` with `etcdctl` and `openssl` (the etcd tests
+/// start their own etcd, with certificates they make), `pebble` (the ACME test
+/// server the ingress tests issue certificates from) and `haproxy` (the second
+/// reference proxy of `bench ingress`).
 const APT_PACKAGES: &[&str] = &[
     "nftables",
     "iproute2",
@@ -32,12 +34,16 @@ const APT_PACKAGES: &[&str] = &[
     "etcd-server",
     "etcd-client",
     "openssl",
+    "pebble",
+    "haproxy",
 ];
-/// Debian's etcd package starts and enables a machine-wide etcd on 127.0.0.1:2379
-/// when systemd runs; nothing here uses it (tests start their own), so setup stops
-/// and disables the one its own install started.
-const ETCD_PACKAGE: &str = "etcd-server";
-const ETCD_UNIT: &str = "etcd.service";
+/// Packages whose install starts and enables a machine-wide service when systemd
+/// runs (etcd on 127.0.0.1:2379, haproxy); nothing here uses them (tests and benches
+/// start their own), so setup stops and disables the ones its own install started.
+const PACKAGED_SERVICES: &[(&str, &str)] = &[
+    ("etcd-server", "etcd.service"),
+    ("haproxy", "haproxy.service"),
+];
 /// The toolchain the eBPF programs are built with (aya-build's default).
 const NIGHTLY: &str = "nightly";
 /// bpf-linker's semver range; `bpf-linker --version` must start with this.
@@ -100,32 +106,32 @@ fn apt_packages() -> anyhow::Result<()> {
     for pkg in &missing {
         report(&format!("apt {pkg}"), "installed");
     }
-    if missing.contains(&ETCD_PACKAGE) {
-        stop_packaged_etcd();
+    for (package, unit) in PACKAGED_SERVICES {
+        if missing.contains(package) {
+            stop_packaged_service(unit);
+        }
     }
     Ok(())
 }
 
-/// Stops and disables the machine-wide etcd that installing Debian's package just
-/// started (only where systemd runs; elsewhere the package starts nothing).
-fn stop_packaged_etcd() {
+/// Stops and disables the machine-wide service that installing a Debian package
+/// just started (only where systemd runs; elsewhere the package starts nothing).
+fn stop_packaged_service(unit: &str) {
     if !Path::new("/run/systemd/system").is_dir() {
         return;
     }
     let stopped = Command::new("systemctl")
-        .args(["disable", "--now", ETCD_UNIT])
+        .args(["disable", "--now", unit])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
-    report(
-        ETCD_UNIT,
-        if stopped {
-            "stopped and disabled (tests start their own etcd)"
-        } else {
-            "could not be disabled: `systemctl disable --now etcd`"
-        },
-    );
+    let state = if stopped {
+        "stopped and disabled (tests start their own)".to_string()
+    } else {
+        format!("could not be disabled: `systemctl disable --now {unit}`")
+    };
+    report(unit, &state);
 }
 
 /// `rustup run nightly ...`, with the caller's toolchain choice removed.

@@ -190,3 +190,28 @@ pub(crate) fn apply_snapshot(bin: &Path, state: &Path, file: &Path) -> Result<()
         &mut apply,
     )
 }
+
+/// The first of `n` consecutive ports that are free on 127.0.0.1 right now.
+pub(crate) async fn free_port_block(n: usize) -> Result<u16> {
+    'next: for base in (20000u16..60000).step_by(n + 500) {
+        for p in base..base + n as u16 {
+            if std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, p)).is_err() {
+                continue 'next;
+            }
+        }
+        return Ok(base);
+    }
+    bail!("no block of {n} free ports on 127.0.0.1")
+}
+
+/// Waits (up to 30 s) until `addr` accepts a TCP connection.
+pub(crate) async fn wait_connect(addr: SocketAddr) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if TcpStream::connect(addr).await.is_ok() {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("{addr} did not accept connections within 30 s")
+}

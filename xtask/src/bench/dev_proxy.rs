@@ -10,17 +10,15 @@
 //! 127.0.0.0/8.
 
 use super::common::{
-    CONCURRENCY, RUN, Scenario, apply, dev_agent, free_port, load, median, start_backend_on,
-    wait_ready,
+    CONCURRENCY, RUN, Scenario, apply, dev_agent, free_port, free_port_block, load, median,
+    start_backend_on, wait_connect, wait_ready,
 };
-use anyhow::{Result, bail};
+use anyhow::Result;
 use std::{
     fmt::Write as _,
     net::{Ipv4Addr, SocketAddr},
     path::Path,
-    time::{Duration, Instant},
 };
-use tokio::net::TcpStream;
 
 /// Rounds per scenario (each round: one direct run and one proxied run). Runs on
 /// 2 shared cores swing by ±10 %: nine rounds keep the medians steady.
@@ -145,30 +143,6 @@ fn service_yaml(name: &str, port: u16, backend_port: u16, backends: &[Ipv4Addr])
         "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{ports: [{{port: {port}, targetPort: {backend_port}}}]}}\n---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: {name}}}\nspec: {{endpoints: [{}]}}\n",
         endpoints.join(", ")
     )
-}
-
-/// The first of `n` consecutive ports that are free on 127.0.0.1 right now.
-async fn free_port_block(n: usize) -> Result<u16> {
-    'next: for base in (20000u16..60000).step_by(n + 500) {
-        for p in base..base + n as u16 {
-            if std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, p)).is_err() {
-                continue 'next;
-            }
-        }
-        return Ok(base);
-    }
-    bail!("no block of {n} free ports on 127.0.0.1")
-}
-
-async fn wait_connect(addr: SocketAddr) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if TcpStream::connect(addr).await.is_ok() {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    bail!("{addr} did not accept connections within 30 s")
 }
 
 /// The dev proxy's target ratio for `scenario`.

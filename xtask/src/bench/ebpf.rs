@@ -125,7 +125,14 @@ pub fn section() -> Result<String> {
     // (objects with reply entries: their conntrack layout is read here).
     let objects = crate::build_ebpf::build()?;
     let object = std::env::var_os("RUNE_BENCH_EBPF_OBJECT").map_or(objects.agent, PathBuf::from);
-    let mut report = measure(&object, &objects.test)?;
+    // `RUNE_BENCH_EBPF_ONLY=policy`: the policy section alone (a before/after
+    // comparison of the policy program need not wait for the load balancer's).
+    let policy_only = std::env::var("RUNE_BENCH_EBPF_ONLY").is_ok_and(|v| v == "policy");
+    let mut report = if policy_only {
+        String::new()
+    } else {
+        measure(&object, &objects.test)?
+    };
     report.push_str(&super::ebpf_policy::measure(&object, repeat())?);
     Ok(report)
 }

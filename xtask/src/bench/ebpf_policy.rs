@@ -4,7 +4,8 @@
 //!
 //! The program never rewrites the packet, so `repeat` runs every iteration on the
 //! same packet and path, and no driver is needed: an established flow hits the
-//! policy conntrack each time, a SYN is checked against the rules each time (a
+//! policy conntrack each time (looked up before the guarded address, so an
+//! unguarded destination's non-SYN packet misses it first), a SYN is checked against the rules each time (a
 //! SYN always is; the allowed one rewrites its conntrack entry), a denied SYN is
 //! dropped each time. The verdict counters prove which path ran. The guarded
 //! endpoint's rule set has [`PEERS`] peer prefixes (a 10-peer policy) and two
@@ -129,6 +130,7 @@ pub fn measure(object: &Path, repeat: u32) -> Result<String> {
     let runs = RUNS as u64 * u64::from(repeat);
 
     let unguarded = median(&frame(ALLOWED, OPEN, TCP_ACK), TC_ACT_OK)?;
+    let unguarded_syn = median(&frame(ALLOWED, OPEN, TCP_SYN), TC_ACT_OK)?;
     let before = allows(&ebpf, Verdict::Allow)?;
     let allowed_new = median(&frame(ALLOWED, ENDPOINT, TCP_SYN), TC_ACT_OK)?;
     let after = allows(&ebpf, Verdict::Allow)?;
@@ -166,10 +168,16 @@ pub fn measure(object: &Path, repeat: u32) -> Result<String> {
             "unguarded destination (no policy)",
             unguarded,
             1.0,
-            "the path without policy",
+            "the path without policy: a conntrack miss, then the guarded-address miss",
         ),
         (
-            "established allowed flow (policy conntrack hit)",
+            "unguarded destination, SYN",
+            unguarded_syn,
+            unguarded_syn / unguarded,
+            "vs unguarded; a SYN skips the conntrack: the guarded-address miss alone",
+        ),
+        (
+            "established allowed flow (policy conntrack hit, one lookup)",
             established,
             established / unguarded,
             "vs unguarded; target <= 1.2x",

@@ -1,0 +1,181 @@
+//! The processes `bench ingress` compares the ingress proxy with: Debian's nginx
+//! (also the backend) and haproxy, each in the foreground with its own config on
+//! loopback, and the self-signed certificate all three serve.
+
+use anyhow::{Context as _, Result, bail};
+use std::{
+    fs::File,
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+/// A child process of the bench, killed and reaped on drop.
+pub(super) struct Reaped(pub(super) Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A self-signed certificate and key (openssl, EC P-256) for every proxy, with
+/// `cn` as its name.
+pub(super) fn self_signed(cert: &Path, key: &Path, cn: &str) -> Result<()> {
+    let status = Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+        ])
+        .args(["-nodes", "-days", "2", "-subj", &format!("/CN={cn}")])
+        .arg("-keyout")
+        .arg(key)
+        .arg("-out")
+        .arg(cert)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .context("running openssl")?;
+    if !status.success() {
+        bail!("openssl req failed: {status}");
+    }
+    Ok(())
+}
+
+/// nginx in the foreground as one process, config and logs under `dir`, with
+/// `server` inside `http`.
+pub(super) fn nginx(dir: &Path, server: &str) -> Result<Reaped> {
+    std::fs::create_dir_all(dir)?;
+    let d = dir.display();
+    let config = format!(
+        "daemon off;\nmaster_process off;\nworker_processes 1;\npid {d}/nginx.pid;\n\
+         error_log {d}/error.log warn;\nevents {{ worker_connections 4096; }}\nhttp {{\n\
+         access_log off;\nclient_body_temp_path {d}/body;\nproxy_temp_path {d}/proxy;\n\
+         fastcgi_temp_path {d}/fastcgi;\nuwsgi_temp_path {d}/uwsgi;\nscgi_temp_path {d}/scgi;\n\
+         {server}\n}}\n"
+    );
+    let conf = dir.join("nginx.conf");
+    std::fs::write(&conf, config)?;
+    let child = Command::new("nginx")
+        .arg("-p")
+        .arg(dir)
+        .arg("-c")
+        .arg(&conf)
+        .arg("-e")
+        .arg(dir.join("error.log"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(File::create(dir.join("stderr.log"))?)
+        .spawn()
+        .context("starting nginx (cargo xtask setup installs nginx-light)")?;
+    Ok(Reaped(child))
+}
+
+/// The addresses one reference proxy listens on and proxies to.
+pub(super) struct ProxyPorts {
+    /// Plain HTTP, on 127.0.0.1.
+    pub(super) http: u16,
+    /// HTTPS, on 127.0.0.1.
+    pub(super) https: u16,
+    /// The backend, on 127.0.0.2.
+    pub(super) backend: u16,
+}
+
+/// nginx as a reverse proxy (one worker, an upstream keepalive pool), plain and TLS.
+pub(super) fn nginx_proxy(
+    dir: &Path,
+    ports: &ProxyPorts,
+    cert: &Path,
+    key: &Path,
+) -> Result<Reaped> {
+    let ProxyPorts {
+        http,
+        https,
+        backend,
+    } = ports;
+    nginx(
+        dir,
+        &format!(
+            "upstream backend {{ server 127.0.0.2:{backend}; keepalive 64; }}\n\
+             server {{\n  listen 127.0.0.1:{http};\n  listen 127.0.0.1:{https} ssl;\n\
+             ssl_certificate {};\n  ssl_certificate_key {};\n  keepalive_requests 100000;\n\
+             location / {{ proxy_pass http://backend; proxy_http_version 1.1;\n\
+             proxy_set_header Connection \"\"; proxy_set_header Host $host;\n\
+             proxy_set_header X-Forwarded-For $remote_addr; }}\n}}",
+            cert.display(),
+            key.display()
+        ),
+    )
+}
+
+/// haproxy in HTTP mode as a reverse proxy (one thread, connection reuse to the
+/// backend, `X-Forwarded-For` set), plain and TLS, in the foreground (`-db`).
+pub(super) fn haproxy(dir: &Path, ports: &ProxyPorts, cert: &Path, key: &Path) -> Result<Reaped> {
+    std::fs::create_dir_all(dir)?;
+    let ProxyPorts {
+        http,
+        https,
+        backend,
+    } = ports;
+    // haproxy reads the certificate and its key from one file.
+    let pem = dir.join("cert-and-key.pem");
+    std::fs::write(
+        &pem,
+        std::fs::read_to_string(cert)? + &std::fs::read_to_string(key)?,
+    )?;
+    let config = format!(
+        "global\n  nbthread 1\n  maxconn 8192\n\
+         defaults\n  mode http\n  option forwardfor\n  http-reuse always\n\
+         timeout connect 5s\n  timeout client 30s\n  timeout server 30s\n\
+         frontend bench\n  bind 127.0.0.1:{http}\n  bind 127.0.0.1:{https} ssl crt {}\n\
+         default_backend backend\n\
+         backend backend\n  server b1 127.0.0.2:{backend}\n",
+        pem.display()
+    );
+    let conf = dir.join("haproxy.cfg");
+    std::fs::write(&conf, config)?;
+    let child = Command::new("haproxy")
+        .arg("-db")
+        .arg("-f")
+        .arg(&conf)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(File::create(dir.join("stderr.log"))?)
+        .spawn()
+        .context("starting haproxy (cargo xtask setup installs it)")?;
+    Ok(Reaped(child))
+}
+
+/// Waits (up to 20 s) until `url` answers 200 with `Host: host`.
+pub(super) fn wait_answering(url: &str, host: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = Command::new("curl")
+            .args([
+                "-sk",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "--max-time",
+                "2",
+            ])
+            .args(["-H", &format!("Host: {host}"), url])
+            .output()?;
+        if out.stdout == b"200" {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "{url} does not answer 200: {}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
