@@ -125,19 +125,21 @@ pub struct PortKey {
     pub pad: u8,
 }
 
-/// A policy conntrack key, IPv4: the flow as its first packet went (initiator
-/// first) and the direction of the check that allowed it. Key of
-/// [`POLICY_CONNTRACK_V4`].
+/// A policy conntrack key of either family (`A`: `u32` or [`Addr`]): the flow's
+/// two ends, the lower (address, port; compared as the program loads them, in
+/// host order of the packet's bytes) first, and the direction of the check that
+/// allowed it, turned when the first packet went from the higher end; so a packet
+/// at the hook of that check and a reply at the opposite hook find the same key.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct PolicyCtKeyV4 {
-    /// The initiator's address.
-    pub saddr: u32,
-    /// The responder's address.
-    pub daddr: u32,
-    /// The initiator's port (0 for other protocols).
+pub struct PolicyCtKey<A> {
+    /// The lower end's address.
+    pub saddr: A,
+    /// The higher end's address.
+    pub daddr: A,
+    /// The lower end's port.
     pub sport: u16,
-    /// The responder's port.
+    /// The higher end's port.
     pub dport: u16,
     /// IP protocol.
     pub proto: u8,
@@ -147,25 +149,11 @@ pub struct PolicyCtKeyV4 {
     pub pad: [u8; 2],
 }
 
-/// A policy conntrack key, IPv6; see [`PolicyCtKeyV4`].
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct PolicyCtKeyV6 {
-    /// The initiator's address.
-    pub saddr: Addr,
-    /// The responder's address.
-    pub daddr: Addr,
-    /// The initiator's port.
-    pub sport: u16,
-    /// The responder's port.
-    pub dport: u16,
-    /// IP protocol.
-    pub proto: u8,
-    /// [`DIR_INGRESS`] or [`DIR_EGRESS`].
-    pub dir: u8,
-    /// Always zero.
-    pub pad: [u8; 2],
-}
+/// Key of [`POLICY_CONNTRACK_V4`].
+pub type PolicyCtKeyV4 = PolicyCtKey<u32>;
+
+/// Key of [`POLICY_CONNTRACK_V6`].
+pub type PolicyCtKeyV6 = PolicyCtKey<Addr>;
 
 /// A policy conntrack value.
 #[repr(C)]

@@ -6,34 +6,39 @@
 //! and checks the destination's ingress rules; tc ingress sees packets an endpoint
 //! sends, before any DNAT, and checks the source's egress rules.
 //!
-//! A TCP/UDP flow allowed by a check gets a policy conntrack entry; later packets
-//! of the flow, and its replies at the opposite hook, pass after one lookup. A
-//! TCP SYN without ACK is always checked (a policy change applies to every new
-//! connection). Packets without ports (other protocols, non-first fragments) are
+//! A TCP/UDP flow allowed by a check gets a policy conntrack entry, keyed the
+//! same for the flow's packets and its replies at the opposite hook; later packets
+//! of the flow, and its replies, pass after that one lookup, before the guarded
+//! address is looked up at all. A TCP SYN without ACK is always checked (a policy
+//! change applies to every new connection). Packets without ports (other protocols, non-first fragments) are
 //! checked per packet by peer only: a peer prefix whose rule allows every port lets
 //! them through. ICMPv6 neighbour discovery always passes.
 
 use agent_common::{
-    lb::{Addr, CT_UDP_TIMEOUT_UNITS, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, ct_now},
+    lb::{Addr, CT_UDP_TIMEOUT_UNITS, PROTO_TCP, PROTO_UDP, ct_now},
     policy::{
         DIR_EGRESS, DIR_INGRESS, EVENT_DROP_FULL, EVENT_DROP_RATE, EVENT_WINDOW_NS,
         EVENTS_PER_WINDOW, EndpointKey, MODE_AUDIT, MODE_AUDIT_UNPROGRAMMABLE, MODE_DENY_ALL,
-        MODE_NONE, PORTS_ALL, PeerV4, PeerV6, PeerValue, PolicyCtKeyV4, PolicyCtKeyV6,
-        PolicyCtValue, PolicyDirection, PortKey, Verdict, VerdictEvent, verdict_slot,
+        MODE_NONE, PORTS_ALL, PeerValue, PolicyCtKey, PolicyCtValue, PolicyDirection, PortKey,
+        Verdict, VerdictEvent, verdict_slot,
     },
 };
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
     helpers::bpf_ktime_get_ns,
     macros::classifier,
-    maps::{LruHashMap, lpm_trie::Key},
+    maps::LruHashMap,
     programs::TcContext,
 };
 
+mod family;
+
+use family::{Family, V4, V6};
+
 use crate::{
     maps::{
-        RUNE_POL_CT4, RUNE_POL_CT6, RUNE_POL_EP, RUNE_POL_EVENT_BUDGET, RUNE_POL_EVENT_DROPS,
-        RUNE_POL_EVENTS, RUNE_POL_PEER4, RUNE_POL_PEER6, RUNE_POL_PORTS, RUNE_POL_VERDICTS,
+        RUNE_POL_EP, RUNE_POL_EVENT_BUDGET, RUNE_POL_EVENT_DROPS, RUNE_POL_EVENTS, RUNE_POL_PORTS,
+        RUNE_POL_VERDICTS,
     },
     nat::parse::{ETH_LEN, ETH_P_IP, ETH_P_IPV6, IPV4_LEN, IPV6_LEN, ethertype, load},
     tc::pull_headers,
@@ -136,22 +141,6 @@ fn check_v4(data: usize, end: usize, dir: u8) -> bool {
             load::<u32>(ip + 16),
         )
     };
-    let (guarded, peer) = if dir == DIR_INGRESS {
-        (daddr, saddr)
-    } else {
-        (saddr, daddr)
-    };
-    let key = EndpointKey {
-        addr: [guarded, 0, 0, 0],
-        family: FAMILY_V4,
-        pad: [0; 3],
-    };
-    let Some(ep) = RUNE_POL_EP.get_ptr(&key) else {
-        return true;
-    };
-    // SAFETY: a pointer from a successful lookup; copied at once.
-    let ep = unsafe { *ep };
-    let (this, other) = sides(ep.ingress, ep.egress, dir);
     let ihl = ((vihl & 0xf) as usize) << 2;
     let t = if frag & IP_OFFSET_MASK == 0 && ihl >= IPV4_LEN {
         transport(ip + ihl, end, proto)
@@ -161,62 +150,7 @@ fn check_v4(data: usize, end: usize, dir: u8) -> bool {
             syn: false,
         }
     };
-    let peers = |rules: u32| {
-        RUNE_POL_PEER4
-            .get(Key::new(
-                64,
-                PeerV4 {
-                    rules: rules.to_be(),
-                    addr: peer,
-                },
-            ))
-            .copied()
-    };
-    let event = |v: Verdict| {
-        let (sport, dport) = t.ports.unwrap_or((0, 0));
-        emit(&VerdictEvent {
-            saddr: [saddr, 0, 0, 0],
-            daddr: [daddr, 0, 0, 0],
-            sport,
-            dport,
-            counter: this.counter,
-            proto,
-            family: FAMILY_V4,
-            dir,
-            verdict: v as u8,
-        });
-    };
-    let Some((sport, dport)) = t.ports else {
-        return verdict(&this, peers, None, event);
-    };
-    let flow = PolicyCtKeyV4 {
-        saddr,
-        daddr,
-        sport,
-        dport,
-        proto,
-        dir,
-        pad: [0; 2],
-    };
-    if !t.syn {
-        let reply = PolicyCtKeyV4 {
-            saddr: daddr,
-            daddr: saddr,
-            sport: dport,
-            dport: sport,
-            proto,
-            dir: dir ^ 1,
-            pad: [0; 2],
-        };
-        if established(&RUNE_POL_CT4, &flow, proto) || established(&RUNE_POL_CT4, &reply, proto) {
-            return true;
-        }
-    }
-    let pass = verdict(&this, peers, Some((dport, proto)), event);
-    if pass && (this.mode != MODE_NONE || other.mode != MODE_NONE) {
-        remember(&RUNE_POL_CT4, &flow, proto);
-    }
-    pass
+    decide::<V4>(saddr, daddr, proto, t, dir)
 }
 
 #[inline(always)]
@@ -243,14 +177,59 @@ fn check_v6(data: usize, end: usize, dir: u8) -> bool {
             return true;
         }
     }
+    decide::<V6>(saddr, daddr, proto, transport(l4, end, proto), dir)
+}
+
+/// The flow's conntrack key, the same for its packets at the hook `dir` that
+/// checked it and for its replies at the opposite hook: the lower (address, port)
+/// end first, and `dir` turned when that swaps the packet's ends. So one lookup
+/// finds a packet's flow whichever way it goes.
+#[inline(always)]
+fn flow_key<A: Copy + Ord>(
+    saddr: A,
+    daddr: A,
+    (sport, dport): (u16, u16),
+    proto: u8,
+    dir: u8,
+) -> PolicyCtKey<A> {
+    let (saddr, daddr, sport, dport, dir) = if (saddr, sport) <= (daddr, dport) {
+        (saddr, daddr, sport, dport, dir)
+    } else {
+        (daddr, saddr, dport, sport, dir ^ 1)
+    };
+    PolicyCtKey {
+        saddr,
+        daddr,
+        sport,
+        dport,
+        proto,
+        dir,
+        pad: [0; 2],
+    }
+}
+
+/// Whether a packet passes at hook `dir`: an established flow after one conntrack
+/// lookup; otherwise the guarded address's rules (an unguarded address: one more
+/// lookup).
+#[inline(always)]
+fn decide<F: Family>(saddr: F::Addr, daddr: F::Addr, proto: u8, t: Transport, dir: u8) -> bool {
+    let flow = t
+        .ports
+        .map(|ports| flow_key(saddr, daddr, ports, proto, dir));
+    if let Some(key) = &flow
+        && !t.syn
+        && established(F::conntrack(), key, proto)
+    {
+        return true;
+    }
     let (guarded, peer) = if dir == DIR_INGRESS {
         (daddr, saddr)
     } else {
         (saddr, daddr)
     };
     let key = EndpointKey {
-        addr: guarded,
-        family: FAMILY_V6,
+        addr: F::wide(guarded),
+        family: F::FAMILY,
         pad: [0; 3],
     };
     let Some(ep) = RUNE_POL_EP.get_ptr(&key) else {
@@ -259,61 +238,28 @@ fn check_v6(data: usize, end: usize, dir: u8) -> bool {
     // SAFETY: a pointer from a successful lookup; copied at once.
     let ep = unsafe { *ep };
     let (this, other) = sides(ep.ingress, ep.egress, dir);
-    let t = transport(l4, end, proto);
-    let peers = |rules: u32| {
-        RUNE_POL_PEER6
-            .get(Key::new(
-                160,
-                PeerV6 {
-                    rules: rules.to_be(),
-                    addr: peer,
-                },
-            ))
-            .copied()
-    };
     let event = |v: Verdict| {
         let (sport, dport) = t.ports.unwrap_or((0, 0));
         emit(&VerdictEvent {
-            saddr,
-            daddr,
+            saddr: F::wide(saddr),
+            daddr: F::wide(daddr),
             sport,
             dport,
             counter: this.counter,
             proto,
-            family: FAMILY_V6,
+            family: F::FAMILY,
             dir,
             verdict: v as u8,
         });
     };
-    let Some((sport, dport)) = t.ports else {
-        return verdict(&this, peers, None, event);
-    };
-    let flow = PolicyCtKeyV6 {
-        saddr,
-        daddr,
-        sport,
-        dport,
-        proto,
-        dir,
-        pad: [0; 2],
-    };
-    if !t.syn {
-        let reply = PolicyCtKeyV6 {
-            saddr: daddr,
-            daddr: saddr,
-            sport: dport,
-            dport: sport,
-            proto,
-            dir: dir ^ 1,
-            pad: [0; 2],
-        };
-        if established(&RUNE_POL_CT6, &flow, proto) || established(&RUNE_POL_CT6, &reply, proto) {
-            return true;
-        }
-    }
-    let pass = verdict(&this, peers, Some((dport, proto)), event);
-    if pass && (this.mode != MODE_NONE || other.mode != MODE_NONE) {
-        remember(&RUNE_POL_CT6, &flow, proto);
+    let peers = |rules: u32| F::peer(rules, peer);
+    let port = t.ports.map(|(_, dport)| (dport, proto));
+    let pass = verdict(&this, peers, port, event);
+    if let Some(key) = &flow
+        && pass
+        && (this.mode != MODE_NONE || other.mode != MODE_NONE)
+    {
+        remember(F::conntrack(), key, proto);
     }
     pass
 }

@@ -69,6 +69,9 @@ pub const MAX_DNS_CACHE_SIZE: usize = 10_000_000;
 /// Default `--outbox-capacity`: entries the outbox holds before it drops new ones.
 pub const DEFAULT_OUTBOX_CAPACITY: usize = 4096;
 
+/// Default `--ingress-acme-directory`: Let's Encrypt's production server.
+pub const DEFAULT_ACME_DIRECTORY: &str = "https://acme-v02.api.letsencrypt.org/directory";
+
 /// Default `--bpf-pin-dir`.
 pub const DEFAULT_BPF_PIN_DIR: &str = "/sys/fs/bpf/rune";
 
@@ -86,6 +89,9 @@ pub const DEFAULT_LB_MAX_FLOWS: u32 = 262_144;
 /// Default `--policy-max-entries`: peer prefixes per family and port entries the
 /// eBPF network policy maps hold.
 pub const DEFAULT_POLICY_MAX_ENTRIES: u32 = 16_384;
+/// NFLOG group of the nftables policy's log rules (groups are per network
+/// namespace; an unusual number keeps clear of hand-written `log group` rules).
+pub const DEFAULT_NFT_POLICY_LOG_GROUP: u16 = 6108;
 
 /// A data plane the agent can run in production: what preflight chooses (from a
 /// [`DataplaneRequest`] and the checks), what carries services, what `status` and
@@ -469,13 +475,60 @@ settings! {
         ingress_max_header_bytes: usize => ingress_max_header_bytes: usize = |n| {
             resolve::in_range(n, 65_536, 8192..=1 << 20)
         },
-        /// Largest request body in bytes (by Content-Length), else 413 [default: 67108864].
+        /// Largest request body in bytes (announced or streamed), else 413
+        /// [default: 67108864].
         #[arg(
             long = "ingress-max-body-bytes", env = "RUNE_INGRESS_MAX_BODY_BYTES",
             value_name = "BYTES"
         )]
         ingress_max_body_bytes: u64 => ingress_max_body_bytes: u64 = |n| {
             resolve::at_least_1(n, 64 << 20)
+        },
+        /// Most client connections the ingress proxy keeps open, both listeners
+        /// together; at the cap, idle keep-alive connections are closed to make room
+        /// [default: 16384].
+        #[arg(
+            long = "ingress-max-connections", env = "RUNE_INGRESS_MAX_CONNECTIONS",
+            value_name = "N"
+        )]
+        ingress_max_connections: usize => ingress_max_connections: usize = |n| {
+            resolve::in_range(n, 16_384, 1..=1 << 20)
+        },
+        /// The share of requests the ingress proxy writes an access-log line for
+        /// (target `rune::ingress::access`), 0 (none) to 1 (every request) [default: 1].
+        #[arg(
+            long = "ingress-access-log-sample", env = "RUNE_INGRESS_ACCESS_LOG_SAMPLE",
+            value_name = "RATE"
+        )]
+        ingress_access_log_sample: f64 => ingress_access_log_sample: f64 = |r| {
+            resolve::in_range(r, 1.0, 0.0..=1.0)
+        },
+        /// The ACME server's directory URL for routes with `tls.mode: acme`
+        /// [default: https://acme-v02.api.letsencrypt.org/directory].
+        #[arg(long = "ingress-acme-directory", env = "RUNE_INGRESS_ACME_DIRECTORY", value_name = "URL")]
+        ingress_acme_directory: String => ingress_acme_directory: String = |url: Option<String>| {
+            let url = url.unwrap_or_else(|| DEFAULT_ACME_DIRECTORY.to_owned());
+            if url.starts_with("https://") {
+                Ok(url)
+            } else {
+                Err(format!("{url:?} is not an https:// URL"))
+            }
+        },
+        /// The contact e-mail of the ACME account [default: none].
+        #[arg(long = "ingress-acme-email", env = "RUNE_INGRESS_ACME_EMAIL", value_name = "EMAIL")]
+        ingress_acme_email: String => ingress_acme_email: Option<String> = Ok,
+        /// PEM certificates trusted for the ACME server's HTTPS, instead of the system's
+        /// roots [default: the system's roots].
+        #[arg(long = "ingress-acme-ca-bundle", env = "RUNE_INGRESS_ACME_CA_BUNDLE", value_name = "PATH")]
+        ingress_acme_ca_bundle: PathBuf => ingress_acme_ca_bundle: Option<PathBuf> = Ok,
+        /// Seconds before expiry an ACME certificate is renewed (at most half its
+        /// lifetime) [default: 2592000, 30 days].
+        #[arg(
+            long = "ingress-acme-renew-before-seconds", env = "RUNE_INGRESS_ACME_RENEW_BEFORE_SECONDS",
+            value_name = "S"
+        )]
+        ingress_acme_renew_before_seconds: u64 => ingress_acme_renew_before: Duration = |s| {
+            resolve::in_range(s, 30 * 86_400, 1..=365 * 86_400).map(Duration::from_secs)
         },
     }
 
@@ -561,6 +614,15 @@ settings! {
         )]
         nft_policy_set_size: u32 => nft_policy_set_size: Option<u32> = |n: Option<u32>| {
             n.map(|n| resolve::in_range(Some(n), n, 1..=1 << 24)).transpose()
+        },
+        /// nftables mode: NFLOG group the policy's refused (and audit would-drop)
+        /// packets are logged to, read by the agent for `observe`; 0: not logged
+        /// [default: 6108].
+        #[arg(
+            long = "nft-policy-log-group", env = "RUNE_NFT_POLICY_LOG_GROUP", value_name = "N"
+        )]
+        nft_policy_log_group: u16 => nft_policy_log_group: Option<u16> = |n| {
+            resolve::or(n, DEFAULT_NFT_POLICY_LOG_GROUP).map(|n| (n != 0).then_some(n))
         },
         /// nftables mode: leave the table `inet rune` in the kernel on stop.
         #[arg(

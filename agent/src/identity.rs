@@ -34,6 +34,13 @@ pub struct Identity {
     pub labels: BTreeMap<String, String>,
 }
 
+impl Identity {
+    /// Whether the operator labelled this node `key=value`.
+    pub fn has_label(&self, key: &str, value: &str) -> bool {
+        self.labels.get(key).is_some_and(|v| v == value)
+    }
+}
+
 /// Why the identity could not be loaded or created.
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {

@@ -27,7 +27,7 @@ use crate::{
     dns::{DnsConfig, DnsServer, ForwardConfig, ZoneConfig},
     endpoints::{CacheFeed, EndpointCache, read_first_snapshot},
     identity::Identity,
-    ingress::{IngressConfig, IngressServer, ProxyLimits},
+    ingress::{AcmeServer, AcmeSettings, IngressConfig, IngressServer, ProxyLimits},
     localapi::{self, LocalApiServer},
     metrics::{Metrics, server::MetricsServer},
     node::{
@@ -51,6 +51,10 @@ use crate::{
 use anyhow::{Context, Result};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
+
+/// The node label that runs the ingress proxy without `--ingress`: edge nodes are
+/// chosen by their label in `node-identity.json` (docs/ingress.md).
+const EDGE_LABEL: (&str, &str) = ("role", "edge");
 
 /// Runs the agent until SIGINT or SIGTERM, then stops every subsystem.
 pub async fn run(config: Config) -> Result<()> {
@@ -162,7 +166,40 @@ pub async fn run(config: Config) -> Result<()> {
             config.state_dir.clone(),
         )
     });
+    let ingress = (config.ingress || identity.has_label(EDGE_LABEL.0, EDGE_LABEL.1)).then(|| {
+        Arc::new(IngressServer::new(
+            IngressConfig {
+                addr: config.ingress_addr,
+                tls_addr: config.ingress_tls_addr,
+                header_timeout: config.ingress_header_timeout,
+                idle_timeout: config.ingress_idle_timeout,
+                max_header_bytes: config.ingress_max_header_bytes,
+                max_connections: config.ingress_max_connections,
+                default_cert: config.ingress_default_cert.clone(),
+                limits: ProxyLimits {
+                    connect_timeout: config.ingress_connect_timeout,
+                    response_timeout: config.ingress_response_timeout,
+                    max_body_bytes: config.ingress_max_body_bytes,
+                    trusted_proxies: config.ingress_trusted_proxies.clone(),
+                    tls_port: config.ingress_tls_addr.port(),
+                    access_log_sample: config.ingress_access_log_sample,
+                },
+                acme: AcmeSettings {
+                    server: AcmeServer {
+                        directory: config.ingress_acme_directory.clone(),
+                        email: config.ingress_acme_email.clone(),
+                        ca_bundle: config.ingress_acme_ca_bundle.clone(),
+                    },
+                    renew_before: config.ingress_acme_renew_before,
+                    dir: config.state_dir.join("acme"),
+                },
+            },
+            cache.clone(),
+            metrics.ingress.clone(),
+        ))
+    });
     let status = LiveStatus {
+        acme: ingress.as_ref().map(|i| i.acme_status()),
         agent: Arc::downgrade(&agent),
         cache: cache.clone(),
         plane: plane.clone(),
@@ -182,7 +219,6 @@ pub async fn run(config: Config) -> Result<()> {
         store.clone(),
         status,
     )))?;
-    let (cache_for_ingress, metrics_for_ingress) = (cache.clone(), metrics.clone());
     agent.register(Arc::new(
         CacheFeed::new(log, cache.clone(), metrics)
             .with_first_snapshot(first_snapshot)
@@ -197,26 +233,8 @@ pub async fn run(config: Config) -> Result<()> {
         Reconciler::new(plane, cache).with_applied(applied.consumer("dataplane")),
     ))?;
     agent.register(dns)?;
-    if config.ingress {
-        agent.register(Arc::new(IngressServer::new(
-            IngressConfig {
-                addr: config.ingress_addr,
-                tls_addr: config.ingress_tls_addr,
-                header_timeout: config.ingress_header_timeout,
-                idle_timeout: config.ingress_idle_timeout,
-                max_header_bytes: config.ingress_max_header_bytes,
-                default_cert: config.ingress_default_cert.clone(),
-                limits: ProxyLimits {
-                    connect_timeout: config.ingress_connect_timeout,
-                    response_timeout: config.ingress_response_timeout,
-                    max_body_bytes: config.ingress_max_body_bytes,
-                    trusted_proxies: config.ingress_trusted_proxies.clone(),
-                    tls_port: config.ingress_tls_addr.port(),
-                },
-            },
-            cache_for_ingress,
-            metrics_for_ingress.ingress.clone(),
-        )))?;
+    if let Some(ingress) = ingress {
+        agent.register(ingress)?;
     }
     // Registered last, so stopped first: the node's key is revoked while the
     // rest still serves.
@@ -463,12 +481,14 @@ fn start_dataplane(
                 node_name: identity.hostname.clone(),
                 keep_rules_on_stop: config.keep_rules_on_stop,
                 policy_set_size: config.nft_policy_set_size,
+                policy_log_group: config.nft_policy_log_group,
             })
             .context(
                 "starting the nftables data plane (its preflight checks passed: this is an \
                  error of nft itself)",
             )?;
             metrics.set_dataplane_collector(nft.collector());
+            nft.start_policy_events();
             Arc::new(nft)
         }
         DataplaneMode::Userspace => userspace_proxy(config, identity, metrics, ListenOn::Vips, 0)?,

@@ -58,6 +58,9 @@ pub struct AgentStatus {
     /// Each service's network policy as the data plane enforces it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub policies: Vec<crate::policy::ServicePolicyStatus>,
+    /// The ingress proxy's ACME certificates: host, issuer, expiry, last error.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub certificates: Vec<crate::ingress::AcmeCertStatus>,
     /// The embedded DNS server: `serving on ADDR, ...`, or `off: <reason>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dns: Option<String>,
@@ -359,6 +362,8 @@ pub struct LiveStatus {
     pub plane: Arc<dyn DataPlane>,
     /// The DNS server's state.
     pub dns: Arc<dyn Fn() -> DnsState + Send + Sync>,
+    /// The ingress proxy's ACME certificates, when the ingress runs.
+    pub acme: Option<Arc<dyn Fn() -> Vec<crate::ingress::AcmeCertStatus> + Send + Sync>>,
     /// The state dir.
     pub state_dir: PathBuf,
     /// Why this data plane (production: preflight's decision at start).
@@ -380,6 +385,7 @@ impl StatusSource for LiveStatus {
             programs: self.plane.programs(),
             policies: self.plane.policy(),
             dns: Some((self.dns)().to_string()),
+            certificates: self.acme.as_ref().map(|f| f()).unwrap_or_default(),
             revision: self.cache.revision(),
             objects: counts(self.cache.counts()),
             ..AgentStatus::default()
@@ -674,6 +680,10 @@ impl AgentStatus {
         }
         if let Some(d) = &self.dns {
             writeln!(o, "dns:        {d}")?;
+        }
+        for (i, c) in self.certificates.iter().enumerate() {
+            let label = if i == 0 { "certs:" } else { "" };
+            writeln!(o, "{label:12}{c}")?;
         }
         if let Some(s) = &self.store {
             writeln!(o, "store:      {s}")?;

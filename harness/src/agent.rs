@@ -631,13 +631,24 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
 }
 
 /// Polls `f` until it returns `Some`, for at most `patience`.
-pub fn eventually<T>(patience: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+pub fn eventually<T>(patience: Duration, what: &str, f: impl FnMut() -> Option<T>) -> T {
+    eventually_every(Duration::from_millis(50), patience, what, f)
+}
+
+/// [`eventually`] polling every `interval` (slower for checks that are costly,
+/// such as a CLI run against a cluster).
+pub fn eventually_every<T>(
+    interval: Duration,
+    patience: Duration,
+    what: &str,
+    mut f: impl FnMut() -> Option<T>,
+) -> T {
     let deadline = Instant::now() + patience;
     loop {
         if let Some(v) = f() {
             return v;
         }
         assert!(Instant::now() < deadline, "not within {patience:?}: {what}");
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(interval);
     }
 }

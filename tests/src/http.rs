@@ -223,3 +223,22 @@ pub fn tls_secret(name: &str, cert: &str, key: &str) -> String {
     })
     .to_string()
 }
+
+/// A `kind: Secret` document named like [`tls_secret`]'s with one key, `ca.crt`.
+pub fn ca_secret(name: &str, ca_pem: &str) -> String {
+    let (namespace, name) = name.split_once('/').unwrap_or(("default", name));
+    serde_json::json!({
+        "apiVersion": "rune/v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": namespace},
+        "data": {"ca.crt": ca_pem},
+    })
+    .to_string()
+}
+
+/// Writes `text` to `dir/name` and returns the path (certificates for curl).
+pub fn write_file(dir: &std::path::Path, name: &str, text: &str) -> std::path::PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("write a test file");
+    path
+}

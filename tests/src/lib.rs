@@ -4,7 +4,11 @@
 //! `cargo xtask bench`.
 
 pub mod dns;
+pub mod grpc;
 pub mod http;
+pub mod ingress;
 pub mod maps;
 pub mod modes;
+pub mod observe;
+pub mod pebble;
 pub mod vip;

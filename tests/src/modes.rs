@@ -244,20 +244,7 @@ impl<'t> ModeAgent<'t> {
         let pins = PinDir::new(mode.dataplane());
         let extra: Vec<String> = extra.iter().map(|a| a.to_string()).collect();
         let agent = start_logged_agent(mode, topo, state.path(), &pins, &extra);
-        let peer_xdp = (mode == Mode::EbpfXdp).then(|| {
-            let mut bpf = test_programs::load().unwrap_or_else(|e| panic!("{e:#}"));
-            topo.client()
-                .run(|| {
-                    test_programs::attach_xdp_pass(
-                        &mut bpf,
-                        CLIENT_IF,
-                        aya::programs::XdpMode::Driver,
-                    )
-                })
-                .unwrap()
-                .unwrap_or_else(|e| panic!("{e:#}"));
-            bpf
-        });
+        let peer_xdp = (mode == Mode::EbpfXdp).then(|| client_xdp_pass(topo));
         Self {
             mode,
             topo,
@@ -272,6 +259,11 @@ impl<'t> ModeAgent<'t> {
     /// The running agent.
     pub fn agent(&self) -> &Agent {
         &self.agent
+    }
+
+    /// The agent's state directory (for CLI commands such as `observe`).
+    pub fn state_dir(&self) -> &Path {
+        self.state.path()
     }
 
     /// What the running agent logged so far (stderr).
@@ -469,4 +461,16 @@ pub fn marked_addresses(node: &NetNs) -> Vec<IpAddr> {
     let mut v = block_on_in(node, async { NetlinkAddressOps.list_ours().await }).unwrap();
     v.sort();
     v
+}
+
+/// A counting pass program on the client's veth, kept loaded while the value
+/// lives: a veth delivers XDP_TX frames (refusals) to its peer at once only when
+/// the peer runs an XDP program itself.
+pub fn client_xdp_pass(topo: &Topology) -> aya::Ebpf {
+    let mut bpf = test_programs::load().unwrap_or_else(|e| panic!("{e:#}"));
+    topo.client()
+        .run(|| test_programs::attach_xdp_pass(&mut bpf, CLIENT_IF, aya::programs::XdpMode::Driver))
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    bpf
 }

@@ -18,7 +18,7 @@ use std::{
 };
 
 use rune_harness::{
-    agent::{agent_bin, run_cli},
+    agent::{agent_bin, eventually_every, run_cli},
     cluster::{
         POD_TCP_PORT,
         running::{ClusterConfig, RunningCluster},
@@ -325,16 +325,10 @@ fn node_line(c: &RunningCluster, node: &str) -> String {
         .to_owned()
 }
 
-/// Polls `check` every 200 ms until it returns `Some`, at most `patience`.
-fn eventually<T>(patience: Duration, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + patience;
-    loop {
-        if let Some(t) = check() {
-            return t;
-        }
-        assert!(Instant::now() < deadline, "not within {patience:?}: {what}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+/// Polls `check` every 200 ms (each is a CLI run) until it returns `Some`, at
+/// most `patience`.
+fn eventually<T>(patience: Duration, what: &str, check: impl FnMut() -> Option<T>) -> T {
+    eventually_every(Duration::from_millis(200), patience, what, check)
 }
 
 #[test]

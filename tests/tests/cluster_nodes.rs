@@ -3,13 +3,10 @@
 //!
 //! Needs root. Traffic stays in the cluster's namespaces; etcd is on loopback.
 
-use std::{
-    process::Output,
-    time::{Duration, Instant},
-};
+use std::{process::Output, time::Duration};
 
 use rune_harness::{
-    agent::agent_bin,
+    agent::{agent_bin, eventually_every},
     cluster::{
         POD_TCP_PORT,
         running::{ClusterConfig, RunningCluster},
@@ -81,16 +78,10 @@ fn map(doc: &Value, name: &str) -> (u64, u64) {
     (m["used"].as_u64().unwrap(), m["capacity"].as_u64().unwrap())
 }
 
-/// Polls `check` every 200 ms until it returns `Some`, at most `patience`.
-fn eventually<T>(patience: Duration, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + patience;
-    loop {
-        if let Some(t) = check() {
-            return t;
-        }
-        assert!(Instant::now() < deadline, "not within {patience:?}: {what}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+/// Polls `check` every 200 ms (each is a CLI run) until it returns `Some`, at
+/// most `patience`.
+fn eventually<T>(patience: Duration, what: &str, check: impl FnMut() -> Option<T>) -> T {
+    eventually_every(Duration::from_millis(200), patience, what, check)
 }
 
 #[test]

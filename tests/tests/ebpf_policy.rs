@@ -14,13 +14,16 @@ use std::{
     time::{Duration, Instant},
 };
 
-use rune_agent_tests::vip::{BACKEND_PORT, PATIENCE, apply};
+use rune_agent_tests::{
+    modes::client_xdp_pass,
+    observe::first_event,
+    vip::{BACKEND_PORT, PATIENCE, apply},
+};
 use rune_harness::{
-    agent::{Agent, agent_bin, eventually, metric},
+    agent::{Agent, eventually, metric},
     bpffs::PinDir,
     netns::require_root,
-    test_programs,
-    topology::{CLIENT_IF, NODE_CLIENT_IF, Topology, TopologyConfig},
+    topology::{NODE_CLIENT_IF, Topology, TopologyConfig},
 };
 
 /// `web`'s VIP and ports.
@@ -71,20 +74,10 @@ impl<'t> PolicyAgent<'t> {
         let pins = PinDir::new("ebpf-policy");
         let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
         let agent = start_agent(topo, state.path(), &pins, &extra);
-        let peer_xdp = extra.iter().any(|a| a == "--xdp-interfaces").then(|| {
-            let mut bpf = test_programs::load().unwrap_or_else(|e| panic!("{e:#}"));
-            topo.client()
-                .run(|| {
-                    test_programs::attach_xdp_pass(
-                        &mut bpf,
-                        CLIENT_IF,
-                        aya::programs::XdpMode::Driver,
-                    )
-                })
-                .unwrap()
-                .unwrap_or_else(|e| panic!("{e:#}"));
-            bpf
-        });
+        let peer_xdp = extra
+            .iter()
+            .any(|a| a == "--xdp-interfaces")
+            .then(|| client_xdp_pass(topo));
         Self {
             topo,
             agent,
@@ -263,47 +256,18 @@ fn audit_mode_refuses_nothing_counts_and_shows_what_it_would_drop() {
     );
     let to = SocketAddr::new(VIP4.parse().unwrap(), HTTP);
     assert_reaches(&topo, false, to);
-    // `observe` streams from the agent while client B connects.
-    let mut observe = std::process::Command::new(agent_bin())
-        .args([
-            "observe",
-            "-o",
-            "json",
-            "--verdict",
-            "audit",
-            "--service",
-            "web",
-        ])
-        .arg("--state-dir")
-        .arg(m.state.path())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = observe.stdout.take().unwrap();
-    let (lines_tx, lines) = std::sync::mpsc::channel();
-    let reader = thread::spawn(move || {
-        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
-            let Ok(line) = line else { break };
-            if lines_tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    // `observe` streams from the agent while client B connects (a connection a
+    // second until the event shows).
     let b = topo.client_alt_addr().v4.to_string();
-    let mut seen = None;
-    // Bounded in count: a connection a second until the event shows.
-    for _ in 0..20 {
-        request(&topo, true, to).expect("audit mode refuses nothing");
-        if let Ok(line) = lines.recv_timeout(Duration::from_secs(1)) {
-            seen = Some(line);
-            break;
-        }
-    }
-    let _ = observe.kill();
-    let _ = observe.wait();
-    let _ = reader.join();
-    let line = seen.expect("observe showed no audit verdict");
-    let event: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let event = first_event(
+        m.state.path(),
+        &["--verdict", "audit", "--service", "web"],
+        20,
+        || {
+            request(&topo, true, to).expect("audit mode refuses nothing");
+        },
+    );
+    let line = event.to_string();
     assert_eq!(event["verdict"], "audit", "{line}");
     assert_eq!(event["reason"], "no_matching_rule", "{line}");
     assert_eq!(event["service"], "web", "{line}");

@@ -252,6 +252,29 @@ fn egress_rules_drop_new_flows_but_not_replies_to_allowed_ingress() {
 }
 
 #[test]
+fn replies_find_their_flow_whichever_end_the_key_puts_first() {
+    let p = Policy::new(64, &plan());
+    // The conntrack key puts the lower end first (as the program loads the
+    // addresses: the last octet weighs most on little-endian): 198.19.0.1 sorts
+    // below LOCKED, CLIENT_B above it.
+    for client in [Ipv4Addr::new(198, 19, 0, 1), CLIENT_B] {
+        assert_eq!(p.to(&tcp(client, 40000, LOCKED, 80, TCP_SYN)), TC_ACT_OK);
+        assert_eq!(
+            p.from(&tcp(LOCKED, 80, client, 40000, TCP_SYN | TCP_ACK)),
+            TC_ACT_OK,
+            "{client}: the reply"
+        );
+        // Another port of the same two ends is no known flow: lockdown's egress
+        // rules drop it.
+        assert_eq!(
+            p.from(&tcp(LOCKED, 80, client, 40001, TCP_ACK)),
+            TC_ACT_SHOT,
+            "{client}: another flow"
+        );
+    }
+}
+
+#[test]
 fn audit_mode_passes_and_counts_what_it_would_drop_once_per_flow() {
     let p = Policy::new(64, &plan());
     assert_eq!(

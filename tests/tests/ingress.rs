@@ -2,129 +2,16 @@
 //! 127.0.0.1, HTTP backends the test runs on loopback, curl as the client (HTTP/1.1
 //! and h2), certificates from Secrets the test makes (rcgen). Needs no root.
 
-use rune_agent_tests::http::{Curled, HttpBackend, TestCa, curl, http_backend, tls_secret};
-use rune_harness::agent::{Agent, eventually, free_port, metric};
+use rune_agent_tests::{
+    http::{HttpBackend, TestCa, http_backend, tls_secret, write_file},
+    ingress::{Ingress, PATIENCE, exposed, ip},
+};
+use rune_harness::agent::{eventually, metric};
 use std::{
     io::{Read, Write},
-    net::{IpAddr, TcpStream},
+    net::TcpStream,
     time::Duration,
 };
-use tempfile::TempDir;
-
-const OFFSET: u16 = 10000;
-const PATIENCE: Duration = Duration::from_secs(20);
-
-/// An agent with the ingress on two free loopback ports.
-struct Ingress {
-    agent: Agent,
-    http: u16,
-    https: u16,
-    _state: TempDir,
-}
-
-impl Ingress {
-    fn start() -> Ingress {
-        Ingress::start_with(&[])
-    }
-
-    /// An agent with `extra` flags.
-    fn start_with(extra: &[&str]) -> Ingress {
-        let state = tempfile::tempdir().unwrap();
-        let (http, https) = (free_port(), free_port());
-        let (offset, http_addr) = (OFFSET.to_string(), format!("127.0.0.1:{http}"));
-        let https_addr = format!("127.0.0.1:{https}");
-        let mut args = vec![
-            "--dev",
-            "--dev-port-offset",
-            &offset,
-            "--ingress",
-            "--ingress-addr",
-            &http_addr,
-            "--ingress-tls-addr",
-            &https_addr,
-            "--ingress-header-timeout-ms",
-            "1000",
-            "--ingress-response-timeout-ms",
-            "1500",
-            "--ingress-connect-timeout-ms",
-            "500",
-            "--ingress-max-header-bytes",
-            "8192",
-        ];
-        args.extend_from_slice(extra);
-        let mut agent = Agent::start(state.path(), &args);
-        agent.wait_ready(PATIENCE);
-        Ingress {
-            agent,
-            http,
-            https,
-            _state: state,
-        }
-    }
-
-    fn apply(&self, yaml: &str) {
-        let out = self.agent.cli(&["apply", "-f", "-"], Some(yaml));
-        assert!(
-            out.status.success(),
-            "apply: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-
-    /// `curl http://HOST:PORT/PATH` (HOST resolved to 127.0.0.1) with `extra` flags.
-    fn get(&self, host: &str, path: &str, extra: &[&str]) -> Curled {
-        let resolve = format!("{host}:{}:127.0.0.1", self.http);
-        let url = format!("http://{host}:{}{path}", self.http);
-        let mut args = vec!["--resolve", &resolve, &url];
-        args.extend_from_slice(extra);
-        curl(&args)
-    }
-
-    /// `curl https://HOST:PORT/PATH` trusting `ca` (a PEM file).
-    fn get_tls(&self, host: &str, path: &str, ca: &std::path::Path, extra: &[&str]) -> Curled {
-        let resolve = format!("{host}:{}:127.0.0.1", self.https);
-        let url = format!("https://{host}:{}{path}", self.https);
-        let ca = ca.to_str().unwrap();
-        let mut args = vec!["--resolve", &resolve, "--cacert", ca, &url];
-        args.extend_from_slice(extra);
-        curl(&args)
-    }
-
-    /// Waits until `host``path` answers `code` over plain HTTP (routes follow the
-    /// cache a moment after an apply).
-    fn until(&self, host: &str, path: &str, code: u16) -> Curled {
-        eventually(PATIENCE, &format!("{host}{path} answers {code}"), || {
-            let r = self.get(host, path, &[]);
-            (r.code == code).then_some(r)
-        })
-    }
-
-    fn metric(&self, series: &str) -> f64 {
-        metric(&self.agent.metrics_text(), series).unwrap_or(0.0)
-    }
-}
-
-/// A service `name` exposed with `expose` (a YAML flow mapping's inside) and
-/// endpoints at `backends` (one port, shared by all).
-fn exposed(name: &str, expose: &str, backends: &[&HttpBackend]) -> String {
-    let port = backends.first().map_or(80, |b| b.addr.port());
-    let service_port = free_port() - OFFSET;
-    let endpoints: Vec<String> = backends
-        .iter()
-        .map(|b| format!("{{address: {}, ready: true}}", b.addr.ip()))
-        .collect();
-    format!(
-        "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: {name}}}\n\
-         spec: {{ports: [{{port: {service_port}, targetPort: {port}}}], expose: {{{expose}}}}}\n\
-         ---\napiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: {name}}}\n\
-         spec: {{endpoints: [{}]}}\n---\n",
-        endpoints.join(", ")
-    )
-}
-
-fn ip(s: &str) -> IpAddr {
-    s.parse().unwrap()
-}
 
 #[test]
 fn routes_by_host_and_path_over_http1_and_h2() {
@@ -305,11 +192,7 @@ fn tls_from_secrets_by_sni_with_redirect_and_rotation() {
         TestCa::new("ca b"),
         TestCa::new("ca new"),
     );
-    let file = |name: &str, text: &str| {
-        let p = dir.path().join(name);
-        std::fs::write(&p, text).unwrap();
-        p
-    };
+    let file = |name: &str, text: &str| write_file(dir.path(), name, text);
     let (ca_a_file, ca_b_file) = (file("a.pem", &ca_a.pem), file("b.pem", &ca_b.pem));
     let new_file = file("new.pem", &ca_new.pem);
     let both = file("both.pem", &format!("{}{}", ca_a.pem, ca_new.pem));

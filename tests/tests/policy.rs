@@ -18,6 +18,7 @@ use std::{
 
 use rune_agent_tests::{
     modes::{Mode, ModeAgent, TCP_PORT, UDP_PORT, VIP4, VIP6, is_refused},
+    observe::first_event,
     vip::{BACKEND_PORT, PATIENCE, topology, wait_reachable},
 };
 use rune_harness::{
@@ -149,6 +150,11 @@ fn nftables_a_cidr_rule_admits_one_client_on_the_vip_and_direct_paths() {
         &format!("{{ingress: [{{from: [{{cidr: {a}/32}}], ports: [dns]}}]}}"),
         &backends,
     ));
+    // A's UDP passed under the old rules too: wait for TCP to stop passing (the
+    // new rules are in), then check UDP still passes and TCP is dropped.
+    eventually(PATIENCE, "A's TCP stops passing", || {
+        (!tcp_ok(&topo, a, vip())).then_some(())
+    });
     let dns = SocketAddr::new(VIP4.parse().unwrap(), UDP_PORT);
     eventually(PATIENCE, "A's UDP passes", || {
         topo.udp_request_from(Some(a), dns, b"q").ok().map(drop)
@@ -350,6 +356,81 @@ fn nftables_audit_mode_refuses_nothing_and_counts() {
         text.lines().any(|l| l.contains("default/web  audit")),
         "{text}"
     );
+}
+
+#[test]
+fn nftables_observe_shows_refused_flows_and_audit_would_drops_through_nflog() {
+    require_root().unwrap();
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let topo = topology(1);
+    let m = ModeAgent::start(Mode::Nftables, &topo);
+    let (a, b) = (
+        IpAddr::V4(topo.client_addr().v4),
+        IpAddr::V4(topo.client_alt_addr().v4),
+    );
+    let backend = v4(&topo, 0);
+    let only_a = |mode: &str| {
+        format!("{{mode: {mode}, ingress: [{{from: [{{cidr: {a}/32}}], ports: [http]}}]}}")
+    };
+    m.apply(&service("web", VIP4, &only_a("enforce"), &[backend]));
+    wait_ok(&topo, a, vip());
+    // B's SYNs from a known port: refused, logged, observed.
+    let from = SocketAddr::new(b, 47_001);
+    let event = first_event(
+        m.state_dir(),
+        &["--verdict", "denied", "--service", "web"],
+        10,
+        || {
+            assert!(
+                topo.tcp_open_from_port(Some(from), vip()).is_err(),
+                "B got through"
+            );
+        },
+    );
+    let line = event.to_string();
+    assert_eq!(event["verdict"], "denied", "{line}");
+    assert_eq!(event["reason"], "no_matching_rule", "{line}");
+    assert_eq!(event["direction"], "ingress", "{line}");
+    assert_eq!(event["protocol"], "TCP", "{line}");
+    assert_eq!(event["namespace"], "default", "{line}");
+    assert_eq!(event["service"], "web", "{line}");
+    assert_eq!(event["source"], from.to_string(), "{line}");
+    // Checked after DNAT: the chosen endpoint, not the VIP.
+    assert_eq!(
+        event["destination"],
+        SocketAddr::new(backend, BACKEND_PORT).to_string(),
+        "{line}"
+    );
+    // A's UDP is a port the rule does not name.
+    let dns = SocketAddr::new(VIP4.parse().unwrap(), UDP_PORT);
+    let event = first_event(m.state_dir(), &["--verdict", "denied"], 10, || {
+        let _ = topo.udp_request_from(Some(a), dns, b"q");
+    });
+    assert_eq!(event["reason"], "port_not_allowed", "{event}");
+    assert_eq!(event["protocol"], "UDP", "{event}");
+
+    // Audit: B passes, and observe shows what would have been dropped.
+    m.apply(&service("web", VIP4, &only_a("audit"), &[backend]));
+    wait_ok(&topo, b, vip());
+    let event = first_event(m.state_dir(), &["--verdict", "audit"], 10, || {
+        assert!(tcp_ok(&topo, b, vip()), "audit mode refused B");
+    });
+    assert_eq!(event["verdict"], "audit", "{event}");
+    assert_eq!(event["reason"], "no_matching_rule", "{event}");
+    assert!(
+        event["source"]
+            .as_str()
+            .unwrap()
+            .starts_with(&b.to_string()),
+        "{event}"
+    );
+    // The overrun counter exists, and a few refusals overran nothing.
+    let text = m.agent().metrics_text();
+    let lost = metric(
+        &text,
+        "rune_policy_events_dropped_total{reason=\"buffer_full\"}",
+    );
+    assert_eq!(lost, Some(0.0), "{text}");
 }
 
 #[test]

@@ -262,6 +262,12 @@ const CANDIDATES: &[&str] = &[
     "9000",
     "16384",
     "32768",
+    "0",
+    "0.25",
+    "0.5",
+    "https://a.test/directory",
+    "https://b.test/directory",
+    "https://c.test/directory",
 ];
 
 /// One setting's three values: `file` for the config file, `env` for its variable

@@ -117,6 +117,9 @@ fn operator_labels_are_loaded() {
     let identity = Identity::load_or_create(dir.path()).unwrap();
     assert_eq!(identity.node_id, "abc");
     assert_eq!(identity.labels.get("zone").map(String::as_str), Some("a"));
+    assert!(identity.has_label("zone", "a"));
+    assert!(!identity.has_label("zone", "b"));
+    assert!(!identity.has_label("role", "a"));
 }
 
 #[test]

@@ -6,22 +6,35 @@
 //! Connections are served by hyper (HTTP/1.1 and h2, on both listeners); each
 //! request goes to the least loaded ready endpoint of its route ([`proxy`]);
 //! `Upgrade` requests (WebSocket) are spliced through once the endpoint agrees
-//! ([`upgrade`]).
+//! ([`upgrade`]). Routes with `tls.mode: acme` get their certificates from
+//! [`acme`], which the plain listener helps by answering HTTP-01 challenges.
 
+mod access_log;
+pub mod acme;
+mod activity;
+mod body_limit;
+mod client_cert;
+mod conn_cap;
+mod headers;
 mod metrics;
 mod proxy;
 mod routes;
 mod tls;
 mod upgrade;
 
+pub use acme::{AcmeCertStatus, AcmeServer, AcmeSettings};
 pub use metrics::IngressMetrics;
 pub use proxy::ProxyLimits;
 
 use crate::{
-    endpoints::EndpointCache,
+    endpoints::{EndpointCache, ServiceView},
     model::{Kind, ServiceKey},
     subsystem::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
 };
+use acme::Acme;
+use activity::Activity;
+use client_cert::{TlsConfigs, TlsSession};
+use conn_cap::ConnCap;
 use hyper::{Request, body::Incoming, service::service_fn};
 use hyper_util::{
     rt::{TokioExecutor, TokioIo, TokioTimer},
@@ -31,19 +44,16 @@ use metrics::ReasonLabels;
 use proxy::Proxy;
 use routes::RouteTable;
 use std::{
+    collections::BTreeSet,
     net::SocketAddr,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicU64, AtomicUsize, Ordering},
-    },
-    time::{Duration, Instant},
+    sync::{Arc, Mutex},
+    time::Duration,
 };
-use tls::{CertMap, SniResolver};
+use tls::CertMap;
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::TcpListener,
 };
-use tokio_rustls::TlsAcceptor;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 /// What the ingress proxy listens on and how it treats clients.
@@ -59,10 +69,14 @@ pub struct IngressConfig {
     pub idle_timeout: Duration,
     /// Largest request head in bytes (431 beyond).
     pub max_header_bytes: usize,
+    /// Most client connections open at once, both listeners together.
+    pub max_connections: usize,
     /// The Secret whose certificate answers names no route has (else refused).
     pub default_cert: Option<ServiceKey>,
     /// Upstream limits and forwarding rules.
     pub limits: ProxyLimits,
+    /// Certificates for routes with `tls.mode: acme`.
+    pub acme: AcmeSettings,
 }
 
 /// The `ingress` subsystem.
@@ -70,7 +84,8 @@ pub struct IngressServer {
     config: IngressConfig,
     cache: Arc<EndpointCache>,
     proxy: Arc<Proxy>,
-    resolver: Arc<SniResolver>,
+    resolver: Arc<tls::SniResolver>,
+    acme: Arc<Acme>,
     metrics: IngressMetrics,
     ready: ReadySetter,
     readiness: Readiness,
@@ -84,17 +99,26 @@ impl IngressServer {
     /// `rune_ingress_*` families).
     pub fn new(config: IngressConfig, cache: Arc<EndpointCache>, ingress: IngressMetrics) -> Self {
         let (ready, readiness) = Readiness::new();
+        let proxy = Proxy::new(config.limits.clone(), ingress.clone());
+        let acme = Acme::new(config.acme.clone(), proxy.challenges.clone());
         Self {
-            proxy: Arc::new(Proxy::new(config.limits.clone(), ingress.clone())),
+            proxy: Arc::new(proxy),
+            acme: Arc::new(acme),
             config,
             cache,
-            resolver: Arc::new(SniResolver::default()),
+            resolver: Arc::new(tls::SniResolver::default()),
             metrics: ingress,
             ready,
             readiness,
             tasks: TaskTracker::new(),
             bound: Mutex::new(None),
         }
+    }
+
+    /// Each ACME certificate's state, for `status`.
+    pub fn acme_status(&self) -> Arc<dyn Fn() -> Vec<AcmeCertStatus> + Send + Sync> {
+        let acme = self.acme.clone();
+        Arc::new(move || acme.status())
     }
 
     /// The plain and TLS addresses bound, once started.
@@ -123,29 +147,33 @@ impl Subsystem for IngressServer {
             local(&secure, self.config.tls_addr),
         );
         *crate::lock::lock(&self.bound) = Some(addrs);
-        let tls_config = tls::server_config(self.resolver.clone())
+        let tls_configs = TlsConfigs::new(self.resolver.clone())
             .map_err(|e| SubsystemError::failed("ingress: TLS configuration", e))?;
-        let acceptor = TlsAcceptor::from(Arc::new(tls_config));
         self.tasks.spawn(follow(
             Follow {
                 cache: self.cache.clone(),
                 proxy: self.proxy.clone(),
                 resolver: self.resolver.clone(),
+                acme: self.acme.clone(),
                 default_cert: self.config.default_cert.clone(),
                 metrics: self.metrics.clone(),
             },
             self.ready.clone(),
             ctx.cancel.clone(),
         ));
+        self.tasks
+            .spawn(self.acme.clone().run(ctx.cancel.child_token()));
         let serve = Arc::new(Serve {
             proxy: self.proxy.clone(),
+            cap: ConnCap::new(self.config.max_connections),
             config: self.config.clone(),
             metrics: self.metrics.clone(),
             tasks: self.tasks.clone(),
             cancel: ctx.cancel.clone(),
         });
         self.tasks.spawn(serve.clone().accept(plain, None));
-        self.tasks.spawn(serve.accept(secure, Some(acceptor)));
+        self.tasks
+            .spawn(serve.accept(secure, Some(Arc::new(tls_configs))));
         tracing::info!(http = %addrs.0, https = %addrs.1, "ingress serving");
         Ok(())
     }
@@ -165,36 +193,44 @@ impl Subsystem for IngressServer {
 struct Follow {
     cache: Arc<EndpointCache>,
     proxy: Arc<Proxy>,
-    resolver: Arc<SniResolver>,
+    resolver: Arc<tls::SniResolver>,
+    acme: Arc<Acme>,
     default_cert: Option<ServiceKey>,
     metrics: IngressMetrics,
 }
 
-/// Rebuilds the routes and certificates on every cache delta; ready after the first.
+/// Rebuilds the routes and certificates on every cache delta and every ACME
+/// certificate change; ready after the first.
 async fn follow(f: Follow, ready: ReadySetter, cancel: CancellationToken) {
     let Follow {
         cache,
         proxy,
         resolver,
+        acme,
         default_cert,
         metrics,
     } = f;
     let mut sub = cache.subscribe();
+    let mut acme_changes = acme.changes();
     let mut secrets_seen = None;
     loop {
         let delta = tokio::select! {
             () = cancel.cancelled() => return,
-            d = sub.next() => d,
+            d = sub.next() => Some(d),
+            _ = acme_changes.changed() => None,
         };
         let secrets_at = cache.secrets_changed_at();
-        if delta.only_revision() && secrets_seen == Some(secrets_at) {
+        if delta.as_ref().is_some_and(|d| d.only_revision()) && secrets_seen == Some(secrets_at) {
             continue;
         }
         secrets_seen = Some(secrets_at);
         // The whole table: simple, and cheap next to the changes that cause it.
-        let views = cache.views();
-        proxy.routes.store(Arc::new(RouteTable::build(&views)));
-        let certs = CertMap::build(&views, &cache.secrets(), default_cert.as_ref());
+        let (views, secrets) = (cache.views(), cache.secrets());
+        acme.want(acme_hosts(&views));
+        proxy
+            .routes
+            .store(Arc::new(RouteTable::build(&views, &secrets)));
+        let certs = CertMap::build(&views, &secrets, default_cert.as_ref(), &acme.certs());
         metrics.certificate_expiry.clear();
         for (host, expiry) in &certs.expiries {
             let labels = metrics::HostLabels { host: host.clone() };
@@ -205,12 +241,24 @@ async fn follow(f: Follow, ready: ReadySetter, cancel: CancellationToken) {
         }
         resolver.certs.store(Arc::new(certs));
         tracing::debug!(
-            revision = delta.revision,
+            revision = ?delta.as_ref().map(|d| d.revision),
             secrets = cache.counts().get(&Kind::Secret).copied().unwrap_or(0),
             "ingress routes rebuilt"
         );
-        ready.set_ready();
+        // Ready once the cache's first delta is in, not on an ACME change before it.
+        if delta.is_some() {
+            ready.set_ready();
+        }
     }
+}
+
+/// The hosts of routes with `tls.mode: acme`.
+fn acme_hosts(views: &[ServiceView]) -> BTreeSet<String> {
+    views
+        .iter()
+        .filter_map(|v| v.service.spec.expose.as_ref()?.acme_host())
+        .map(str::to_owned)
+        .collect()
 }
 
 /// What the accept loops and connections share.
@@ -220,11 +268,13 @@ struct Serve {
     metrics: IngressMetrics,
     tasks: TaskTracker,
     cancel: CancellationToken,
+    /// Room for client connections, shared by both listeners.
+    cap: ConnCap,
 }
 
 impl Serve {
     /// Accepts connections until cancelled; each is served in its own task.
-    async fn accept(self: Arc<Self>, listener: TcpListener, tls: Option<TlsAcceptor>) {
+    async fn accept(self: Arc<Self>, listener: TcpListener, tls: Option<Arc<TlsConfigs>>) {
         loop {
             let (stream, peer) = tokio::select! {
                 () = self.cancel.cancelled() => return,
@@ -238,19 +288,32 @@ impl Serve {
                     }
                 },
             };
+            // At the cap, the accepted client waits (and later ones in the
+            // backlog) until a connection closes; idle ones are asked to. A place
+            // is taken only for a connection in hand, so the listeners waiting
+            // for clients hold none.
+            let permit = tokio::select! {
+                () = self.cancel.cancelled() => return,
+                p = self.cap.room() => p,
+            };
             let _ = stream.set_nodelay(true);
             let this = self.clone();
             let tls = tls.clone();
             self.tasks.spawn(async move {
+                let _permit = permit;
                 match tls {
-                    None => this.connection(stream, peer, false).await,
-                    Some(acceptor) => {
+                    None => this.connection(stream, peer, None).await,
+                    Some(configs) => {
                         let handshake = tokio::time::timeout(
                             this.config.header_timeout,
-                            acceptor.accept(stream),
+                            configs.accept(stream, |host| {
+                                this.proxy.routes.load().requests_client_cert(host)
+                            }),
                         );
                         match handshake.await {
-                            Ok(Ok(stream)) => this.connection(stream, peer, true).await,
+                            Ok(Ok((stream, session))) => {
+                                this.connection(stream, peer, Some(Arc::new(session))).await
+                            }
                             Ok(Err(e)) => this.handshake_failed(peer, &e),
                             Err(_) => this.count_tls_error("timeout"),
                         }
@@ -280,7 +343,7 @@ impl Serve {
 
     /// Serves one client connection (HTTP/1.1 or h2) until it ends, idles out or
     /// the subsystem stops (then gracefully).
-    async fn connection<S>(&self, stream: S, peer: SocketAddr, tls: bool)
+    async fn connection<S>(&self, stream: S, peer: SocketAddr, tls: Option<Arc<TlsSession>>)
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
@@ -288,10 +351,10 @@ impl Serve {
         let service = {
             let (proxy, activity) = (self.proxy.clone(), activity.clone());
             service_fn(move |req: Request<Incoming>| {
-                let (proxy, activity) = (proxy.clone(), activity.clone());
+                let (proxy, activity, tls) = (proxy.clone(), activity.clone(), tls.clone());
                 async move {
                     activity.begin();
-                    let resp = proxy.handle(req, peer, tls).await;
+                    let resp = proxy.handle(req, peer, tls.as_deref()).await;
                     activity.end();
                     Ok::<_, std::convert::Infallible>(resp)
                 }
@@ -321,6 +384,7 @@ impl Serve {
                 }
                 () = self.cancel.cancelled() => break true,
                 _ = tick.tick() => if activity.idle_for() >= idle { break false },
+                () = self.cap.pressure() => if activity.idle_after_requests() { break false },
             }
         };
         // Responses under way finish (a body still streaming after an idle tick
@@ -331,47 +395,5 @@ impl Serve {
         } else {
             let _ = conn.await;
         }
-    }
-}
-
-/// A connection's requests in flight and when it last did something.
-struct Activity {
-    start: Instant,
-    in_flight: AtomicUsize,
-    /// Milliseconds after `start` of the last request's start or end.
-    last_ms: AtomicU64,
-}
-
-impl Activity {
-    fn new() -> Self {
-        Self {
-            start: Instant::now(),
-            in_flight: AtomicUsize::new(0),
-            last_ms: AtomicU64::new(0),
-        }
-    }
-
-    fn touch(&self) {
-        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.last_ms.store(ms, Ordering::Relaxed);
-    }
-
-    fn begin(&self) {
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
-        self.touch();
-    }
-
-    fn end(&self) {
-        self.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.touch();
-    }
-
-    /// How long no request has been in flight (zero while one is).
-    fn idle_for(&self) -> Duration {
-        if self.in_flight.load(Ordering::Relaxed) > 0 {
-            return Duration::ZERO;
-        }
-        let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
-        self.start.elapsed().saturating_sub(last)
     }
 }

@@ -2,6 +2,11 @@
 //! choice, the forwarded request, and the proxy's own short answers.
 
 use super::{
+    access_log::{self, AccessLog},
+    acme::Challenges,
+    body_limit,
+    client_cert::{self, TlsSession},
+    headers::{forwarded_headers, keep_te_trailers, strip_hop_by_hop},
     metrics::{IngressMetrics, ReasonLabels, RequestLabels},
     routes::{Backend, Route, RouteTable, path_is_normal, request_host},
     upgrade,
@@ -10,14 +15,14 @@ use arc_swap::ArcSwap;
 
 use http_body_util::{BodyExt, Empty, Full, combinators::UnsyncBoxBody};
 use hyper::{
-    HeaderMap, Method, Request, Response, StatusCode, Uri,
+    Method, Request, Response, StatusCode, Uri,
     body::{Body, Bytes, Incoming},
-    header::{self, HeaderName, HeaderValue},
+    header::{self, HeaderValue},
 };
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use ipnet::IpNet;
 use std::{
-    net::{IpAddr, SocketAddr},
+    net::SocketAddr,
     sync::{
         Arc,
         atomic::{AtomicUsize, Ordering},
@@ -38,35 +43,38 @@ pub struct ProxyLimits {
     pub connect_timeout: Duration,
     /// Time for an endpoint's response headers, else 504.
     pub response_timeout: Duration,
-    /// Largest request body by Content-Length, else 413.
+    /// Largest request body, else 413: by Content-Length before anything is sent,
+    /// else counted as it streams.
     pub max_body_bytes: u64,
     /// Peers whose X-Forwarded-For is appended to instead of replaced.
     pub trusted_proxies: Vec<IpNet>,
     /// The TLS listener's port, for redirects (omitted from the URL when 443).
     pub tls_port: u16,
+    /// The share of requests written to the access log, 0 to 1.
+    pub access_log_sample: f64,
 }
+
+/// The endpoint that answered a request (a response extension, for the access log).
+#[derive(Clone, Copy, Debug)]
+struct Upstream(SocketAddr);
 
 /// What every connection's requests share.
 pub struct Proxy {
     /// The current routes (swapped by the route watcher).
     pub routes: ArcSwap<RouteTable>,
+    /// HTTP/1.1 to endpoints, pooled.
     client: Client<HttpConnector, ProxyBody>,
+    /// HTTP/2 with prior knowledge (h2c) to endpoints of routes whose port says so,
+    /// one multiplexed connection per endpoint.
+    h2c_client: Client<HttpConnector, ProxyBody>,
     limits: ProxyLimits,
     metrics: IngressMetrics,
+    access_log: AccessLog,
     /// Rotates the starting point of the least-outstanding choice.
     turn: AtomicUsize,
+    /// Pending ACME HTTP-01 tokens, answered on the plain listener before routing.
+    pub challenges: Arc<Challenges>,
 }
-
-/// Hop-by-hop headers: never forwarded either way.
-const HOP_BY_HOP: [HeaderName; 7] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-];
 
 impl Proxy {
     /// A proxy with no routes yet.
@@ -74,27 +82,48 @@ impl Proxy {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(limits.connect_timeout));
         connector.set_nodelay(true);
-        let client = Client::builder(hyper_util::rt::TokioExecutor::new())
+        let mut builder = Client::builder(hyper_util::rt::TokioExecutor::new());
+        builder
             .pool_timer(hyper_util::rt::TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_idle_timeout(Duration::from_secs(60));
+        let client = builder.build(connector.clone());
+        let h2c_client = builder
+            .http2_only(true)
+            .timer(hyper_util::rt::TokioTimer::new())
             .build(connector);
         Proxy {
             routes: ArcSwap::default(),
             client,
+            h2c_client,
+            access_log: AccessLog::new(limits.access_log_sample),
             limits,
             metrics,
             turn: AtomicUsize::new(0),
+            challenges: Arc::default(),
         }
     }
 
-    /// Answers one request from `peer`, received over TLS when `tls`.
+    /// Answers one request from `peer`, received over TLS when `tls` (the
+    /// connection's handshake) is given.
     pub async fn handle(
         &self,
         req: Request<Incoming>,
         peer: SocketAddr,
-        tls: bool,
+        tls: Option<&TlsSession>,
     ) -> Response<ProxyBody> {
+        if tls.is_none()
+            && let Some(key_authorization) = self.challenges.answer(req.uri().path())
+        {
+            return acme_answer(key_authorization);
+        }
         let start = Instant::now();
+        let logged = self.access_log.wanted().then(|| {
+            (
+                req.method().clone(),
+                req.uri().path().to_owned(),
+                req.version(),
+            )
+        });
         let routes = self.routes.load();
         let host = request_host(
             req.uri().authority().map(|a| a.as_str()),
@@ -102,7 +131,7 @@ impl Proxy {
                 .get(header::HOST)
                 .map(|h| h.to_str().unwrap_or("\u{0}")),
         );
-        let (route, response) = match host {
+        let (route, response) = match &host {
             None => (
                 None,
                 answer(
@@ -118,10 +147,10 @@ impl Proxy {
                 ),
             ),
             Some(host) => {
-                let route = routes.lookup(&host, req.uri().path()).cloned();
+                let route = routes.lookup(host, req.uri().path()).cloned();
                 let response = match &route {
                     None => answer(StatusCode::NOT_FOUND, "no route\n"),
-                    Some(route) => self.for_route(req, route, &host, peer, tls).await,
+                    Some(route) => self.for_route(req, route, host, peer, tls).await,
                 };
                 (route, response)
             }
@@ -138,7 +167,22 @@ impl Proxy {
                 code: response.status().as_u16(),
             })
             .inc();
-        self.metrics.duration.observe(start.elapsed().as_secs_f64());
+        let duration = start.elapsed();
+        self.metrics.duration.observe(duration.as_secs_f64());
+        if let Some((method, path, version)) = logged {
+            AccessLog::record(&access_log::Entry {
+                client: peer,
+                method: method.as_str(),
+                host: host.as_deref().unwrap_or_default(),
+                path: &path,
+                version: access_log::version_name(version),
+                tls: tls.is_some(),
+                status: response.status().as_u16(),
+                service: route.as_ref().map_or("", |r| r.service.as_str()),
+                upstream: response.extensions().get::<Upstream>().map(|u| u.0),
+                duration,
+            });
+        }
         response
     }
 
@@ -148,11 +192,17 @@ impl Proxy {
         route: &Route,
         host: &str,
         peer: SocketAddr,
-        tls: bool,
+        session: Option<&TlsSession>,
     ) -> Response<ProxyBody> {
         if !route.allows(peer.ip()) {
             return answer(StatusCode::FORBIDDEN, "forbidden\n");
         }
+        if let Some(ca) = &route.client_ca
+            && let Err((status, text)) = client_cert::check(ca, session, host)
+        {
+            return answer(status, text);
+        }
+        let tls = session.is_some();
         if route.tls && !tls {
             return self.redirect(req.uri(), host);
         }
@@ -178,8 +228,17 @@ impl Proxy {
         // A connect failure is retried once on another endpoint when resending is
         // safe: an idempotent method and no body to replay.
         let retryable = is_idempotent(&parts.method) && body.is_end_stream();
-        let mut headers = forwarded_headers(&parts.headers, host, peer, tls, &self.limits);
-        if let Some(value) = upgrade {
+        let mut headers = forwarded_headers(
+            &parts.headers,
+            host,
+            peer,
+            tls,
+            &self.limits.trusted_proxies,
+        );
+        if route.h2c {
+            // HTTP/2 has no Upgrade; gRPC needs `TE: trailers` to reach the server.
+            keep_te_trailers(&parts.headers, &mut headers);
+        } else if let Some(value) = upgrade {
             upgrade::keep_headers(&mut headers, value);
         }
         let build = |backend: &Backend, body: ProxyBody| {
@@ -187,20 +246,41 @@ impl Proxy {
             *up.method_mut() = parts.method.clone();
             *up.uri_mut() = upstream_uri(backend.addr, &parts.uri);
             *up.headers_mut() = headers.clone();
+            if route.h2c {
+                *up.version_mut() = hyper::Version::HTTP_2;
+            }
             up
         };
-        let mut result = self.send(
-            &first,
-            build(&first, body.map_err(Into::into).boxed_unsync()),
-        );
+        let (body, tripped) = body_limit::limited(body, self.limits.max_body_bytes);
+        let mut result = self.send(&first, route.h2c, build(&first, body.boxed_unsync()));
         let mut response = result.await;
+        let mut upstream = first.addr;
         if let Err(Failure::Connect) = response
             && retryable
             && let Some(second) = route.pick(turn, Some(&first))
         {
-            result = self.send(&second, build(&second, empty()));
+            result = self.send(&second, route.h2c, build(&second, empty()));
             response = result.await;
+            upstream = second.addr;
         }
+        let mut response = match response {
+            // The body went past the limit while it streamed: the client's doing.
+            Err(Failure::Protocol) if tripped.is_set() => {
+                answer(StatusCode::PAYLOAD_TOO_LARGE, "request body too large\n")
+            }
+            response => self.relay(response, client_upgrade),
+        };
+        response.extensions_mut().insert(Upstream(upstream));
+        response
+    }
+
+    /// The client's response from the endpoint's (or the failure's answer),
+    /// splicing the connections when the endpoint switched protocols.
+    fn relay(
+        &self,
+        response: Result<Response<Incoming>, Failure>,
+        client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+    ) -> Response<ProxyBody> {
         match response {
             Ok(mut resp) => {
                 let switched = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
@@ -227,15 +307,20 @@ impl Proxy {
         }
     }
 
-    /// Sends one request to `backend`, counting it in flight until its response
-    /// headers come (or it fails).
+    /// Sends one request to `backend` (over h2c when `h2c`), counting it in flight
+    /// until its response headers come (or it fails).
     fn send(
         &self,
         backend: &Arc<Backend>,
+        h2c: bool,
         req: Request<ProxyBody>,
     ) -> impl Future<Output = Result<Response<Incoming>, Failure>> + Send + 'static {
         let backend = backend.clone();
-        let fut = self.client.request(req);
+        let fut = if h2c {
+            self.h2c_client.request(req)
+        } else {
+            self.client.request(req)
+        };
         let timeout = self.limits.response_timeout;
         let errors = self.metrics.upstream_errors.clone();
         async move {
@@ -298,90 +383,33 @@ fn upstream_uri(addr: SocketAddr, uri: &Uri) -> Uri {
     format!("http://{addr}{path}").parse().unwrap_or_default()
 }
 
-/// The client's headers without hop-by-hop ones, with `Host` kept (set from an h2
-/// authority) and `X-Forwarded-For/-Proto/-Host` and `Forwarded` set.
-fn forwarded_headers(
-    from: &HeaderMap,
-    host: &str,
-    peer: SocketAddr,
-    tls: bool,
-    limits: &ProxyLimits,
-) -> HeaderMap {
-    let mut headers = from.clone();
-    strip_hop_by_hop(&mut headers);
-    let client = match peer.ip() {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(peer.ip(), IpAddr::V4),
-        ip => ip,
-    };
-    let trusted = limits.trusted_proxies.iter().any(|n| n.contains(&client));
-    let xff = match from.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-        Some(prior) if trusted => format!("{prior}, {client}"),
-        _ => client.to_string(),
-    };
-    let original_host = from
-        .get(header::HOST)
-        .cloned()
-        .or_else(|| HeaderValue::from_str(host).ok());
-    if let Some(h) = &original_host {
-        headers.insert(header::HOST, h.clone());
-        headers.insert("x-forwarded-host", h.clone());
-    }
-    if let Ok(v) = HeaderValue::from_str(&xff) {
-        headers.insert("x-forwarded-for", v);
-    }
-    let proto = if tls { "https" } else { "http" };
-    headers.insert("x-forwarded-proto", HeaderValue::from_static(proto));
-    // RFC 7239: the same facts in one header, replaced or (trusted peer) appended.
-    let node = match client {
-        IpAddr::V6(v6) => format!("\"[{v6}]\""),
-        v4 => v4.to_string(),
-    };
-    let shown_host = original_host
-        .as_ref()
-        .and_then(|h| h.to_str().ok())
-        .unwrap_or(host)
-        .replace(['"', '\\'], "");
-    let mut forwarded = format!("for={node};proto={proto};host=\"{shown_host}\"");
-    if let Some(prior) = from.get(header::FORWARDED).and_then(|v| v.to_str().ok())
-        && trusted
-    {
-        forwarded = format!("{prior}, {forwarded}");
-    }
-    if let Ok(v) = HeaderValue::from_str(&forwarded) {
-        headers.insert(header::FORWARDED, v);
-    }
-    headers
-}
-
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Headers the Connection header names are hop-by-hop too.
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
-    for h in HOP_BY_HOP.iter().chain(&named) {
-        headers.remove(h);
-    }
-}
-
 fn empty() -> ProxyBody {
     Empty::new().map_err(|never| match never {}).boxed_unsync()
 }
 
 /// The proxy's own answer: a status and a short plain-text body.
 pub fn answer(status: StatusCode, text: &'static str) -> Response<ProxyBody> {
+    let mut resp = full(
+        Bytes::from_static(text.as_bytes()),
+        "text/plain; charset=utf-8",
+    );
+    *resp.status_mut() = status;
+    resp
+}
+
+/// The key authorization of a pending ACME HTTP-01 challenge (RFC 8555 §8.3).
+fn acme_answer(key_authorization: String) -> Response<ProxyBody> {
+    full(Bytes::from(key_authorization), "application/octet-stream")
+}
+
+/// A 200 with `body` of `content_type`.
+fn full(body: Bytes, content_type: &'static str) -> Response<ProxyBody> {
     let mut resp = Response::new(
-        Full::new(Bytes::from_static(text.as_bytes()))
+        Full::new(body)
             .map_err(|never| match never {})
             .boxed_unsync(),
     );
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     resp
 }

@@ -1,10 +1,14 @@
 //! The ingress routing table, rebuilt from the endpoint cache on every change: host
 //! (exact beats wildcard) then the longest path prefix on segment boundaries.
 
-use crate::endpoints::ServiceView;
+use super::client_cert::ClientCa;
+use crate::{
+    endpoints::ServiceView,
+    model::{Secret, ServiceKey},
+};
 use ipnet::IpNet;
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     net::{IpAddr, SocketAddr},
     sync::{
         Arc,
@@ -35,6 +39,12 @@ pub struct Route {
     /// Networks served; `None`: every client. An empty list refuses everyone (a list
     /// that could not be used: fail closed).
     pub allow: Option<Vec<IpNet>>,
+    /// The CA that must verify the client's certificate chain on every request;
+    /// `None`: no client certificate needed.
+    pub client_ca: Option<ClientCa>,
+    /// The endpoints speak HTTP/2 without TLS (h2c with prior knowledge, as gRPC
+    /// servers do): the exposed port is named so ([`speaks_h2c`]).
+    pub h2c: bool,
     /// Ready, non-terminating endpoints.
     pub backends: Vec<Arc<Backend>>,
 }
@@ -73,15 +83,16 @@ pub struct RouteTable {
 }
 
 impl RouteTable {
-    /// The table of every service with `spec.expose`.
-    pub fn build(views: &[ServiceView]) -> RouteTable {
+    /// The table of every service with `spec.expose`; client-certificate CAs come
+    /// from `secrets`.
+    pub fn build(views: &[ServiceView], secrets: &BTreeMap<ServiceKey, Arc<Secret>>) -> RouteTable {
         let mut table = RouteTable::default();
         for view in views {
             let Some(expose) = &view.service.spec.expose else {
                 continue;
             };
-            let backends = expose
-                .service_port(&view.service.spec.ports)
+            let port = expose.service_port(&view.service.spec.ports);
+            let backends = port
                 .map(|port| {
                     view.port_backends(port)
                         .into_iter()
@@ -104,6 +115,8 @@ impl RouteTable {
                 path: expose.path().to_owned(),
                 tls: expose.tls.is_some(),
                 allow,
+                client_ca: ClientCa::for_route(view, secrets),
+                h2c: port.is_some_and(|p| speaks_h2c(&p.name)),
                 backends,
             });
             let (map, host) = match expose.host.strip_prefix("*.") {
@@ -129,6 +142,29 @@ impl RouteTable {
             find(self.wildcard.get(parent), path)
         })
     }
+}
+
+impl RouteTable {
+    /// Whether a route of `host` (lowercase) requires client certificates: its
+    /// handshakes then request one. Exact host and wildcard both count, as a
+    /// request's path may fall through from one to the other.
+    pub fn requests_client_cert(&self, host: &str) -> bool {
+        let wants = |routes: Option<&Vec<Arc<Route>>>| {
+            routes.is_some_and(|r| r.iter().any(|r| r.client_ca.is_some()))
+        };
+        wants(self.exact.get(host))
+            || host
+                .split_once('.')
+                .is_some_and(|(_, parent)| wants(self.wildcard.get(parent)))
+    }
+}
+
+/// Whether a service port named `name` speaks h2c: `grpc`, `h2c` or `http2`, alone
+/// or before a `-` (`grpc-api`): the port-naming convention meshes use, so a
+/// service needs no field of its own.
+pub fn speaks_h2c(name: &str) -> bool {
+    let protocol = name.split_once('-').map_or(name, |(p, _)| p);
+    matches!(protocol, "grpc" | "h2c" | "http2")
 }
 
 /// Whether `prefix` matches `path` on segment boundaries: `/api` matches `/api`

@@ -9,7 +9,7 @@ use crate::{
 use arc_swap::ArcSwap;
 use rustls::{
     ServerConfig,
-    server::{ClientHello, ResolvesServerCert},
+    server::{ClientHello, ResolvesServerCert, danger::ClientCertVerifier},
     sign::CertifiedKey,
 };
 use std::{
@@ -31,11 +31,13 @@ pub struct CertMap {
 
 impl CertMap {
     /// The certificates of every exposed route with TLS whose Secret exists and
-    /// holds a usable `tls.crt`/`tls.key` (a route without one gets no handshake).
+    /// holds a usable `tls.crt`/`tls.key`, or (`tls.mode: acme`) whose host has a
+    /// certificate in `acme` (a route without one gets no handshake).
     pub fn build(
         views: &[ServiceView],
         secrets: &BTreeMap<ServiceKey, Arc<Secret>>,
         default: Option<&ServiceKey>,
+        acme: &HashMap<String, Arc<CertifiedKey>>,
     ) -> CertMap {
         let mut map = CertMap {
             default: default.and_then(|key| match secrets.get(key).map(|s| s.certified_key()) {
@@ -52,6 +54,12 @@ impl CertMap {
             let Some(expose) = &service.spec.expose else {
                 continue;
             };
+            if let Some(host) = expose.acme_host() {
+                if let Some(key) = acme.get(host) {
+                    map.insert(host, key.clone());
+                }
+                continue;
+            }
             let Some((ns, name)) = expose.tls_secret(&service.metadata.namespace) else {
                 continue;
             };
@@ -70,15 +78,20 @@ impl CertMap {
                     continue;
                 }
             };
-            if let Some(expiry) = not_after(&key) {
-                map.expiries.push((expose.host.clone(), expiry));
-            }
-            match expose.host.strip_prefix("*.") {
-                Some(suffix) => map.wildcard.insert(suffix.to_owned(), key),
-                None => map.exact.insert(expose.host.clone(), key),
-            };
+            map.insert(&expose.host, key);
         }
         map
+    }
+
+    /// Serves `key` for `host` (exact or wildcard) and records its expiry.
+    fn insert(&mut self, host: &str, key: Arc<CertifiedKey>) {
+        if let Some(expiry) = not_after(&key) {
+            self.expiries.push((host.to_owned(), expiry));
+        }
+        match host.strip_prefix("*.") {
+            Some(suffix) => self.wildcard.insert(suffix.to_owned(), key),
+            None => self.exact.insert(host.to_owned(), key),
+        };
     }
 
     /// The certificate for `host` (lowercase): exact, else its parent's wildcard,
@@ -118,12 +131,16 @@ impl ResolvesServerCert for SniResolver {
 }
 
 /// The server configuration: TLS 1.2 and 1.3 (ring), ALPN h2 then http/1.1,
-/// certificates from `resolver`, no client certificates.
-pub fn server_config(resolver: Arc<SniResolver>) -> Result<ServerConfig, rustls::Error> {
+/// certificates from `resolver`, client certificates as `client_auth` asks
+/// (`NoClientAuth`: none).
+pub fn server_config(
+    resolver: Arc<SniResolver>,
+    client_auth: Arc<dyn ClientCertVerifier>,
+) -> Result<ServerConfig, rustls::Error> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut config = ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])?
-        .with_no_client_auth()
+        .with_client_cert_verifier(client_auth)
         .with_cert_resolver(resolver);
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(config)

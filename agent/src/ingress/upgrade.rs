@@ -9,16 +9,21 @@ use hyper::{
 };
 use hyper_util::rt::TokioIo;
 
-/// The `Upgrade` value of an HTTP/1.1 request that asks for one (its `Connection`
-/// header lists `upgrade`).
-pub fn requested(headers: &HeaderMap) -> Option<HeaderValue> {
-    let listed = headers
-        .get_all(header::CONNECTION)
+/// Whether a comma-separated list header `name` (`Connection`, `TE`) lists `token`
+/// (case-insensitive), in any of its lines.
+pub fn lists(headers: &HeaderMap, name: header::HeaderName, token: &str) -> bool {
+    headers
+        .get_all(name)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
-    listed
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+/// The `Upgrade` value of an HTTP/1.1 request that asks for one (its `Connection`
+/// header lists `upgrade`).
+pub fn requested(headers: &HeaderMap) -> Option<HeaderValue> {
+    lists(headers, header::CONNECTION, "upgrade")
         .then(|| headers.get(header::UPGRADE).cloned())
         .flatten()
 }

@@ -20,13 +20,14 @@ pub struct Expose {
     /// The path prefix, matched on segment boundaries; `/` when omitted.
     #[serde(default = "root_path")]
     pub path: String,
-    /// TLS for this host: the certificate's Secret.
+    /// TLS for this host: the certificate's Secret, or ACME.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<ExposeTls>,
     /// Client addresses or networks served; every client when empty.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allow_cidrs: Vec<String>,
-    /// Client certificates required for this route (not built yet: refused at apply).
+    /// Client certificates required for this route: every request must come over a
+    /// TLS connection whose client presented a chain verified by this CA.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client_cert: Option<ClientCert>,
 }
@@ -59,7 +60,8 @@ impl fmt::Display for PortRef {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct ExposeTls {
     /// The Secret holding `tls.crt` and `tls.key`: `NAME` (the service's namespace)
-    /// or `NAMESPACE/NAME`.
+    /// or `NAMESPACE/NAME`; required with `manual`, absent with `acme`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub secret: String,
     /// Where the certificate comes from; `manual` (the Secret) when omitted.
     #[serde(default)]
@@ -73,7 +75,8 @@ pub enum TlsMode {
     /// The Secret named by `tls.secret`, written by the user.
     #[default]
     Manual,
-    /// Issued by an ACME server (not built yet: refused at apply).
+    /// Issued by an ACME server over HTTP-01 and kept in the agent's state dir
+    /// (docs/ingress.md).
     Acme,
 }
 
@@ -81,11 +84,15 @@ pub enum TlsMode {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct ClientCert {
-    /// The Secret whose `ca.crt` verifies client certificates.
+    /// The Secret whose `ca.crt` verifies client certificates: `NAME` (the
+    /// service's namespace) or `NAMESPACE/NAME`.
     pub ca_secret: String,
-    /// `require`: requests without a verified chain are refused.
+    /// `require` (the only mode): requests without a verified chain are refused.
     pub mode: String,
 }
+
+/// The one `clientCert.mode`.
+pub const CLIENT_CERT_REQUIRE: &str = "require";
 
 impl Expose {
     /// The route's path in its one stored form (checked at apply: no trailing `/`
@@ -94,9 +101,29 @@ impl Expose {
         &self.path
     }
 
-    /// The namespace and name of the TLS Secret, resolved against `namespace`.
+    /// The namespace and name of the TLS Secret (`manual` mode), resolved against
+    /// `namespace`.
     pub fn tls_secret<'a>(&'a self, namespace: &'a str) -> Option<(&'a str, &'a str)> {
-        self.tls.as_ref().map(|t| secret_ref(namespace, &t.secret))
+        self.tls
+            .as_ref()
+            .filter(|t| t.mode == TlsMode::Manual)
+            .map(|t| secret_ref(namespace, &t.secret))
+    }
+
+    /// The host whose certificate ACME issues (`tls.mode: acme`).
+    pub fn acme_host(&self) -> Option<&str> {
+        self.tls
+            .as_ref()
+            .filter(|t| t.mode == TlsMode::Acme)
+            .map(|_| self.host.as_str())
+    }
+
+    /// The namespace and name of the client-certificate CA's Secret, resolved
+    /// against `namespace`.
+    pub fn client_ca_secret<'a>(&'a self, namespace: &'a str) -> Option<(&'a str, &'a str)> {
+        self.client_cert
+            .as_ref()
+            .map(|c| secret_ref(namespace, &c.ca_secret))
     }
 
     /// The service port this route sends to, if it names one of `ports`.
@@ -141,16 +168,7 @@ impl Expose {
         check_host(object, &field("host"), &self.host)?;
         check_path(object, &field("path"), &self.path)?;
         if let Some(tls) = &self.tls {
-            let (ns, name) = secret_ref("default", &tls.secret);
-            check_dns_label(object, &field("tls.secret"), ns)?;
-            check_dns_label(object, &field("tls.secret"), name)?;
-            if tls.mode == TlsMode::Acme {
-                return Err(ModelError::invalid(
-                    object,
-                    field("tls.mode"),
-                    "acme is not built yet: use manual with a Secret",
-                ));
-            }
+            tls.validate(object, &self.host)?;
         }
         if let Err((i, why)) = self.allowed_networks() {
             return Err(ModelError::invalid(
@@ -159,14 +177,60 @@ impl Expose {
                 why,
             ));
         }
-        if self.client_cert.is_some() {
+        if let Some(client_cert) = &self.client_cert {
+            self.validate_client_cert(object, client_cert)?;
+        }
+        Ok(())
+    }
+
+    /// `clientCert`: a valid Secret reference, mode `require`, and TLS on the route
+    /// (a client certificate only exists on a TLS connection).
+    fn validate_client_cert(&self, object: &str, c: &ClientCert) -> Result<(), ModelError> {
+        let field = |f: &str| format!("spec.expose.clientCert.{f}");
+        let (ns, name) = secret_ref("default", &c.ca_secret);
+        check_dns_label(object, &field("caSecret"), ns)?;
+        check_dns_label(object, &field("caSecret"), name)?;
+        if c.mode != CLIENT_CERT_REQUIRE {
             return Err(ModelError::invalid(
                 object,
-                field("clientCert"),
-                "client certificates are not built yet",
+                field("mode"),
+                format!("{:?} is not a mode: the one mode is \"require\"", c.mode),
+            ));
+        }
+        if self.tls.is_none() {
+            return Err(ModelError::invalid(
+                object,
+                field("caSecret"),
+                "client certificates need TLS: set spec.expose.tls",
             ));
         }
         Ok(())
+    }
+}
+
+impl ExposeTls {
+    /// `manual` needs a valid Secret reference; `acme` needs none and an exact host
+    /// (HTTP-01 cannot prove a wildcard).
+    fn validate(&self, object: &str, host: &str) -> Result<(), ModelError> {
+        let field = |f: &str| format!("spec.expose.tls.{f}");
+        match self.mode {
+            TlsMode::Manual => {
+                let (ns, name) = secret_ref("default", &self.secret);
+                check_dns_label(object, &field("secret"), ns)?;
+                check_dns_label(object, &field("secret"), name)
+            }
+            TlsMode::Acme if !self.secret.is_empty() => Err(ModelError::invalid(
+                object,
+                field("secret"),
+                "not used with mode acme: the certificate is kept in the state dir",
+            )),
+            TlsMode::Acme if host.starts_with("*.") => Err(ModelError::invalid(
+                object,
+                field("mode"),
+                "acme (HTTP-01) cannot issue a wildcard host",
+            )),
+            TlsMode::Acme => Ok(()),
+        }
     }
 }
 

@@ -23,7 +23,7 @@ pub use expose::{ClientCert, Expose, ExposeTls, PortRef, TlsMode};
 pub use policy::{
     EgressRule, IngressRule, NetworkPolicy, Peer, PeerSelector, PolicyMode, PortEntry,
 };
-pub use secret::{CA_CERT_KEY, Secret, TLS_CERT_KEY, TLS_KEY_KEY};
+pub use secret::{CA_CERT_KEY, Secret, TLS_CERT_KEY, TLS_KEY_KEY, load_certified_key};
 pub use service::{
     Discovery, LocalityPreference, Protocol, Service, ServicePort, ServiceSpec, SessionAffinity,
 };

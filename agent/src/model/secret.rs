@@ -53,6 +53,14 @@ impl Secret {
         Some(load_certified_key(cert, key).map(Arc::new))
     }
 
+    /// The certificates of `ca.crt` (e.g. the CA that verifies client certificates);
+    /// `None` when the Secret has no `ca.crt`.
+    pub fn ca_certificates(&self) -> Option<Result<Vec<CertificateDer<'static>>, String>> {
+        self.data
+            .get(CA_CERT_KEY)
+            .map(|pem| parse_certificates(pem))
+    }
+
     pub(super) fn validate(&self, object: &str) -> Result<(), ModelError> {
         for key in self.data.keys() {
             let ok = !key.is_empty()
@@ -82,10 +90,12 @@ impl Secret {
                 message,
             ));
         }
-        if let Some(ca) = self.data.get(CA_CERT_KEY) {
-            parse_certificates(ca).map_err(|message| {
-                ModelError::invalid(object, format!("data.{CA_CERT_KEY}"), message)
-            })?;
+        if let Some(Err(message)) = self.ca_certificates() {
+            return Err(ModelError::invalid(
+                object,
+                format!("data.{CA_CERT_KEY}"),
+                message,
+            ));
         }
         Ok(())
     }
@@ -102,8 +112,9 @@ fn parse_certificates(pem: &str) -> Result<Vec<CertificateDer<'static>>, String>
     Ok(certs)
 }
 
-/// A certificate chain and its private key (both PEM), checked to belong together.
-fn load_certified_key(cert_pem: &str, key_pem: &str) -> Result<CertifiedKey, String> {
+/// A certificate chain (PEM, leaf first) and its private key (PEM) checked to
+/// belong together, ready to serve: for Secrets and for ACME certificates alike.
+pub fn load_certified_key(cert_pem: &str, key_pem: &str) -> Result<CertifiedKey, String> {
     let chain = parse_certificates(cert_pem)?;
     let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
         .map_err(|e| format!("{TLS_KEY_KEY} is not a PEM private key: {e}"))?;

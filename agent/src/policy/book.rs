@@ -1,15 +1,18 @@
 //! The desired state a policy plan is compiled from, kept up to date from the
 //! endpoint cache's deltas by whichever data plane enforces policy.
 
-use super::{PolicyPlan, PolicyState, ServicePolicyStatus, compile::compile_guarding};
+use super::{
+    PolicyPlan, PolicyState, ServicePolicyStatus,
+    incremental::{Compiled, PlanChange},
+};
 use crate::{
     endpoints::{Delta, ServiceView},
-    model::{NetworkPolicy, PeerSelector, ServiceKey},
+    model::{NetworkPolicy, ServiceKey},
 };
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 
-/// Every service (with its endpoints) as the last deltas left them, and what the
-/// policies among them refer to, so that a change no policy can see is told apart.
+/// Every service (with its endpoints) as the last deltas left them, and the plan
+/// they compile to, kept up to date by difference.
 #[derive(Debug)]
 pub struct PolicyBook {
     /// This node's name: endpoints naming it (or none) are guarded here; `None`:
@@ -17,10 +20,8 @@ pub struct PolicyBook {
     node_name: Option<String>,
     /// Every service, by key.
     views: BTreeMap<ServiceKey, ServiceView>,
-    /// Services the policies name as peers.
-    peer_services: HashSet<ServiceKey>,
-    /// Namespaces the policies name as peers.
-    peer_namespaces: HashSet<String>,
+    /// The plan and what it was merged from.
+    compiled: Compiled,
 }
 
 impl PolicyBook {
@@ -40,45 +41,39 @@ impl PolicyBook {
         Self {
             node_name,
             views: BTreeMap::new(),
-            peer_services: HashSet::new(),
-            peer_namespaces: HashSet::new(),
+            compiled: Compiled::default(),
         }
     }
 
-    /// Takes `delta` in (a full one replaces everything) and tells whether the plan
-    /// may have changed: false only when no changed service has or had a policy
-    /// and none is a policy's peer (by name or namespace).
-    pub fn apply(&mut self, delta: &Delta) -> bool {
-        let mut changed = false;
-        let mut policies_changed = false;
+    /// Takes `delta` in (a full one replaces everything and recompiles it all;
+    /// otherwise only the policies the changed services can affect are
+    /// recompiled) and tells what changed in the plan.
+    pub fn apply(&mut self, delta: &Delta) -> PlanChange {
+        let node = self.node_name.as_deref();
         if delta.full {
-            changed = self.views.values().any(has_policy) || delta.upserted.iter().any(has_policy);
-            policies_changed = true;
-            self.views.clear();
+            self.views = delta
+                .upserted
+                .iter()
+                .map(|v| (v.key(), v.clone()))
+                .collect();
+            return self.compiled.rebuild(node, &self.views);
         }
+        let mut changed: BTreeMap<ServiceKey, Option<ServiceView>> = BTreeMap::new();
         for key in &delta.removed {
-            if let Some(old) = self.views.remove(key) {
-                policies_changed |= has_policy(&old);
-                changed |= has_policy(&old) || self.is_peer(key);
-            }
+            let old = self.views.remove(key);
+            changed.entry(key.clone()).or_insert(old);
         }
         for view in &delta.upserted {
             let key = view.key();
-            let had = self.views.get(&key).is_some_and(has_policy);
-            let has = has_policy(view);
-            policies_changed |= had || has;
-            changed |= had || has || self.is_peer(&key);
-            self.views.insert(key, view.clone());
+            let old = self.views.insert(key.clone(), view.clone());
+            changed.entry(key).or_insert(old);
         }
-        if policies_changed {
-            self.index_peers();
-        }
-        changed
+        self.compiled.update(node, &self.views, &changed)
     }
 
     /// The plan of the services and endpoints held now.
-    pub fn plan(&self) -> PolicyPlan {
-        compile_guarding(self.node_name.as_deref(), &self.views)
+    pub fn plan(&self) -> &PolicyPlan {
+        self.compiled.plan()
     }
 
     /// Each policy held, by service.
@@ -112,38 +107,6 @@ impl PolicyBook {
             })
             .collect()
     }
-
-    fn is_peer(&self, key: &ServiceKey) -> bool {
-        self.peer_services.contains(key) || self.peer_namespaces.contains(&key.namespace)
-    }
-
-    /// Rebuilds the peer index from the policies held.
-    fn index_peers(&mut self) {
-        self.peer_services.clear();
-        self.peer_namespaces.clear();
-        for (key, view) in &self.views {
-            let Some(policy) = &view.service.spec.network_policy else {
-                continue;
-            };
-            let from = policy.ingress.iter().flat_map(|r| &r.from);
-            let to = policy.egress.iter().flat_map(|r| &r.to);
-            for peer in from.chain(to) {
-                match peer.selector(&key.namespace) {
-                    Some(PeerSelector::Service { namespace, name }) => {
-                        self.peer_services.insert(ServiceKey { namespace, name });
-                    }
-                    Some(PeerSelector::Namespace(ns)) => {
-                        self.peer_namespaces.insert(ns);
-                    }
-                    Some(PeerSelector::Cidr(_)) | None => {}
-                }
-            }
-        }
-    }
-}
-
-fn has_policy(view: &ServiceView) -> bool {
-    view.service.spec.network_policy.is_some()
 }
 
 #[cfg(test)]

@@ -22,7 +22,10 @@
 //! Rules with the same ports are merged (their peers united) and rules that match
 //! nothing are left out; the output depends only on the input.
 
-use super::{DirectionRules, GuardedEndpoint, PolicyMode, PolicyPlan, PortMatch, Rule};
+use super::{
+    PolicyPlan, PortMatch,
+    contribution::{AddressRules, Contribution, RuleMap, merge},
+};
 use crate::{
     endpoints::ServiceView,
     model::{Endpoint, NetworkPolicy, Peer, PeerSelector, PortEntry, ServiceKey, ServiceSpec},
@@ -32,10 +35,8 @@ use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
     rc::Rc,
+    sync::Arc,
 };
-
-/// Rules of one direction while they are gathered: allowed peers by port set.
-type RuleMap = BTreeMap<BTreeSet<PortMatch>, BTreeSet<IpNet>>;
 
 /// Compiles the plan of node `node` from every service (with its endpoints).
 pub fn compile(node: &str, views: &BTreeMap<ServiceKey, ServiceView>) -> PolicyPlan {
@@ -49,89 +50,57 @@ pub fn compile_guarding(
     views: &BTreeMap<ServiceKey, ServiceView>,
 ) -> PolicyPlan {
     let mut peers = PeerResolver::new(views);
-    let mut plan = PolicyPlan::default();
-    // Per guarded address and direction: mode, reporting service, rules.
-    let mut gathered: BTreeMap<IpAddr, Gathered> = BTreeMap::new();
-    for (key, view) in views {
-        let Some(policy) = &view.service.spec.network_policy else {
-            continue;
-        };
-        plan.services
-            .insert(key.clone(), policy.ingress.len() + policy.egress.len());
-        let local = local_endpoints(view, node);
-        if local.is_empty() {
-            continue;
-        }
-        let egress = (!policy.egress.is_empty())
-            .then(|| egress_rules(policy, key, &view.service.spec, &mut peers));
-        for (address, endpoints) in local {
-            let g = gathered.entry(address).or_default();
-            g.services.insert(key.clone());
-            if !policy.ingress.is_empty() {
-                let rules = ingress_rules(policy, key, &view.service.spec, &endpoints, &mut peers);
-                g.ingress.add(policy, key, rules);
-            }
-            if let Some(rules) = &egress {
-                g.egress.add(policy, key, rules.clone());
-            }
+    let contributions: BTreeMap<&ServiceKey, Contribution> = views
+        .iter()
+        .filter_map(|(key, view)| Some((key, contribution(key, view, node, &mut peers)?)))
+        .collect();
+    let mut guards: BTreeMap<IpAddr, Vec<(&ServiceKey, &Contribution)>> = BTreeMap::new();
+    for (key, c) in &contributions {
+        for address in c.addresses.keys() {
+            guards.entry(*address).or_default().push((*key, c));
         }
     }
-    plan.endpoints = gathered
+    PolicyPlan {
+        endpoints: guards
+            .into_iter()
+            .map(|(address, services)| (address, merge(address, services)))
+            .collect(),
+        services: contributions
+            .iter()
+            .map(|(key, c)| ((*key).clone(), c.rule_count))
+            .collect(),
+    }
+}
+
+/// What the policy of service `key` (`view`) adds to the plan of node `node`
+/// (`None`: every node); `None` when the service has no policy.
+pub fn contribution(
+    key: &ServiceKey,
+    view: &ServiceView,
+    node: Option<&str>,
+    peers: &mut PeerResolver<'_>,
+) -> Option<Contribution> {
+    let policy = view.service.spec.network_policy.as_ref()?;
+    let local = local_endpoints(view, node);
+    let egress = (!policy.egress.is_empty() && !local.is_empty())
+        .then(|| Arc::new(egress_rules(policy, key, &view.service.spec, peers)));
+    let addresses = local
         .into_iter()
-        .map(|(address, g)| {
-            let guarded = GuardedEndpoint {
-                services: g.services,
-                ingress: g.ingress.finish(),
-                egress: g.egress.finish(),
+        .map(|(address, endpoints)| {
+            let ingress = (!policy.ingress.is_empty())
+                .then(|| ingress_rules(policy, key, &view.service.spec, &endpoints, peers));
+            let rules = AddressRules {
+                ingress,
+                egress: egress.clone(),
             };
-            (address, guarded)
+            (address, rules)
         })
         .collect();
-    plan
-}
-
-/// One guarded address while policies are added to it.
-#[derive(Default)]
-struct Gathered {
-    services: BTreeSet<ServiceKey>,
-    ingress: Direction,
-    egress: Direction,
-}
-
-/// One direction of a guarded address while policies are added to it.
-#[derive(Default)]
-struct Direction {
-    /// Mode and reporting service, once a policy with rules here was added.
-    head: Option<(PolicyMode, ServiceKey)>,
-    rules: RuleMap,
-}
-
-impl Direction {
-    /// Adds the rules of `policy` (service `key`) in this direction.
-    fn add(&mut self, policy: &NetworkPolicy, key: &ServiceKey, rules: RuleMap) {
-        match &mut self.head {
-            None => self.head = Some((policy.mode, key.clone())),
-            Some((mode, _)) => *mode = (*mode).min(policy.mode),
-        }
-        for (ports, peers) in rules {
-            self.rules.entry(ports).or_default().extend(peers);
-        }
-    }
-
-    fn finish(self) -> Option<DirectionRules> {
-        let (mode, service) = self.head?;
-        let rules = self
-            .rules
-            .into_iter()
-            .filter(|(_, peers)| !peers.is_empty())
-            .map(|(ports, peers)| Rule { peers, ports })
-            .collect();
-        Some(DirectionRules {
-            mode,
-            service,
-            rules,
-        })
-    }
+    Some(Contribution {
+        rule_count: policy.ingress.len() + policy.egress.len(),
+        mode: policy.mode,
+        addresses,
+    })
 }
 
 /// The endpoints of `view` on node `node` (or naming none; every endpoint when
@@ -262,14 +231,15 @@ fn with_target_ports(literal: &BTreeSet<PortMatch>, view: &ServiceView) -> BTree
 
 /// Resolves peers to addresses, indexing services by namespace once and each
 /// service's addresses once per plan.
-struct PeerResolver<'v> {
+pub struct PeerResolver<'v> {
     views: &'v BTreeMap<ServiceKey, ServiceView>,
     by_namespace: HashMap<&'v str, Vec<&'v ServiceView>>,
     addresses: HashMap<&'v ServiceKey, Rc<BTreeSet<IpNet>>>,
 }
 
 impl<'v> PeerResolver<'v> {
-    fn new(views: &'v BTreeMap<ServiceKey, ServiceView>) -> Self {
+    /// A resolver over `views`.
+    pub fn new(views: &'v BTreeMap<ServiceKey, ServiceView>) -> Self {
         let mut by_namespace: HashMap<&str, Vec<&ServiceView>> = HashMap::new();
         for (key, view) in views {
             by_namespace.entry(&key.namespace).or_default().push(view);

@@ -9,18 +9,24 @@
 //! verdict maps and the userspace proxies each program in their own way.
 //!
 //! A data plane keeps a [`PolicyBook`] fed with the endpoint cache's deltas;
-//! [`compile`] turns it into the plan (the semantics live there); [`metrics`] writes
+//! [`compile`] turns it into the plan (the semantics live there), per service
+//! ([`contribution`]), and [`incremental`] keeps the plan up to date by
+//! recompiling only what a delta affects, telling the data planes which guarded
+//! addresses changed ([`PlanChange`]); [`metrics`] writes
 //! the verdict counts every data plane hands over as the `rune_policy_*` families;
 //! [`status`] is what `status` shows per policy. User documentation:
 //! `docs/policy.md`.
 
 pub mod book;
 pub mod compile;
+pub mod contribution;
 pub mod events;
+pub mod incremental;
 pub mod metrics;
 pub mod plan;
 pub mod status;
 
 pub use book::PolicyBook;
+pub use incremental::PlanChange;
 pub use plan::{DirectionRules, GuardedEndpoint, PolicyMode, PolicyPlan, PortMatch, Rule};
 pub use status::{PolicyState, ServicePolicyStatus};

@@ -11,6 +11,7 @@
 //! transaction.
 
 pub mod netlink;
+pub mod nflog;
 pub mod nft;
 pub mod policy;
 pub mod ruleset;
@@ -27,16 +28,17 @@ use crate::{
 };
 use async_trait::async_trait;
 use nft::{Nft, NftError};
-use policy::PolicyObjects;
 use ruleset::{Ruleset, port_plans};
 use std::{
     collections::BTreeMap,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Instant,
 };
+
+use tokio_util::sync::CancellationToken;
 
 const MODE: &str = "nftables";
 
@@ -51,6 +53,9 @@ pub struct NftablesConfig {
     /// Most elements each policy verdict map holds (`size`); none: unbounded. More
     /// is refused by the kernel, and policy fails closed.
     pub policy_set_size: Option<u32>,
+    /// NFLOG group the policy's refusals are logged to and read from, for
+    /// `observe`; none: not logged.
+    pub policy_log_group: Option<u16>,
 }
 
 struct State {
@@ -58,13 +63,17 @@ struct State {
     /// The desired state policy is compiled from.
     book: PolicyBook,
     /// The policy objects in the kernel.
-    policy: PolicyObjects,
+    policy: policy::Programmed,
     /// Why the policy objects were refused, when the failure objects (fail
     /// closed) stand in for them.
     policy_failure: Option<String>,
     views: BTreeMap<ServiceKey, ServiceView>,
     /// Opened by the first element-only change; dropped after a failure.
     netlink: Option<netlink::Socket>,
+    /// The NFLOG group the policy chains log to; none when not configured or
+    /// when the agent cannot read it (so the kernel is never asked for a log
+    /// statement it may lack).
+    log_group: Option<u16>,
 }
 
 /// The nftables data plane.
@@ -73,6 +82,10 @@ pub struct NftablesDataPlane {
     config: NftablesConfig,
     state: Arc<Mutex<State>>,
     shut: AtomicBool,
+    /// Policy log events lost to a full socket buffer.
+    events_lost: Arc<AtomicU64>,
+    /// Stops the NFLOG reader.
+    cancel: CancellationToken,
 }
 
 impl NftablesDataPlane {
@@ -86,14 +99,51 @@ impl NftablesDataPlane {
             state: Arc::new(Mutex::new(State {
                 ruleset: Ruleset::new(config.node_name.clone()),
                 book: PolicyBook::new(&config.node_name),
-                policy: PolicyObjects::default(),
+                policy: policy::Programmed::default(),
                 policy_failure: None,
                 views: BTreeMap::new(),
                 netlink: None,
+                log_group: None,
             })),
             config,
             shut: AtomicBool::new(false),
+            events_lost: Arc::default(),
+            cancel: CancellationToken::new(),
         })
+    }
+
+    /// Binds the policy's NFLOG group and publishes what it logs to `observe`'s
+    /// hub until shutdown; only then do the refusing chains log to it. Needs a
+    /// tokio runtime and runs before the first delta. A group that cannot be
+    /// bound (another process holds it, or the kernel has no NFLOG) is named in
+    /// the log and leaves `observe` empty and the rules without a log
+    /// statement: enforcement never depends on logging.
+    pub fn start_policy_events(&self) {
+        let Some(group) = self.config.policy_log_group else {
+            return;
+        };
+        let socket = match nflog::open(group) {
+            Ok(socket) => socket,
+            Err(e) => {
+                tracing::warn!(error = %e, group, "cannot read the policy's NFLOG group (--nft-policy-log-group): observe shows nothing");
+                return;
+            }
+        };
+        lock(&self.state).log_group = Some(group);
+        let state = self.state.clone();
+        let resolve = move |digest: &str| {
+            lock(&state)
+                .book
+                .rule_counts()
+                .into_keys()
+                .find(|k| nflog::digest(k) == digest)
+        };
+        tokio::spawn(nflog::read(
+            socket,
+            resolve,
+            self.events_lost.clone(),
+            self.cancel.clone(),
+        ));
     }
 }
 
@@ -122,25 +172,36 @@ fn apply_blocking(
     } else {
         ruleset::Existing::default()
     };
-    let mut st = lock(state);
+    let mut guard = lock(state);
+    let st = &mut *guard;
     let plan = st.ruleset.plan(delta, &existing);
     let lines = plan.script.lines().count();
-    // Policy: recompiled when the delta may change it (or the kernel refused it
-    // last time: every transaction tries again), in the same transaction.
-    let policy_changed = st.book.apply(delta);
-    let retry = st.policy_failure.is_some();
-    let policy_plan = (delta.full || policy_changed || retry).then(|| st.book.plan());
-    let policy_script = |objects: &PolicyObjects, old: &PolicyObjects| {
+    // Policy: what the delta changed (a full delta: everything; after a refusal
+    // every transaction tries the whole plan again), in the same transaction.
+    let change = st.book.apply(delta);
+    let policy_plan = st.book.plan();
+    let pending = |kind: policy::Objects| {
         if delta.full {
-            policy::full_script(objects, &existing.chains, set_size)
+            let chains = &existing.chains;
+            Some(policy::Programmed::full(
+                policy_plan,
+                kind,
+                chains,
+                set_size,
+            ))
+        } else if st.policy_failure.is_some() || kind == policy::Objects::Failed {
+            let all = st.policy.all_addresses(policy_plan);
+            Some(st.policy.change(policy_plan, &all, kind))
+        } else if !change.addresses.is_empty() {
+            Some(st.policy.change(policy_plan, &change.addresses, kind))
         } else {
-            policy::change_script(old, objects)
+            None
         }
     };
-    let desired = policy_plan.as_ref().map(policy::objects);
+    let desired = pending(policy::Objects::Rules(st.log_group));
     let policy_part = desired
         .as_ref()
-        .map(|o| policy_script(o, &st.policy))
+        .map(|p| p.script.clone())
         .unwrap_or_default();
     // An element-only change goes to the kernel as one netlink batch; should the
     // kernel refuse it (nothing applied), `nft` gets the same transaction.
@@ -168,20 +229,20 @@ fn apply_blocking(
         let script = format!("{}{policy_part}", plan.script);
         match nft.apply(&script) {
             Ok(()) => {
-                if let Some(objects) = desired {
-                    st.policy = objects;
+                if let Some(pending) = desired {
+                    st.policy.commit(pending);
                     st.policy_failure = None;
                 }
             }
             Err(e) if !policy_part.is_empty() => {
                 // Fail closed: the same transaction with every guarded address
                 // refused instead of the policy the kernel did not take.
-                let policy_plan = policy_plan.as_ref().expect("policy_part comes from a plan");
-                let failed = policy::failed_objects(policy_plan);
-                let script = format!("{}{}", plan.script, policy_script(&failed, &st.policy));
+                let failed =
+                    pending(policy::Objects::Failed).expect("policy_part comes from a change");
+                let script = format!("{}{}", plan.script, failed.script);
                 nft.apply(&script)?;
                 tracing::error!(error = %e, "the kernel refused the policy: guarded traffic is refused");
-                st.policy = failed;
+                st.policy.commit(failed);
                 st.policy_failure = Some(e.to_string());
             }
             Err(e) => return Err(e),
@@ -215,6 +276,7 @@ impl NftablesDataPlane {
         PolicyCollector {
             nft: self.nft.clone(),
             state: self.state.clone(),
+            events_lost: self.events_lost.clone(),
         }
     }
 }
@@ -223,6 +285,7 @@ impl NftablesDataPlane {
 pub struct PolicyCollector {
     nft: Nft,
     state: Arc<Mutex<State>>,
+    events_lost: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for PolicyCollector {
@@ -237,15 +300,26 @@ impl prometheus_client::collector::Collector for PolicyCollector {
         mut encoder: prometheus_client::encoding::DescriptorEncoder,
     ) -> Result<(), std::fmt::Error> {
         let rules = lock(&self.state).book.rule_counts();
-        if rules.is_empty() {
-            return crate::policy::metrics::encode(&mut encoder, &Default::default(), &rules);
-        }
-        let counts = self
-            .nft
-            .named_counters()
-            .map(|c| policy::verdict_counts(&c))
-            .unwrap_or_default();
-        crate::policy::metrics::encode(&mut encoder, &counts, &rules)
+        let counts = if rules.is_empty() {
+            Default::default()
+        } else {
+            self.nft
+                .named_counters()
+                .map(|c| policy::verdict_counts(&c))
+                .unwrap_or_default()
+        };
+        crate::policy::metrics::encode(&mut encoder, &counts, &rules)?;
+        let mut family = encoder.encode_descriptor(
+            "policy_events_dropped",
+            "Policy verdict events not written for `observe`, by reason",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        let lost = self.events_lost.load(Ordering::Relaxed);
+        prometheus_client::encoding::EncodeMetric::encode(
+            &prometheus_client::metrics::counter::ConstCounter::new(lost),
+            family.encode_family(&[("reason", "buffer_full")])?,
+        )
     }
 }
 
@@ -326,6 +400,7 @@ impl DataPlane for NftablesDataPlane {
         if self.shut.swap(true, Ordering::SeqCst) {
             return;
         }
+        self.cancel.cancel();
         if self.config.keep_rules_on_stop {
             tracing::info!(
                 table = ruleset::TABLE,

@@ -15,13 +15,17 @@
 //!   the reporting service and mode that counts (named counters
 //!   `pc-DIR-KIND-NS/NAME`) and returns (allowed, or audit) or drops; a return
 //!   from a goto'd chain ends that direction's check, so a packet between two
-//!   guarded addresses is checked both ways.
+//!   guarded addresses is checked both ways. The refusing chains first log the
+//!   packet, rate-limited, to NFLOG for `observe` (`super::nflog`).
 //! * Only the sixteen lookup rules bind the maps (binding walks a map's elements):
 //!   a full sync is elements and one-rule chains, and a change is elements (plus
 //!   the chains of a service's first policy).
 //! * Fail closed ([`failed_objects`]): when the kernel refuses the policy, each
 //!   guarded address `goto`s `pol-fail-DIR-NS/NAME`, which counts and drops (audit
 //!   policies: returns).
+//!
+//! * A change touches only the guarded addresses the plan's change names
+//!   ([`Programmed`] keeps the objects per address and the chains' use counts).
 //!
 //! Interval maps refuse overlapping keys, so each peer list is the aggregate of its
 //! prefixes (contained prefixes dropped, neighbours merged).
@@ -30,14 +34,15 @@ use super::ruleset::{TABLE, is_policy_chain};
 use crate::{
     model::{PolicyMode, Protocol, ServiceKey},
     policy::{
-        PolicyPlan,
-        metrics::{Direction, DropReason, Verdict, VerdictCounts},
+        GuardedEndpoint, PolicyPlan,
+        metrics::{Direction, DropReason},
     },
 };
 use ipnet::IpNet;
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
+    net::IpAddr,
 };
 
 /// The lookup kinds in check order, each with its key type (`A` stands for the
@@ -146,65 +151,90 @@ fn counter(d: Direction, kind: &str, key: &ServiceKey) -> String {
     format!("pc-{}-{kind}-{}/{}", dir(d), key.namespace, key.name)
 }
 
-/// The objects that enforce `plan`.
-pub fn objects(plan: &PolicyPlan) -> PolicyObjects {
+/// The objects that enforce `plan`; refused (and audit would-drop) packets are
+/// logged to NFLOG `log_group` when given (see `super::nflog`).
+pub fn objects(plan: &PolicyPlan, log_group: Option<u16>) -> PolicyObjects {
+    every_address(plan, |out, addr, guarded| {
+        address_objects(out, addr, guarded, log_group)
+    })
+}
+
+/// The objects `add` gives each guarded address of `plan`, together.
+fn every_address(
+    plan: &PolicyPlan,
+    add: impl Fn(&mut PolicyObjects, IpAddr, &GuardedEndpoint),
+) -> PolicyObjects {
     let mut out = PolicyObjects::default();
     for (addr, guarded) in &plan.endpoints {
-        for (d, rules) in [
-            (Direction::Ingress, &guarded.ingress),
-            (Direction::Egress, &guarded.egress),
-        ] {
-            let Some(rules) = rules else { continue };
-            let [ok, port, nomatch] = service_chains(&mut out, d, rules.mode, &rules.service);
-            let v4 = addr.is_ipv4();
-            let map = |kind: &str| format!("pol-{}{}{kind}", dir(d), if v4 { '4' } else { '6' });
-            let family = |n: &&IpNet| n.addr().is_ipv4() == v4;
-            let mut any = Vec::new();
-            let mut peers = Vec::new();
-            let mut by_port: BTreeMap<(Protocol, u16), Vec<IpNet>> = BTreeMap::new();
-            for rule in &rules.rules {
-                let nets = rule.peers.iter().filter(family).copied();
-                if rule.ports.is_empty() {
-                    any.extend(nets);
-                    continue;
-                }
-                let nets: Vec<IpNet> = nets.collect();
-                peers.extend(nets.iter().copied());
-                for p in &rule.ports {
-                    by_port
-                        .entry((p.protocol, p.port))
-                        .or_default()
-                        .extend(nets.iter().copied());
-                }
-            }
-            for n in IpNet::aggregate(&any) {
-                out.elements
-                    .insert((map("-any"), format!("{addr} . {n}")), ok.clone());
-            }
-            for ((protocol, p), nets) in by_port {
-                let proto = super::ruleset::proto(protocol);
-                for n in IpNet::aggregate(&nets) {
-                    let key = format!("{addr} . {n} . {proto} . {p}");
-                    out.elements.insert((map("-ports"), key), ok.clone());
-                }
-            }
-            for n in IpNet::aggregate(&peers) {
-                out.elements
-                    .insert((map("-peers"), format!("{addr} . {n}")), port.clone());
-            }
-            out.elements.insert((map(""), addr.to_string()), nomatch);
-        }
+        add(&mut out, *addr, guarded);
     }
     out
 }
 
+/// Adds the objects that enforce the rules of guarded address `addr` to `out`:
+/// its elements (each keyed by the address first) and the chains and counters
+/// they go to (whose refusals log to NFLOG `log_group` when given).
+pub fn address_objects(
+    out: &mut PolicyObjects,
+    addr: IpAddr,
+    guarded: &GuardedEndpoint,
+    log_group: Option<u16>,
+) {
+    for (d, rules) in [
+        (Direction::Ingress, &guarded.ingress),
+        (Direction::Egress, &guarded.egress),
+    ] {
+        let Some(rules) = rules else { continue };
+        let [ok, port, nomatch] = service_chains(out, d, rules.mode, &rules.service, log_group);
+        let v4 = addr.is_ipv4();
+        let map = |kind: &str| format!("pol-{}{}{kind}", dir(d), if v4 { '4' } else { '6' });
+        let family = |n: &&IpNet| n.addr().is_ipv4() == v4;
+        let mut any = Vec::new();
+        let mut peers = Vec::new();
+        let mut by_port: BTreeMap<(Protocol, u16), Vec<IpNet>> = BTreeMap::new();
+        for rule in &rules.rules {
+            let nets = rule.peers.iter().filter(family).copied();
+            if rule.ports.is_empty() {
+                any.extend(nets);
+                continue;
+            }
+            let nets: Vec<IpNet> = nets.collect();
+            peers.extend(nets.iter().copied());
+            for p in &rule.ports {
+                by_port
+                    .entry((p.protocol, p.port))
+                    .or_default()
+                    .extend(nets.iter().copied());
+            }
+        }
+        for n in IpNet::aggregate(&any) {
+            out.elements
+                .insert((map("-any"), format!("{addr} . {n}")), ok.clone());
+        }
+        for ((protocol, p), nets) in by_port {
+            let proto = super::ruleset::proto(protocol);
+            for n in IpNet::aggregate(&nets) {
+                let key = format!("{addr} . {n} . {proto} . {p}");
+                out.elements.insert((map("-ports"), key), ok.clone());
+            }
+        }
+        for n in IpNet::aggregate(&peers) {
+            out.elements
+                .insert((map("-peers"), format!("{addr} . {n}")), port.clone());
+        }
+        out.elements.insert((map(""), addr.to_string()), nomatch);
+    }
+}
+
 /// Declares the verdict chains of `key` in direction `d` and mode `mode` with
-/// their counters: allowed, peer without its port, nothing matched.
+/// their counters: allowed, peer without its port, nothing matched. The two
+/// refusing chains first log the packet (rate-limited) to NFLOG `log_group`.
 fn service_chains(
     out: &mut PolicyObjects,
     d: Direction,
     mode: PolicyMode,
     key: &ServiceKey,
+    log_group: Option<u16>,
 ) -> [String; 3] {
     let m = if mode == PolicyMode::Audit { 'a' } else { 'e' };
     let name = |what: &str| format!("pol-{what}-{}-{m}-{}/{}", dir(d), key.namespace, key.name);
@@ -212,17 +242,19 @@ fn service_chains(
     if out.chains.contains_key(&names[0]) {
         return names;
     }
-    let deny = |reason: &str| match mode {
-        PolicyMode::Enforce => format!("counter name {} drop", counter(d, reason, key)),
-        PolicyMode::Audit => format!("counter name {} return", counter(d, "audit", key)),
+    let deny = |reason: DropReason, kind: &str| {
+        let log = log_group.map(|group| super::nflog::log_rule(group, d, reason, mode, key));
+        log.into_iter()
+            .chain([deny_rule(d, mode, kind, key)])
+            .collect()
     };
     let rules = [
-        format!("counter name {} return", counter(d, "allow", key)),
-        deny("port"),
-        deny("nomatch"),
+        vec![format!("counter name {} return", counter(d, "allow", key))],
+        deny(DropReason::PortNotAllowed, "port"),
+        deny(DropReason::NoMatchingRule, "nomatch"),
     ];
-    for (chain, rule) in names.iter().zip(rules) {
-        out.chains.insert(chain.clone(), vec![rule]);
+    for (chain, rules) in names.iter().zip(rules) {
+        out.chains.insert(chain.clone(), rules);
     }
     for kind in COUNTER_KINDS {
         out.counters.insert(counter(d, kind, key));
@@ -230,31 +262,42 @@ fn service_chains(
     names
 }
 
+/// The verdict rule of a chain that refuses a packet of service `key` in direction
+/// `d` for `reason` (`port`, `nomatch` or `unprog`, each counted under its own
+/// counter): enforce drops, audit counts a would-be drop and returns (the
+/// failure chain of an audit policy just returns). Every policy drop is
+/// rendered here.
+fn deny_rule(d: Direction, mode: PolicyMode, reason: &str, key: &ServiceKey) -> String {
+    match (mode, reason) {
+        (PolicyMode::Enforce, _) => format!("counter name {} drop", counter(d, reason, key)),
+        (PolicyMode::Audit, "unprog") => "return".to_owned(),
+        (PolicyMode::Audit, _) => format!("counter name {} return", counter(d, "audit", key)),
+    }
+}
+
 /// Fail closed: every guarded address of `plan` goes to its service's failure
 /// chain, which drops and counts (`policy_unprogrammable`); audit policies pass.
 pub fn failed_objects(plan: &PolicyPlan) -> PolicyObjects {
-    let mut out = PolicyObjects::default();
-    for (addr, guarded) in &plan.endpoints {
-        for (d, rules) in [
-            (Direction::Ingress, &guarded.ingress),
-            (Direction::Egress, &guarded.egress),
-        ] {
-            let Some(rules) = rules else { continue };
-            let key = &rules.service;
-            let chain = format!("pol-fail-{}-{}/{}", dir(d), key.namespace, key.name);
-            let unprog = counter(d, "unprog", key);
-            let rule = match rules.mode {
-                PolicyMode::Enforce => format!("counter name {unprog} drop"),
-                PolicyMode::Audit => "return".to_owned(),
-            };
-            out.counters.insert(unprog);
-            out.chains.insert(chain.clone(), vec![rule]);
-            let f = if addr.is_ipv4() { '4' } else { '6' };
-            out.elements
-                .insert((format!("pol-{}{f}", dir(d)), addr.to_string()), chain);
-        }
+    every_address(plan, failed_address_objects)
+}
+
+/// Adds the fail-closed objects of guarded address `addr` to `out`.
+pub fn failed_address_objects(out: &mut PolicyObjects, addr: IpAddr, guarded: &GuardedEndpoint) {
+    for (d, rules) in [
+        (Direction::Ingress, &guarded.ingress),
+        (Direction::Egress, &guarded.egress),
+    ] {
+        let Some(rules) = rules else { continue };
+        let key = &rules.service;
+        let chain = format!("pol-fail-{}-{}/{}", dir(d), key.namespace, key.name);
+        let unprog = counter(d, "unprog", key);
+        let rule = deny_rule(d, rules.mode, "unprog", key);
+        out.counters.insert(unprog);
+        out.chains.insert(chain.clone(), vec![rule]);
+        let f = if addr.is_ipv4() { '4' } else { '6' };
+        out.elements
+            .insert((format!("pol-{}{f}", dir(d)), addr.to_string()), chain);
     }
-    out
 }
 
 /// The policy part of a full sync, after the rest of the table's script (which
@@ -347,88 +390,11 @@ fn add_elements<'a>(
     }
 }
 
-/// The commands that turn the programmed `old` objects into `new`; empty when
-/// they are equal.
-pub fn change_script(old: &PolicyObjects, new: &PolicyObjects) -> String {
-    let mut s = String::new();
-    if old == new {
-        return s;
-    }
-    // 1. Elements that change or go.
-    let mut gone: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for (key @ (map, k), chain) in &old.elements {
-        if new.elements.get(key) != Some(chain) {
-            gone.entry(map).or_default().push(k);
-        }
-    }
-    for (map, keys) in gone {
-        let _ = writeln!(s, "delete element {TABLE} {map} {{ {} }}", keys.join(", "));
-    }
-    // 2. New counters and chains (a chain's one rule never changes: its name
-    //    says what it does).
-    for c in new.counters.difference(&old.counters) {
-        let _ = writeln!(s, "add counter {TABLE} {c}");
-    }
-    for (name, rules) in &new.chains {
-        if !old.chains.contains_key(name) {
-            let _ = writeln!(s, "add chain {TABLE} {name}");
-            for r in rules {
-                let _ = writeln!(s, "add rule {TABLE} {name} {r}");
-            }
-        }
-    }
-    // 3. Elements that are new or changed.
-    add_elements(
-        &mut s,
-        new.elements
-            .iter()
-            .filter(|(key, chain)| old.elements.get(*key) != Some(*chain)),
-    );
-    // 4. What is gone.
-    for name in old.chains.keys().filter(|c| !new.chains.contains_key(*c)) {
-        let _ = writeln!(s, "delete chain {TABLE} {name}");
-    }
-    for c in old.counters.difference(&new.counters) {
-        let _ = writeln!(s, "delete counter {TABLE} {c}");
-    }
-    s
-}
+mod counts;
+mod programmed;
 
-/// The verdict counts in named counters `packets` (`pc-DIR-KIND-NS/NAME` →
-/// packets), for the policy metrics.
-pub fn verdict_counts(packets: &BTreeMap<String, u64>) -> VerdictCounts {
-    let mut out = VerdictCounts::new();
-    for (name, n) in packets {
-        let Some(rest) = name.strip_prefix("pc-") else {
-            continue;
-        };
-        let Some((d, rest)) = rest.split_once('-') else {
-            continue;
-        };
-        let Some((kind, service)) = rest.split_once('-') else {
-            continue;
-        };
-        let Some((namespace, svc)) = service.split_once('/') else {
-            continue;
-        };
-        let direction = match d {
-            "in" => Direction::Ingress,
-            "out" => Direction::Egress,
-            _ => continue,
-        };
-        let verdict = match kind {
-            "allow" => Verdict::Allow,
-            "port" => Verdict::Drop(DropReason::PortNotAllowed),
-            "nomatch" => Verdict::Drop(DropReason::NoMatchingRule),
-            "unprog" => Verdict::Drop(DropReason::PolicyUnprogrammable),
-            "audit" => Verdict::AuditWouldDrop,
-            _ => continue,
-        };
-        *out.entry((ServiceKey::new(namespace, svc), direction, verdict))
-            .or_default() += n;
-    }
-    out
-}
+pub use counts::verdict_counts;
+pub use programmed::{Objects, Pending, Programmed};
 
 #[cfg(test)]
 mod tests;

@@ -8,12 +8,13 @@ use crate::{
     lock::lock,
     model::{PolicyMode, Protocol},
     policy::{
-        PolicyBook, PolicyPlan, PolicyState, PortMatch, ServicePolicyStatus,
+        DirectionRules, PolicyBook, PolicyState, PortMatch, ServicePolicyStatus,
         metrics::{Direction, DropReason, Verdict, VerdictCounts},
     },
 };
 use prometheus_client::{collector::Collector, encoding::DescriptorEncoder};
 use std::{
+    collections::HashMap,
     net::{IpAddr, SocketAddr},
     sync::{Arc, Mutex, RwLock},
 };
@@ -27,7 +28,9 @@ pub const PARTIAL: &str = "userspace mode checks ingress through the VIPs only (
 #[derive(Debug)]
 pub struct PolicyGate {
     book: Mutex<PolicyBook>,
-    plan: RwLock<Arc<PolicyPlan>>,
+    /// The ingress rules of each guarded address, as the plan has them: patched
+    /// per changed address, each entry shared with the checks reading it.
+    ingress: RwLock<HashMap<IpAddr, Arc<DirectionRules>>>,
     counts: Mutex<VerdictCounts>,
 }
 
@@ -44,36 +47,42 @@ impl PolicyGate {
     pub fn new() -> Self {
         Self {
             book: Mutex::new(PolicyBook::every_node()),
-            plan: RwLock::new(Arc::new(PolicyPlan::default())),
+            ingress: RwLock::new(HashMap::new()),
             counts: Mutex::new(VerdictCounts::new()),
         }
     }
 
-    /// Takes a delta in, recompiling the plan when it may have changed.
+    /// Takes a delta in: the plan is updated by difference and only the guarded
+    /// addresses it changed are replaced.
     pub fn apply(&self, delta: &crate::endpoints::Delta) {
         let mut book = lock(&self.book);
-        if book.apply(delta) {
-            let plan = Arc::new(book.plan());
-            *self
-                .plan
-                .write()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = plan;
+        let change = book.apply(delta);
+        if change.addresses.is_empty() {
+            return;
+        }
+        let plan = book.plan();
+        let mut ingress = self
+            .ingress
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for addr in &change.addresses {
+            match plan.endpoints.get(addr).and_then(|g| g.ingress.clone()) {
+                Some(rules) => ingress.insert(*addr, Arc::new(rules)),
+                None => ingress.remove(addr),
+            };
         }
     }
 
     /// Whether a connection from `client` to `backend` over `protocol` may go;
     /// counts the verdict when a policy guards the backend.
     pub fn admit(&self, client: IpAddr, backend: SocketAddr, protocol: Protocol) -> bool {
-        let plan = self
-            .plan
+        let rules = self
+            .ingress
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        let Some(rules) = plan
-            .endpoints
             .get(&backend.ip())
-            .and_then(|g| g.ingress.as_ref())
-        else {
+            .cloned();
+        let Some(rules) = rules else {
             return true;
         };
         let port = PortMatch {

@@ -33,12 +33,15 @@ fn service_for(table: &RouteTable, host: &str, path: &str) -> Option<String> {
 
 #[test]
 fn hosts_and_paths_pick_the_most_specific_route() {
-    let table = RouteTable::build(&views(&[
-        ("root", "a.example.com", "/"),
-        ("api", "a.example.com", "/api"),
-        ("v1", "a.example.com", "/api/v1"),
-        ("wild", "*.example.com", "/"),
-    ]));
+    let table = RouteTable::build(
+        &views(&[
+            ("root", "a.example.com", "/"),
+            ("api", "a.example.com", "/api"),
+            ("v1", "a.example.com", "/api/v1"),
+            ("wild", "*.example.com", "/"),
+        ]),
+        &BTreeMap::new(),
+    );
     let cases = [
         ("a.example.com", "/", Some("default/root")),
         ("a.example.com", "/api", Some("default/api")),
@@ -86,6 +89,8 @@ fn the_least_loaded_backend_is_picked_and_a_failed_one_skipped() {
         path: "/".into(),
         tls: false,
         allow: Some(Vec::new()),
+        client_ca: None,
+        h2c: false,
         backends: Vec::new(),
     };
     for port in [1, 2] {
@@ -138,5 +143,15 @@ fn a_request_names_one_host_and_paths_in_another_form_than_routes_are_refused() 
         "admin",
     ] {
         assert!(!path_is_normal(bad), "{bad}");
+    }
+}
+
+#[test]
+fn port_names_say_which_upstreams_speak_h2c() {
+    for name in ["grpc", "h2c", "http2", "grpc-api", "http2-web"] {
+        assert!(speaks_h2c(name), "{name}");
+    }
+    for name in ["", "http", "web", "grpcweb", "api-grpc", "h2"] {
+        assert!(!speaks_h2c(name), "{name}");
     }
 }

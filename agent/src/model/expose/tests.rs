@@ -18,6 +18,7 @@ fn good_routes_are_accepted() {
         "{host: shop.example.com}",
         "{host: '*.example.com', path: /api/v1}",
         "{host: a.example, tls: {secret: certs/a}, allowCidrs: [198.18.0.0/15, '10.0.0.1']}",
+        "{host: a.example, tls: {mode: acme}}",
     ] {
         assert_eq!(expose_error(ONE, expose), None, "{expose}");
     }
@@ -87,12 +88,32 @@ fn bad_routes_are_refused_naming_the_field_and_value() {
         (
             ONE,
             "{host: a.example, tls: {secret: a, mode: acme}}",
-            "spec.expose.tls.mode: acme is not built yet",
+            "spec.expose.tls.secret: not used with mode acme",
+        ),
+        (
+            ONE,
+            "{host: '*.example.com', tls: {mode: acme}}",
+            "spec.expose.tls.mode: acme (HTTP-01) cannot issue a wildcard",
+        ),
+        (
+            ONE,
+            "{host: a.example, tls: {mode: manual}}",
+            "spec.expose.tls.secret: must not be empty",
         ),
         (
             ONE,
             "{host: a.example, clientCert: {caSecret: ca, mode: require}}",
-            "spec.expose.clientCert: client certificates are not built yet",
+            "spec.expose.clientCert.caSecret: client certificates need TLS",
+        ),
+        (
+            ONE,
+            "{host: a.example, tls: {secret: a}, clientCert: {caSecret: ca, mode: optional}}",
+            "spec.expose.clientCert.mode: \"optional\" is not a mode",
+        ),
+        (
+            ONE,
+            "{host: a.example, tls: {secret: a}, clientCert: {caSecret: 'x/Y', mode: require}}",
+            "spec.expose.clientCert.caSecret: \"Y\"",
         ),
     ];
     for (ports, expose, want) in cases {

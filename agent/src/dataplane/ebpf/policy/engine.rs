@@ -5,24 +5,13 @@ use super::{maps::PolicyMaps, sync::PolicySync};
 use crate::{
     dataplane::ebpf::error::MapsError,
     endpoints::Delta,
-    model::ServiceKey,
-    policy::{PolicyBook, PolicyMode, PolicyPlan, PolicyState, ServicePolicyStatus},
+    policy::{PolicyBook, PolicyState, ServicePolicyStatus},
 };
-use std::collections::BTreeMap;
-
-/// What `status` shows of a policy as written: its mode and rule counts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Written {
-    mode: PolicyMode,
-    ingress: usize,
-    egress: usize,
-}
 
 /// The policy book and the policy maps' sync engine, applied together.
 pub struct PolicyEngine<P> {
+    /// The policies held (also what `status` shows of each).
     book: PolicyBook,
-    /// Each service's policy as written, for `status`.
-    written: BTreeMap<ServiceKey, Written>,
     sync: PolicySync<P>,
     /// Why the last write of the maps failed (the next apply writes again).
     failed: Option<String>,
@@ -36,47 +25,32 @@ impl<P: PolicyMaps> PolicyEngine<P> {
     pub fn new(node_name: &str, maps: P, attached: bool) -> Self {
         Self {
             book: PolicyBook::new(node_name),
-            written: BTreeMap::new(),
             sync: PolicySync::new(maps),
             failed: None,
             attached,
         }
     }
 
-    /// Takes `delta` in and, when the plan may have changed (or the last write
-    /// failed), writes the new plan into the maps.
+    /// Takes `delta` in and, when the plan changed (or the last write failed),
+    /// writes what changed into the maps.
     pub fn apply(&mut self, delta: &Delta) -> Result<(), MapsError> {
-        if delta.full {
-            self.written.clear();
-        }
-        for key in &delta.removed {
-            self.written.remove(key);
-        }
-        for view in &delta.upserted {
-            match &view.service.spec.network_policy {
-                Some(p) => {
-                    let written = Written {
-                        mode: p.mode,
-                        ingress: p.ingress.len(),
-                        egress: p.egress.len(),
-                    };
-                    self.written.insert(view.key(), written);
-                }
-                None => {
-                    self.written.remove(&view.key());
-                }
-            }
-        }
-        if self.book.apply(delta) || self.failed.is_some() {
-            let plan = self.book.plan();
-            self.apply_plan(&plan)?;
-        }
-        Ok(())
+        let change = self.book.apply(delta);
+        let plan = self.book.plan();
+        // A full delta, or a retry after a failed write, checks every address;
+        // otherwise only the addresses the change names are written.
+        let result = if delta.full || self.failed.is_some() {
+            self.sync.apply(plan)
+        } else if !change.is_empty() {
+            self.sync.apply_change(plan, &change)
+        } else {
+            return Ok(());
+        };
+        self.written_result(result)
     }
 
-    /// Writes `plan` into the maps.
-    pub fn apply_plan(&mut self, plan: &PolicyPlan) -> Result<(), MapsError> {
-        match self.sync.apply(plan) {
+    /// Records the outcome of a write of the maps.
+    fn written_result(&mut self, result: Result<(), MapsError>) -> Result<(), MapsError> {
+        match result {
             Ok(()) => {
                 self.failed = None;
                 for (service, (_, _, state)) in self.sync.services() {
@@ -100,8 +74,8 @@ impl<P: PolicyMaps> PolicyEngine<P> {
 
     /// Each service with a policy as `status` shows it.
     pub fn statuses(&self) -> Vec<ServicePolicyStatus> {
-        self.written
-            .iter()
+        self.book
+            .policies()
             .map(|(key, policy)| {
                 let state = if !self.attached {
                     PolicyState::Partial {
@@ -120,8 +94,8 @@ impl<P: PolicyMaps> PolicyEngine<P> {
                 ServicePolicyStatus {
                     service: key.to_string(),
                     mode: policy.mode,
-                    ingress_rules: policy.ingress,
-                    egress_rules: policy.egress,
+                    ingress_rules: policy.ingress.len(),
+                    egress_rules: policy.egress.len(),
                     state,
                 }
             })

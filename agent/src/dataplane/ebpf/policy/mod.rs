@@ -4,9 +4,11 @@
 //! docs/policy-ebpf.md).
 //!
 //! [`table`] puts a plan into the maps' shape (peer prefixes with merged ports),
+//! [`store`] keeps the rule and port sets in the maps content-addressed,
 //! [`sync::PolicySync`] writes it by difference over [`maps::PolicyMaps`] (the
-//! kernel's, or a fake in tests), [`engine::PolicyEngine`] feeds it from the
-//! endpoint cache's deltas through a `PolicyBook`, [`collector`] exports the
+//! kernel's, or a fake in tests; a change writes only the addresses it names),
+//! [`engine::PolicyEngine`] feeds it from the endpoint cache's deltas through a
+//! `PolicyBook`, [`collector`] exports the
 //! verdict counters.
 
 pub mod collector;
@@ -15,6 +17,7 @@ pub mod events;
 #[cfg(test)]
 pub mod fake;
 pub mod maps;
+pub mod store;
 pub mod sync;
 pub mod table;
 

@@ -45,10 +45,20 @@ pub struct DesiredEndpoint {
 /// Every guarded address of `plan` with its rules in the maps' shape.
 #[must_use]
 pub fn desired(plan: &PolicyPlan) -> BTreeMap<IpAddr, DesiredEndpoint> {
+    desired_for(plan, plan.endpoints.keys().copied())
+}
+
+/// The guarded addresses of `plan` among `addresses` with their rules in the
+/// maps' shape (those `plan` does not guard are left out).
+#[must_use]
+pub fn desired_for(
+    plan: &PolicyPlan,
+    addresses: impl Iterator<Item = IpAddr>,
+) -> BTreeMap<IpAddr, DesiredEndpoint> {
     // The endpoints of one service mostly share their rules: each table once.
     let mut tables = HashMap::new();
-    plan.endpoints
-        .iter()
+    addresses
+        .filter_map(|addr| plan.endpoints.get_key_value(&addr))
         .map(|(addr, guarded)| {
             let endpoint = DesiredEndpoint {
                 ingress: desired_direction(&mut tables, &guarded.ingress),

@@ -9,7 +9,8 @@ use super::{
 use crate::{
     model::{Protocol, ServiceKey},
     policy::{
-        DirectionRules, GuardedEndpoint, PolicyMode, PolicyPlan, PolicyState, PortMatch, Rule,
+        DirectionRules, GuardedEndpoint, PlanChange, PolicyMode, PolicyPlan, PolicyState,
+        PortMatch, Rule,
     },
 };
 use agent_common::policy::{MODE_AUDIT, MODE_DENY_ALL, MODE_ENFORCE, MODE_NONE};
@@ -182,4 +183,58 @@ fn an_empty_plan_removes_everything() {
     let maps = sync.maps();
     assert!(maps.endpoints.is_empty() && maps.peers.is_empty() && maps.ports.is_empty());
     assert!(sync.services().is_empty());
+}
+
+/// The maps' content without ids: each guarded address's directions as (mode,
+/// peer prefixes of its rule set), the peer and port entry counts.
+fn content(sync: &PolicySync<FakePolicyMaps>) -> (Vec<String>, usize, usize) {
+    let maps = sync.maps();
+    let nets = |rules: u32| -> Vec<String> {
+        maps.peers
+            .keys()
+            .filter(|e| e.rules == rules)
+            .map(|e| e.net.to_string())
+            .collect()
+    };
+    let endpoints = maps
+        .endpoints
+        .iter()
+        .map(|(k, v)| {
+            format!(
+                "{k:?}: {} {:?} / {} {:?}",
+                v.ingress.mode,
+                nets(v.ingress.rules),
+                v.egress.mode,
+                nets(v.egress.rules)
+            )
+        })
+        .collect();
+    (endpoints, maps.peers.len(), maps.ports.len())
+}
+
+#[test]
+fn a_change_written_by_address_leaves_the_maps_as_a_full_apply_would() {
+    let before = plan(&["198.19.0.10/32"]);
+    // web's peers change and api's address goes.
+    let mut after = plan(&["198.19.0.11/32", "198.19.0.12/32"]);
+    let api: IpAddr = "198.18.2.2".parse().unwrap();
+    after.endpoints.remove(&api);
+    after.services.remove(&svc("api"));
+    let mut sync = PolicySync::new(FakePolicyMaps::new(CAPACITY));
+    sync.apply(&before).unwrap();
+    let change = PlanChange {
+        addresses: ["198.18.1.2", "198.18.1.3", "198.18.2.2"]
+            .map(|a| a.parse().unwrap())
+            .into(),
+        services: true,
+    };
+    sync.apply_change(&after, &change).unwrap();
+    let mut fresh = PolicySync::new(FakePolicyMaps::new(CAPACITY));
+    fresh.apply(&after).unwrap();
+    assert_eq!(content(&sync), content(&fresh));
+    assert_eq!(sync.services(), fresh.services());
+    // A change naming nothing writes nothing.
+    let writes = sync.maps().writes.len();
+    sync.apply_change(&after, &PlanChange::default()).unwrap();
+    assert_eq!(sync.maps().writes.len(), writes);
 }

@@ -1,4 +1,6 @@
-use super::{PolicyObjects, change_script, failed_objects, full_script, objects, verdict_counts};
+use super::{
+    Objects, PolicyObjects, Programmed, failed_objects, full_script, objects, verdict_counts,
+};
 use crate::{
     model::ServiceKey,
     policy::{
@@ -20,6 +22,18 @@ fn plan(policy: &str, eps: &str) -> PolicyPlan {
     )
 }
 
+/// What a full sync to `plan` programs.
+fn programmed(plan: &PolicyPlan) -> Programmed {
+    let mut out = Programmed::default();
+    out.commit(Programmed::full(
+        plan,
+        Objects::Rules(None),
+        &BTreeSet::new(),
+        None,
+    ));
+    out
+}
+
 /// The elements of `map` as `key : goto chain` lines.
 fn elements(o: &PolicyObjects, map: &str) -> Vec<String> {
     o.elements
@@ -36,7 +50,7 @@ fn rules_become_aggregated_elements_keyed_by_the_guarded_address() {
          {from: [{cidr: 10.0.0.0/8}], ports: [http, \"53/udp\"]}]}",
         "[{address: 198.18.11.2}]",
     );
-    let o = objects(&p);
+    let o = objects(&p, None);
     assert_eq!(
         elements(&o, "pol-in4-any"),
         ["198.18.11.2 . 198.18.0.0/16 : goto pol-ok-in-e-shop/web"]
@@ -72,7 +86,7 @@ fn audit_chains_count_and_return() {
         "{mode: audit, egress: [{to: [{cidr: 10.0.0.0/8}]}]}",
         "[{address: \"fd00:11::2\"}]",
     );
-    let o = objects(&p);
+    let o = objects(&p, None);
     assert_eq!(
         elements(&o, "pol-out6"),
         ["fd00:11::2 : goto pol-nomatch-out-a-shop/web"]
@@ -87,9 +101,13 @@ fn audit_chains_count_and_return() {
 #[test]
 fn a_new_endpoint_changes_elements_only() {
     let policy = "{ingress: [{from: [{cidr: 198.18.1.2/32}]}]}";
-    let before = objects(&plan(policy, "[{address: 198.18.11.2}]"));
-    let after = objects(&plan(policy, "[{address: 198.18.12.2}]"));
-    let script = change_script(&before, &after);
+    let (before, after) = (
+        plan(policy, "[{address: 198.18.11.2}]"),
+        plan(policy, "[{address: 198.18.12.2}]"),
+    );
+    let old = programmed(&before);
+    let pending = old.change(&after, &old.all_addresses(&after), Objects::Rules(None));
+    let script = pending.script.clone();
     let lines: Vec<&str> = script.lines().collect();
     assert_eq!(
         lines,
@@ -100,13 +118,23 @@ fn a_new_endpoint_changes_elements_only() {
             "add element inet rune pol-in4-any { 198.18.12.2 . 198.18.1.2/32 : goto pol-ok-in-e-shop/web }",
         ]
     );
-    assert_eq!(change_script(&after, &after), "");
+    let mut new = old.clone();
+    new.commit(pending);
+    assert_eq!(new, programmed(&after));
+    assert_eq!(
+        new.change(&after, &new.all_addresses(&after), Objects::Rules(None))
+            .script,
+        ""
+    );
 }
 
 #[test]
 fn a_removed_policy_takes_its_objects_along_after_its_elements() {
-    let before = objects(&plan("{ingress: [{}]}", "[{address: 198.18.11.2}]"));
-    let script = change_script(&before, &PolicyObjects::default());
+    let before = programmed(&plan("{ingress: [{}]}", "[{address: 198.18.11.2}]"));
+    let none = PolicyPlan::default();
+    let script = before
+        .change(&none, &before.all_addresses(&none), Objects::Rules(None))
+        .script;
     let chain = script
         .find("delete chain inet rune pol-ok-in-e-shop/web\n")
         .unwrap();
@@ -145,7 +173,7 @@ fn failure_objects_drop_enforced_and_pass_audited_traffic() {
 
 #[test]
 fn a_full_sync_declares_bounded_maps_and_deletes_what_is_unwanted() {
-    let o = objects(&plan("{ingress: [{}]}", "[{address: 198.18.11.2}]"));
+    let o = objects(&plan("{ingress: [{}]}", "[{address: 198.18.11.2}]"), None);
     let existing = BTreeSet::from([
         "pol-ok-in-e-shop/web".to_owned(),
         "pol-ok-out-a-shop/gone".to_owned(),
@@ -195,4 +223,48 @@ fn named_counters_map_back_to_verdicts() {
         counts[&(web, Direction::Ingress, Verdict::AuditWouldDrop)],
         5
     );
+}
+
+#[test]
+fn changes_by_address_program_what_a_full_sync_would() {
+    // Two services sharing 198.18.11.3: its rules are the union, its chains the
+    // first service's; the steps add, share, swap and remove addresses.
+    let steps = [
+        ("[{address: 198.18.11.2}]", "[]"),
+        ("[{address: 198.18.11.2}, {address: 198.18.11.3}]", "[]"),
+        ("[{address: 198.18.11.3}]", "[{address: 198.18.11.3}]"),
+        ("[]", "[{address: 198.18.11.3}, {address: \"fd00::3\"}]"),
+        ("[]", "[]"),
+    ];
+    let ports = "[{name: http, port: 80, targetPort: 8080}]";
+    let mut programmed_by_change = Programmed::default();
+    let mut last = PolicyPlan::default();
+    for (web, api) in steps {
+        let yaml = service(
+            "shop",
+            "web",
+            ports,
+            "",
+            "{ingress: [{from: [{cidr: 198.18.1.0/24}], ports: [http]}]}",
+            web,
+        ) + &service(
+            "shop",
+            "api",
+            ports,
+            "",
+            "{mode: audit, egress: [{to: [{cidr: 10.0.0.0/8}]}]}",
+            api,
+        );
+        let now = compile("node-a", &views(&yaml));
+        let changed = programmed_by_change.all_addresses(&last);
+        let changed = changed
+            .union(&now.endpoints.keys().copied().collect())
+            .copied()
+            .collect();
+        let pending = programmed_by_change.change(&now, &changed, Objects::Rules(None));
+        programmed_by_change.commit(pending);
+        assert_eq!(programmed_by_change, programmed(&now));
+        assert_eq!(programmed_by_change.objects(), objects(&now, None));
+        last = now;
+    }
 }
