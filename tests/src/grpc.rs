@@ -12,7 +12,7 @@ use tonic::{
     codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder},
     codegen::{Service, http},
     server::{Grpc, NamedService, UnaryService},
-    transport::{Channel, Endpoint, Server, server::TcpIncoming},
+    transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Server, server::TcpIncoming},
 };
 
 /// The method's path.
@@ -151,4 +151,20 @@ pub async fn channel(addr: SocketAddr, host: &str) -> Channel {
         .connect()
         .await
         .expect("connect the gRPC channel")
+}
+
+/// A channel to `addr` over TLS (HTTP/2 chosen by ALPN) that sends `host` as SNI
+/// and authority and trusts only `ca_pem`.
+pub async fn tls_channel(addr: SocketAddr, host: &str, ca_pem: &str) -> Channel {
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca_pem))
+        .domain_name(host);
+    Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .origin(format!("https://{host}").parse().unwrap())
+        .tls_config(tls)
+        .expect("the client TLS configuration")
+        .connect()
+        .await
+        .expect("connect the gRPC channel over TLS")
 }
