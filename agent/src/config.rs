@@ -530,6 +530,15 @@ settings! {
         ingress_acme_renew_before_seconds: u64 => ingress_acme_renew_before: Duration = |s| {
             resolve::in_range(s, 30 * 86_400, 1..=365 * 86_400).map(Duration::from_secs)
         },
+        /// Seconds before a failed ACME order is tried again; each further failure
+        /// doubles the wait, up to an hour [default: 60].
+        #[arg(
+            long = "ingress-acme-retry-seconds", env = "RUNE_INGRESS_ACME_RETRY_SECONDS",
+            value_name = "S"
+        )]
+        ingress_acme_retry_seconds: u64 => ingress_acme_retry: Duration = |s| {
+            resolve::in_range(s, 60, 1..=3600).map(Duration::from_secs)
+        },
     }
 
     /// The data plane asked for and the cgroup of its socket-LB hooks: `run` and

@@ -191,6 +191,7 @@ pub async fn run(config: Config) -> Result<()> {
                         ca_bundle: config.ingress_acme_ca_bundle.clone(),
                     },
                     renew_before: config.ingress_acme_renew_before,
+                    first_retry: config.ingress_acme_retry,
                     dir: config.state_dir.join("acme"),
                 },
             },

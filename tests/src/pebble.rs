@@ -63,6 +63,9 @@ impl Pebble {
             self.api_ca().display().to_string(),
             "--ingress-acme-email".into(),
             "ops@acme.test".into(),
+            // A failed order (the test stops pebble) is tried again soon.
+            "--ingress-acme-retry-seconds".into(),
+            "2".into(),
         ]
     }
 

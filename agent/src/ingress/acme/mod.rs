@@ -47,6 +47,9 @@ pub struct AcmeSettings {
     pub server: AcmeServer,
     /// How long before expiry a certificate is renewed (at most half its lifetime).
     pub renew_before: Duration,
+    /// The wait before retrying a failed order; it doubles with each further
+    /// failure, up to an hour.
+    pub first_retry: Duration,
     /// Where the account and certificates are kept (`<state-dir>/acme`).
     pub dir: PathBuf,
 }
@@ -296,7 +299,7 @@ impl Acme {
                 // The next attempt starts from the stored account again.
                 *account = None;
                 state.failures = state.failures.saturating_add(1);
-                let wait = schedule::backoff(state.failures);
+                let wait = schedule::backoff(self.settings.first_retry, state.failures);
                 state.retry_at = Some(Instant::now() + wait);
                 state.last_error = Some(format!("{}: {error}", utc(unix(SystemTime::now()))));
                 tracing::warn!(%host, %error, retry_in = ?wait, "acme: ordering a certificate failed");

@@ -4,9 +4,6 @@
 
 use std::time::Duration;
 
-/// The first wait after a failure; it doubles with each further failure.
-pub const FIRST_BACKOFF: Duration = Duration::from_secs(5);
-
 /// The longest wait between attempts.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(3600);
 
@@ -20,12 +17,11 @@ pub fn renew_at(not_before: i64, not_after: i64, renew_before: Duration) -> i64 
     not_after.saturating_sub(ahead)
 }
 
-/// The wait after the `failures`-th failure in a row (1 for the first).
-pub fn backoff(failures: u32) -> Duration {
+/// The wait after the `failures`-th failure in a row (1 for the first): `first`,
+/// doubling with each further failure.
+pub fn backoff(first: Duration, failures: u32) -> Duration {
     let doublings = failures.saturating_sub(1).min(16);
-    FIRST_BACKOFF
-        .saturating_mul(1 << doublings)
-        .min(MAX_BACKOFF)
+    first.saturating_mul(1 << doublings).min(MAX_BACKOFF)
 }
 
 #[cfg(test)]
@@ -47,10 +43,11 @@ mod tests {
 
     #[test]
     fn failures_back_off_exponentially_up_to_a_bound() {
-        assert_eq!(backoff(1), FIRST_BACKOFF);
-        assert_eq!(backoff(2), FIRST_BACKOFF * 2);
-        assert_eq!(backoff(3), FIRST_BACKOFF * 4);
-        assert_eq!(backoff(40), MAX_BACKOFF);
-        assert!((1..40).all(|n| backoff(n) <= backoff(n + 1)));
+        let first = Duration::from_secs(60);
+        assert_eq!(backoff(first, 1), first);
+        assert_eq!(backoff(first, 2), first * 2);
+        assert_eq!(backoff(first, 3), first * 4);
+        assert_eq!(backoff(first, 40), MAX_BACKOFF);
+        assert!((1..40).all(|n| backoff(first, n) <= backoff(first, n + 1)));
     }
 }
