@@ -3,7 +3,11 @@
 
 use crate::http::{Curled, HttpBackend, curl};
 use rune_harness::agent::{Agent, eventually, free_port, metric};
-use std::{net::IpAddr, path::Path, time::Duration};
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::Path,
+    time::Duration,
+};
 use tempfile::TempDir;
 
 /// The dev port offset of the ingress tests' agents.
@@ -133,11 +137,17 @@ fn start_agent(state: &Path, http: u16, https: u16, extra: &[&str]) -> Agent {
 /// A service `name` exposed with `expose` (a YAML flow mapping's inside) and
 /// endpoints at `backends` (one port, shared by all).
 pub fn exposed(name: &str, expose: &str, backends: &[&HttpBackend]) -> String {
-    let port = backends.first().map_or(80, |b| b.addr.port());
+    let addrs: Vec<SocketAddr> = backends.iter().map(|b| b.addr).collect();
+    exposed_at(name, expose, &addrs)
+}
+
+/// [`exposed`] with endpoints at `addrs` (one port, the first's, shared by all).
+pub fn exposed_at(name: &str, expose: &str, addrs: &[SocketAddr]) -> String {
+    let port = addrs.first().map_or(80, SocketAddr::port);
     let service_port = free_port() - OFFSET;
-    let endpoints: Vec<String> = backends
+    let endpoints: Vec<String> = addrs
         .iter()
-        .map(|b| format!("{{address: {}, ready: true}}", b.addr.ip()))
+        .map(|a| format!("{{address: {}, ready: true}}", a.ip()))
         .collect();
     format!(
         "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: {name}}}\n\

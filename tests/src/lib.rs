@@ -9,6 +9,7 @@ pub mod http;
 pub mod ingress;
 pub mod maps;
 pub mod modes;
+pub mod nginx;
 pub mod observe;
 pub mod pebble;
 pub mod vip;
