@@ -14,6 +14,7 @@
 //! | [`cgroup`] | cgroup v2 children for socket-LB tests |
 //! | [`agent`] | the `rune-agent` process, its CLI, metrics and readiness |
 //! | [`etcd`] | a real etcd on loopback (TLS optional), its outages, a cuttable relay |
+//! | [`nginx`] | Debian's nginx as a child process, configured under one directory |
 //! | [`packet`] | hand-built frames with valid checksums, and their parser |
 //! | [`prog_test_run`] | `BPF_PROG_TEST_RUN` on a loaded program |
 //! | [`test_programs`] | the test-only eBPF object (`rune_xdp_pass`, bench drivers) |
@@ -27,6 +28,7 @@ pub mod cgroup;
 pub mod cluster;
 pub mod etcd;
 pub mod netns;
+pub mod nginx;
 pub mod packet;
 pub mod prog_test_run;
 pub mod test_programs;

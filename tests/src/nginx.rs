@@ -5,7 +5,7 @@ use rune_harness::agent::{eventually, free_port};
 use std::{
     net::{SocketAddr, TcpStream},
     path::PathBuf,
-    process::{Child, Command, Stdio},
+    process::{Child, Command},
     time::Duration,
 };
 use tempfile::TempDir;
@@ -28,28 +28,16 @@ impl FileServer {
             .tempdir()
             .unwrap();
         let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
-        let d = dir.path().display();
-        std::fs::create_dir(dir.path().join("files")).unwrap();
-        let config = format!(
-            "daemon off;\nmaster_process off;\nworker_processes 1;\npid {d}/nginx.pid;\n\
-             error_log {d}/error.log warn;\nevents {{ worker_connections 256; }}\nhttp {{\n\
-             access_log off;\nclient_body_temp_path {d}/body;\nproxy_temp_path {d}/proxy;\n\
-             fastcgi_temp_path {d}/fastcgi;\nuwsgi_temp_path {d}/uwsgi;\nscgi_temp_path {d}/scgi;\n\
-             server {{ listen {addr}; root {d}/files; client_max_body_size {max_body_mib}m;\n\
-             dav_methods PUT DELETE; create_full_put_path on; }}\n}}\n"
+        let files = dir.path().join("files");
+        std::fs::create_dir(&files).unwrap();
+        let http = format!(
+            "server {{ listen {addr}; root {}; client_max_body_size {max_body_mib}m;\n\
+             dav_methods PUT DELETE; create_full_put_path on; }}",
+            files.display()
         );
-        let conf = dir.path().join("nginx.conf");
-        std::fs::write(&conf, config).unwrap();
-        let child = Command::new("nginx")
-            .arg("-p")
-            .arg(dir.path())
-            .arg("-c")
-            .arg(&conf)
-            .arg("-e")
-            .arg(dir.path().join("error.log"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+        let mut cmd = Command::new("nginx");
+        rune_harness::nginx::configure(&mut cmd, dir.path(), &http).unwrap();
+        let child = cmd
             .spawn()
             .expect("start nginx (cargo xtask setup installs it)");
         let server = FileServer { addr, child, dir };

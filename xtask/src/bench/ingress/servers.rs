@@ -50,27 +50,9 @@ pub(super) fn self_signed(cert: &Path, key: &Path, cn: &str) -> Result<()> {
 /// nginx in the foreground as one process, config and logs under `dir`, with
 /// `server` inside `http`.
 pub(super) fn nginx(dir: &Path, server: &str) -> Result<Reaped> {
-    std::fs::create_dir_all(dir)?;
-    let d = dir.display();
-    let config = format!(
-        "daemon off;\nmaster_process off;\nworker_processes 1;\npid {d}/nginx.pid;\n\
-         error_log {d}/error.log warn;\nevents {{ worker_connections 4096; }}\nhttp {{\n\
-         access_log off;\nclient_body_temp_path {d}/body;\nproxy_temp_path {d}/proxy;\n\
-         fastcgi_temp_path {d}/fastcgi;\nuwsgi_temp_path {d}/uwsgi;\nscgi_temp_path {d}/scgi;\n\
-         {server}\n}}\n"
-    );
-    let conf = dir.join("nginx.conf");
-    std::fs::write(&conf, config)?;
-    let child = Command::new("nginx")
-        .arg("-p")
-        .arg(dir)
-        .arg("-c")
-        .arg(&conf)
-        .arg("-e")
-        .arg(dir.join("error.log"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(File::create(dir.join("stderr.log"))?)
+    let mut cmd = Command::new("nginx");
+    rune_harness::nginx::configure(&mut cmd, dir, server)?;
+    let child = cmd
         .spawn()
         .context("starting nginx (cargo xtask setup installs nginx-light)")?;
     Ok(Reaped(child))

@@ -10,11 +10,10 @@ use rune_harness::{
     topology::{CLIENT_IF, Topology, TopologyConfig},
 };
 use std::{
-    fs::File,
     io::{Read as _, Write as _},
     net::{Ipv4Addr, SocketAddr, TcpStream},
     path::Path,
-    process::{Child, Command, Stdio},
+    process::{Child, Command},
     thread::sleep,
     time::{Duration, Instant},
 };
@@ -68,25 +67,12 @@ impl Drop for Reaped {
 /// config, temp paths, pid file and error log under `dir`: `200 ok` for every
 /// request, no access log, no keep-alive (nginx closes each connection first).
 pub(super) fn nginx(ns: &NetNs, dir: &Path) -> Result<Reaped> {
-    std::fs::create_dir_all(dir)?;
-    let d = dir.display();
-    let config = format!(
-        "daemon off;\nmaster_process off;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\nevents {{ worker_connections 4096; }}\nhttp {{\n  access_log off;\n  keepalive_timeout 0;\n  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n  fastcgi_temp_path {d}/fastcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n  server {{\n    listen 80;\n    return 200 \"ok\";\n  }}\n}}\n"
-    );
-    let conf = dir.join("nginx.conf");
-    std::fs::write(&conf, config)?;
-    let stderr = File::create(dir.join("stderr.log"))?;
     let mut cmd = in_netns(ns, "nginx")?;
-    // `-e`: the startup log before the config is read, not the packaged default.
-    cmd.arg("-p")
-        .arg(dir)
-        .arg("-c")
-        .arg(&conf)
-        .arg("-e")
-        .arg(dir.join("error.log"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(stderr);
+    rune_harness::nginx::configure(
+        &mut cmd,
+        dir,
+        "keepalive_timeout 0;\nserver { listen 80; return 200 \"ok\"; }",
+    )?;
     let child = cmd
         .spawn()
         .context("starting nginx (cargo xtask setup installs nginx-light)")?;
