@@ -22,29 +22,31 @@
 //!
 //! The store is opened in redb's exclusive-writer mode: a second open (another agent,
 //! or the CLI while an agent runs) fails with [`LogError::Locked`].
+//!
+//! Here opening and reading; the writers in `write`, the watchers in `watcher`,
+//! the VIP index in [`vips`].
 
 pub use super::store::{ApplyError, ApplyOutcome, Change};
-use super::{Event, EventStream, LogError, OrderedLog, Revision, Snapshot};
+use super::{LogError, Revision};
 use crate::model::{Kind, Object, ObjectKey, parse_stored};
-use async_trait::async_trait;
 use redb::{
     Database, DatabaseError, ReadableDatabase, ReadableTable, Table, TableDefinition,
     WriteTransaction,
 };
 use serde::{Deserialize, Serialize};
 use std::{
-    collections::VecDeque,
     fmt,
     ops::ControlFlow,
     os::unix::fs::{DirBuilderExt, OpenOptionsExt},
     path::{Path, PathBuf},
-    sync::{Arc, Weak},
-    time::Instant,
+    sync::Arc,
 };
 
 mod object_store;
 mod reads;
 mod vips;
+mod watcher;
+mod write;
 use tokio::sync::watch;
 
 /// The file name of the store inside the state dir.
@@ -52,9 +54,6 @@ pub const STORE_FILE: &str = "store.redb";
 
 /// How many events are kept for watchers by default.
 pub const DEFAULT_HISTORY: u64 = 10_000;
-
-/// Most events a watcher reads in one transaction.
-const WATCH_BATCH: usize = 256;
 
 /// redb's cache; the store is small, and redb's default (1 GiB) is meant for big ones.
 /// The agent reads the whole store once at start and then only the log's tail, so
@@ -197,164 +196,6 @@ impl EmbeddedLog {
     /// The last committed revision (0 for an empty log).
     pub fn revision(&self) -> Revision {
         *self.inner.committed.borrow()
-    }
-
-    /// Stores `objects` all or nothing, in one transaction. Each object is checked on
-    /// its own and against the rest of the batch and the store's VIP index (a VIP
-    /// another service owns is refused); an object equal to the stored one is
-    /// [`Change::Unchanged`]; every other one gets its own, strictly increasing
-    /// revision and a `Put` event.
-    ///
-    /// Costs what the batch writes: one lookup per object and per VIP, whatever the
-    /// store holds. Events that the history limit would compact in this same
-    /// transaction are not written to the log at all.
-    pub fn apply(&self, objects: Vec<Object>) -> Result<ApplyOutcome, ApplyError> {
-        let started = Instant::now();
-        let count = objects.len();
-        let keys = super::store::check_batch(&objects)?;
-        let inner = &self.inner;
-        let txn = inner.begin_write()?;
-        let (start, revision, results) = {
-            let mut table = txn.open_table(OBJECTS).map_err(|e| inner.storage(e))?;
-            let mut index = txn.open_table(vips::VIPS).map_err(|e| inner.storage(e))?;
-            vips::check(&index, &objects, &keys, &inner.path).map_err(|e| match e {
-                vips::CheckError::Invalid(e) => ApplyError::Invalid(e),
-                vips::CheckError::Log(e) => ApplyError::Log(e),
-            })?;
-            // The Services of the batch's Endpoints: from the batch, else stored
-            // (looked up in the batch's key set: a scan of the batch per Endpoints
-            // would make a large apply quadratic).
-            let mut services = Vec::new();
-            for o in objects.iter().filter(|o| o.kind() == Kind::Endpoints) {
-                let key = ObjectKey::new(Kind::Service, &o.key().namespace, &o.key().name);
-                if keys.contains(&key) {
-                    continue;
-                }
-                let stored = table
-                    .get(key_string(&key).as_str())
-                    .map_err(|e| inner.storage(e))?
-                    .and_then(|v| vips::parse_old(v.value().1));
-                services.extend(stored);
-            }
-            drop(keys);
-            crate::model::check_endpoint_ports(objects.iter().chain(&services), &objects)?;
-            let mut meta = txn.open_table(META).map_err(|e| inner.storage(e))?;
-            let start = read_meta(&meta, META_REVISION, &inner.path)?;
-            let mut revision = start;
-            let mut results = Vec::with_capacity(count);
-            // (revision, document) of each change, for the log.
-            let mut events: Vec<(Revision, String)> = Vec::new();
-            for object in objects {
-                let key = object.key();
-                let owner = key_string(&key);
-                let doc = object.to_json().to_string();
-                let old_doc = table
-                    .get(owner.as_str())
-                    .map_err(|e| inner.storage(e))?
-                    .map(|v| v.value().1.to_owned());
-                // Equal text is an equal object; other text may still parse equal
-                // (a document an older agent wrote differently).
-                let old = old_doc
-                    .as_deref()
-                    .filter(|d| *d != doc)
-                    .map(|d| (d, vips::parse_old(d)));
-                let change = match (&old_doc, &old) {
-                    (None, _) => Change::Created,
-                    (Some(_), None) => Change::Unchanged,
-                    (Some(_), Some((_, Some(o)))) if *o == object => Change::Unchanged,
-                    (Some(_), Some(_)) => Change::Configured,
-                };
-                if change != Change::Unchanged {
-                    revision += 1;
-                    table
-                        .insert(owner.as_str(), (revision, doc.as_str()))
-                        .map_err(|e| inner.storage(e))?;
-                    match &old {
-                        Some((_, None)) => {
-                            vips::forget_owner(&mut index, &owner, &inner.path)?;
-                            vips::update(&mut index, &owner, None, Some(&object), &inner.path)?;
-                        }
-                        Some((_, Some(o))) => {
-                            vips::update(&mut index, &owner, Some(o), Some(&object), &inner.path)?
-                        }
-                        None => vips::update(&mut index, &owner, None, Some(&object), &inner.path)?,
-                    }
-                    events.push((revision, doc));
-                }
-                results.push((key, change));
-            }
-            if revision != start {
-                let mut log = txn.open_table(LOG).map_err(|e| inner.storage(e))?;
-                // Only the events the history keeps: older ones would be compacted by
-                // finish_write in this same transaction, unseen by any watcher.
-                let cut = revision.saturating_sub(inner.history);
-                for (rev, doc) in events.iter().filter(|(rev, _)| *rev > cut) {
-                    log.insert(*rev, put_event(doc).as_str())
-                        .map_err(|e| inner.storage(e))?;
-                }
-                inner.finish_write(&mut meta, &mut log, revision)?;
-            }
-            (start, revision, results)
-        };
-        if revision == start {
-            txn.abort().map_err(|e| inner.storage(e))?;
-        } else {
-            inner.commit(txn, revision)?;
-        }
-        tracing::debug!(
-            objects = count,
-            changed = revision - start,
-            revision,
-            elapsed_us = started.elapsed().as_micros() as u64,
-            "store apply"
-        );
-        Ok(ApplyOutcome { revision, results })
-    }
-
-    /// Deletes one object, leaving a `Delete` event. Returns its revision, or `None`
-    /// when there was no such object (not an error: the caller can tell).
-    pub fn delete(&self, key: &ObjectKey) -> Result<Option<Revision>, LogError> {
-        let inner = &self.inner;
-        let txn = inner.begin_write()?;
-        let revision = {
-            let mut table = txn.open_table(OBJECTS).map_err(|e| inner.storage(e))?;
-            let owner = key_string(key);
-            let removed = table
-                .remove(owner.as_str())
-                .map_err(|e| inner.storage(e))?
-                .map(|v| v.value().1.to_owned());
-            if let Some(doc) = removed {
-                let mut index = txn.open_table(vips::VIPS).map_err(|e| inner.storage(e))?;
-                if key.kind == Kind::Service {
-                    match vips::parse_old(&doc) {
-                        Some(old) => {
-                            vips::update(&mut index, &owner, Some(&old), None, &inner.path)?
-                        }
-                        None => vips::forget_owner(&mut index, &owner, &inner.path)?,
-                    }
-                }
-                let mut log = txn.open_table(LOG).map_err(|e| inner.storage(e))?;
-                let mut meta = txn.open_table(META).map_err(|e| inner.storage(e))?;
-                let revision = read_meta(&meta, META_REVISION, &inner.path)? + 1;
-                let event = StoredEvent::Delete {
-                    key: StoredKey {
-                        kind: key.kind,
-                        namespace: key.namespace.clone(),
-                        name: key.name.clone(),
-                    },
-                };
-                inner.append(&mut log, revision, &event)?;
-                inner.finish_write(&mut meta, &mut log, revision)?;
-                Some(revision)
-            } else {
-                None
-            }
-        };
-        match revision {
-            Some(r) => inner.commit(txn, r)?,
-            None => txn.abort().map_err(|e| inner.storage(e))?,
-        }
-        Ok(revision)
     }
 
     /// The objects matching the filters (each `None` matches all), ordered by key,
@@ -504,57 +345,6 @@ impl Inner {
         })?;
         Ok((revision, objects))
     }
-
-    /// (current revision, oldest watchable revision).
-    fn bounds(&self) -> Result<(Revision, Revision), LogError> {
-        let txn = self.db.begin_read().map_err(|e| self.storage(e))?;
-        let meta = txn.open_table(META).map_err(|e| self.storage(e))?;
-        Ok((
-            read_meta(&meta, META_REVISION, &self.path)?,
-            read_meta(&meta, META_OLDEST, &self.path)?,
-        ))
-    }
-
-    /// Up to `limit` events after `after`, which must follow it without a gap;
-    /// [`LogError::Compacted`] when they are gone.
-    fn read_events(&self, after: Revision, limit: usize) -> Result<Vec<Event>, LogError> {
-        let txn = self.db.begin_read().map_err(|e| self.storage(e))?;
-        let meta = txn.open_table(META).map_err(|e| self.storage(e))?;
-        let log = txn.open_table(LOG).map_err(|e| self.storage(e))?;
-        let current = read_meta(&meta, META_REVISION, &self.path)?;
-        let oldest = read_meta(&meta, META_OLDEST, &self.path)?;
-        if after < oldest {
-            return Err(LogError::Compacted {
-                requested: after,
-                oldest,
-            });
-        }
-        let mut out = Vec::new();
-        let mut expected = after + 1;
-        for row in log
-            .range(expected..)
-            .map_err(|e| self.storage(e))?
-            .take(limit)
-        {
-            let (k, v) = row.map_err(|e| self.storage(e))?;
-            let revision = k.value();
-            if revision != expected {
-                return Err(LogError::Corrupt {
-                    what: format!("revision {expected}"),
-                    message: format!("missing from the log (next stored is {revision})"),
-                });
-            }
-            out.push(parse_event(revision, v.value())?);
-            expected += 1;
-        }
-        if out.is_empty() && current > after {
-            return Err(LogError::Corrupt {
-                what: format!("revision {expected}"),
-                message: format!("missing from the log (the log is at {current})"),
-            });
-        }
-        Ok(out)
-    }
 }
 
 fn storage(path: &Path, e: impl fmt::Display) -> LogError {
@@ -602,119 +392,6 @@ fn parse_key_string(s: &str) -> Option<ObjectKey> {
     let namespace = parts.next()?;
     let name = parts.next()?;
     Some(ObjectKey::new(kind, namespace, name))
-}
-
-fn parse_event(revision: Revision, text: &str) -> Result<Event, LogError> {
-    let corrupt = |message: String| LogError::Corrupt {
-        what: format!("revision {revision}"),
-        message,
-    };
-    match serde_json::from_str(text).map_err(|e| corrupt(e.to_string()))? {
-        StoredEvent::Put { object } => Ok(Event::Put {
-            revision,
-            object: parse_stored(&object.to_string()).map_err(|e| corrupt(e.to_string()))?,
-        }),
-        StoredEvent::Delete { key } => Ok(Event::Delete {
-            revision,
-            key: ObjectKey::new(key.kind, key.namespace, key.name),
-        }),
-    }
-}
-
-/// Runs blocking store work off the async threads.
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, LogError> + Send + 'static,
-) -> Result<T, LogError> {
-    match tokio::task::spawn_blocking(f).await {
-        Ok(r) => r,
-        // A panic in the store layer becomes an error the caller can report and retry
-        // (the watch loop resyncs), instead of silently ending the caller's task.
-        Err(e) if e.is_panic() => Err(LogError::Storage {
-            path: "store task".into(),
-            message: format!("panicked: {e}"),
-        }),
-        // Cancelled: the runtime is shutting down.
-        Err(_) => Err(LogError::Closed),
-    }
-}
-
-/// A watcher's position: what it delivered last and what it has read but not yet
-/// delivered (at most one batch).
-struct Cursor {
-    inner: Weak<Inner>,
-    committed: watch::Receiver<Revision>,
-    last: Revision,
-    pending: VecDeque<Event>,
-    done: bool,
-}
-
-impl Cursor {
-    async fn next(mut self) -> Option<(Result<Event, LogError>, Cursor)> {
-        if self.done {
-            return None;
-        }
-        loop {
-            if let Some(event) = self.pending.pop_front() {
-                self.last = event.revision();
-                return Some((Ok(event), self));
-            }
-            if *self.committed.borrow_and_update() > self.last {
-                let Some(inner) = self.inner.upgrade() else {
-                    return self.fail(LogError::Closed);
-                };
-                let after = self.last;
-                match blocking(move || inner.read_events(after, WATCH_BATCH)).await {
-                    Ok(events) => self.pending.extend(events),
-                    Err(e) => return self.fail(e),
-                }
-                continue;
-            }
-            if self.committed.changed().await.is_err() {
-                return self.fail(LogError::Closed);
-            }
-        }
-    }
-
-    fn fail(mut self, e: LogError) -> Option<(Result<Event, LogError>, Cursor)> {
-        self.done = true;
-        Some((Err(e), self))
-    }
-}
-
-#[async_trait]
-impl OrderedLog for EmbeddedLog {
-    async fn snapshot(&self) -> Result<Snapshot, LogError> {
-        let inner = self.inner.clone();
-        let (revision, objects) = blocking(move || inner.read_all()).await?;
-        Ok(Snapshot { revision, objects })
-    }
-
-    async fn watch(&self, from: Revision) -> Result<EventStream, LogError> {
-        // Subscribe first, so no commit after the bounds check goes unnoticed.
-        let committed = self.inner.committed.subscribe();
-        let inner = self.inner.clone();
-        let (current, oldest) = blocking(move || inner.bounds()).await?;
-        if from > current {
-            return Err(LogError::FutureRevision {
-                requested: from,
-                current,
-            });
-        }
-        if from < oldest {
-            return Err(LogError::Compacted {
-                requested: from,
-                oldest,
-            });
-        }
-        let cursor = Cursor {
-            inner: Arc::downgrade(&self.inner),
-            committed,
-            last: from,
-            pending: VecDeque::new(),
-            done: false,
-        };
-        Ok(Box::pin(futures::stream::unfold(cursor, Cursor::next)))
-    }
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 use super::*;
 use crate::model::ModelError;
 use crate::model::parse_documents;
+use crate::orderedlog::{Event, EventStream, OrderedLog};
 use futures::StreamExt;
 use std::{collections::BTreeMap, time::Duration};
 use tokio::time::timeout;
