@@ -28,8 +28,8 @@ fn grpc_service(name: &str, expose: &str, port_name: &str, server: SocketAddr) -
     )
 }
 
-#[test]
-fn a_grpc_call_passes_through_to_an_h2c_upstream() {
+/// The ingress, a runtime for the test's gRPC server and client, and the server.
+fn scene() -> (Ingress, tokio::runtime::Runtime, SocketAddr) {
     let ingress = Ingress::start();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -37,6 +37,12 @@ fn a_grpc_call_passes_through_to_an_h2c_upstream() {
         .build()
         .unwrap();
     let server = serve_echo(&runtime, ip("127.0.0.1"));
+    (ingress, runtime, server)
+}
+
+#[test]
+fn a_grpc_call_passes_through_to_an_h2c_upstream() {
+    let (ingress, runtime, server) = scene();
     let mut yaml = grpc_service("echo", "host: grpc.test", "grpc", server);
     // The same server behind a port whose name says nothing: HTTP/1.1 upstream.
     yaml += &grpc_service("plain", "host: plain.test", "web", server);
@@ -83,13 +89,7 @@ fn a_grpc_call_passes_through_to_an_h2c_upstream() {
 
 #[test]
 fn a_grpc_call_over_tls_passes_through_to_an_h2c_upstream() {
-    let ingress = Ingress::start();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let server = serve_echo(&runtime, ip("127.0.0.1"));
+    let (ingress, runtime, server) = scene();
     let ca = TestCa::new("grpc test CA");
     let (cert, key) = ca.leaf("grpcs.test");
     let mut yaml = tls_secret("grpcs-cert", &cert, &key) + "\n---\n";
