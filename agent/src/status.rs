@@ -7,25 +7,28 @@
 //! [`StatusSource`] ([`LiveStatus`]), whose summary costs the same whatever the
 //! node carries and whose service list is one pass over the cache and the data
 //! plane's ports. Without a running agent the CLI reads the store instead.
+//!
+//! Here the status's shape; where it comes from in `sources`, its text form in
+//! `render`, the store link in [`store`].
 
 use crate::{
-    agent::Agent,
-    dataplane::{DataPlane, PortState, ServicePortStatus, TrafficCounters},
-    dns::DnsState,
     endpoints::{EndpointCache, ServiceView},
     model::ServiceKey,
-    orderedlog::{Revision, embedded::EmbeddedLog},
+    orderedlog::Revision,
 };
 use serde::{Deserialize, Serialize};
 use std::{
-    collections::{BTreeMap, HashMap},
-    fmt::Write as _,
+    collections::BTreeMap,
     net::{IpAddr, SocketAddr},
-    path::{Path, PathBuf},
-    sync::{Arc, Weak},
+    path::Path,
 };
 
+mod render;
+mod sources;
 pub mod store;
+
+pub use render::render_orphan;
+pub use sources::{LiveStatus, StoreStatus};
 
 /// The most services (and, apart, orphan endpoints) the summary lists; beyond it
 /// they are counted only, and `status --all` or `status SERVICE` shows them. Twenty
@@ -350,256 +353,6 @@ pub fn whole(source: &dyn StatusSource) -> Result<AgentStatus, StatusError> {
     Ok(st)
 }
 
-/// The running agent's status: the cache, the data plane, DNS and the agent's
-/// subsystems.
-pub struct LiveStatus {
-    /// The agent (readiness, identity, subsystems); weak, so that status does not
-    /// keep a stopping agent alive.
-    pub agent: Weak<Agent>,
-    /// The endpoint cache: revision, counts, services.
-    pub cache: Arc<EndpointCache>,
-    /// The data plane: mode, programs, each port's state and counters.
-    pub plane: Arc<dyn DataPlane>,
-    /// The DNS server's state.
-    pub dns: Arc<dyn Fn() -> DnsState + Send + Sync>,
-    /// The ingress proxy's ACME certificates, when the ingress runs.
-    pub acme: Option<Arc<dyn Fn() -> Vec<crate::ingress::AcmeCertStatus> + Send + Sync>>,
-    /// The state dir.
-    pub state_dir: PathBuf,
-    /// Why this data plane (production: preflight's decision at start).
-    pub dataplane_reason: Option<String>,
-    /// Preflight's checks at start (production mode).
-    pub preflight: Vec<crate::preflight::Check>,
-    /// The store: which, whether it answers, skipped keys.
-    pub store: Arc<store::StoreLink>,
-}
-
-impl StatusSource for LiveStatus {
-    fn summary(&self) -> Result<AgentStatus, StatusError> {
-        let mut st = AgentStatus {
-            running: true,
-            state_dir: self.state_dir.display().to_string(),
-            dataplane: Some(self.plane.mode().to_owned()),
-            dataplane_reason: self.dataplane_reason.clone(),
-            preflight: self.preflight.clone(),
-            programs: self.plane.programs(),
-            policies: self.plane.policy(),
-            dns: Some((self.dns)().to_string()),
-            certificates: self.acme.as_ref().map(|f| f()).unwrap_or_default(),
-            revision: self.cache.revision(),
-            objects: counts(self.cache.counts()),
-            ..AgentStatus::default()
-        };
-        let store = self.store.state();
-        st.store = Some(store.backend);
-        st.store_disconnected = store.disconnected;
-        st.store_skipped = store.skipped;
-        if let Some(agent) = self.agent.upgrade() {
-            let id = agent.identity();
-            st.mode = Some(agent.mode().to_string());
-            st.node = Some(NodeStatus {
-                node_id: id.node_id.clone(),
-                hostname: id.hostname.clone(),
-                labels: id.labels.clone(),
-            });
-            st.ready = Some(agent.readiness().is_ready());
-            st.ready_error = agent.ready_err().map(|e| e.to_string());
-            st.subsystems = agent
-                .subsystems()
-                .into_iter()
-                .map(|s| SubsystemLine {
-                    name: s.name,
-                    state: s.state.to_string(),
-                })
-                .collect();
-        }
-        Ok(st)
-    }
-
-    fn services(
-        &self,
-        only: Option<&ServiceKey>,
-        each: &mut dyn FnMut(ServiceStatus) -> std::ops::ControlFlow<()>,
-    ) -> Result<(), StatusError> {
-        let views = match only {
-            Some(key) => self.cache.view(key).into_iter().collect(),
-            None => self.cache.views(),
-        };
-        if views.is_empty() {
-            return Ok(());
-        }
-        let ports = self.plane.status();
-        let plane = PlaneIndex::new(&ports);
-        for view in &views {
-            let mut s = ServiceStatus::from_view(view);
-            plane.annotate(&mut s);
-            if each(s).is_break() {
-                break;
-            }
-        }
-        Ok(())
-    }
-
-    fn orphans(&self) -> Result<Vec<String>, StatusError> {
-        Ok(self
-            .cache
-            .orphan_endpoints()
-            .iter()
-            .map(|k| k.to_string())
-            .collect())
-    }
-}
-
-fn counts(by_kind: BTreeMap<crate::model::Kind, usize>) -> BTreeMap<String, usize> {
-    by_kind
-        .into_iter()
-        .map(|(k, n)| (k.to_string(), n))
-        .collect()
-}
-
-/// The data plane's ports, indexed for [`PlaneIndex::annotate`]: one pass over
-/// them, then a lookup per port and backend (a search per port was quadratic, and
-/// 100,000 services took minutes).
-struct PlaneIndex<'a> {
-    /// (service, port, protocol) → the first port status so named.
-    ports: HashMap<(&'a str, u16, &'static str), &'a ServicePortStatus>,
-    /// (service, backend socket address) → that backend's counters at the first
-    /// port of the service that lists it (a backend's counters are shared by the
-    /// service ports leading to it).
-    backends: HashMap<(&'a str, SocketAddr), Option<TrafficCounters>>,
-}
-
-impl<'a> PlaneIndex<'a> {
-    fn new(ports: &'a [ServicePortStatus]) -> Self {
-        let mut index = PlaneIndex {
-            ports: HashMap::with_capacity(ports.len()),
-            backends: HashMap::new(),
-        };
-        for d in ports {
-            index
-                .ports
-                .entry((d.service.as_str(), d.port, d.protocol.as_str()))
-                .or_insert(d);
-            for b in &d.backends {
-                index
-                    .backends
-                    .entry((d.service.as_str(), SocketAddr::new(b.address, b.port)))
-                    .or_insert(b.counters);
-            }
-        }
-        index
-    }
-
-    /// Fills in the data plane's state of `s`'s ports and its backends' counters.
-    fn annotate(&self, s: &mut ServiceStatus) {
-        for p in &mut s.ports {
-            if let Some(dp) = self
-                .ports
-                .get(&(s.service.as_str(), p.port, p.protocol.as_str()))
-            {
-                p.listen = dp.listen.map(|a| a.to_string());
-                p.state = Some(match &dp.state {
-                    PortState::Listening => "listening".to_owned(),
-                    PortState::Failed { reason } => format!("failed: {reason}"),
-                });
-                p.counters = dp.counters.map(|c| c.to_string());
-            }
-        }
-        for b in &mut s.backends {
-            let Ok(address) = b.address.parse::<IpAddr>() else {
-                continue;
-            };
-            // The sum over the endpoint's own socket addresses, each once: endpoints
-            // sharing an address are told apart by their ports.
-            let mut ports = b.ports.clone();
-            ports.sort_unstable();
-            ports.dedup();
-            b.counters = ports
-                .iter()
-                .filter_map(|port| {
-                    let key = (s.service.as_str(), SocketAddr::new(address, *port));
-                    self.backends.get(&key).copied().flatten()
-                })
-                .reduce(|sum, c| sum + c)
-                .map(|c| c.to_string());
-        }
-    }
-}
-
-/// The status readable without an agent: the store's revision and objects.
-pub struct StoreStatus<'a> {
-    /// The state dir.
-    pub state_dir: &'a Path,
-    /// The store, opened by the CLI.
-    pub store: &'a EmbeddedLog,
-}
-
-impl StoreStatus<'_> {
-    fn view(&self, key: &ServiceKey) -> Result<Option<ServiceView>, StatusError> {
-        use crate::model::{Kind, Object};
-        let one = |kind| {
-            self.store
-                .get(Some(kind), Some(&key.namespace), Some(&key.name))
-                .map(|(_, mut v)| v.pop())
-        };
-        let Some(Object::Service(service)) = one(Kind::Service)? else {
-            return Ok(None);
-        };
-        let endpoints = match one(Kind::Endpoints)? {
-            Some(Object::Endpoints(e)) => Some(Arc::new(e)),
-            _ => None,
-        };
-        Ok(Some(ServiceView {
-            service: Arc::new(service),
-            endpoints,
-        }))
-    }
-}
-
-impl StatusSource for StoreStatus<'_> {
-    fn summary(&self) -> Result<AgentStatus, StatusError> {
-        let (revision, by_kind) = self.store.count()?;
-        Ok(AgentStatus {
-            running: false,
-            state_dir: self.state_dir.display().to_string(),
-            revision,
-            objects: counts(by_kind),
-            ..AgentStatus::default()
-        })
-    }
-
-    fn services(
-        &self,
-        only: Option<&ServiceKey>,
-        each: &mut dyn FnMut(ServiceStatus) -> std::ops::ControlFlow<()>,
-    ) -> Result<(), StatusError> {
-        if let Some(key) = only {
-            if let Some(view) = self.view(key)? {
-                let _ = each(ServiceStatus::from_view(&view));
-            }
-            return Ok(());
-        }
-        let (revision, objects) = self.store.get(None, None, None)?;
-        let cache = EndpointCache::new();
-        cache.apply_snapshot(&crate::orderedlog::Snapshot { revision, objects });
-        for view in cache.views() {
-            if each(ServiceStatus::from_view(&view)).is_break() {
-                break;
-            }
-        }
-        Ok(())
-    }
-
-    fn orphans(&self) -> Result<Vec<String>, StatusError> {
-        Ok(self
-            .store
-            .orphan_endpoints()?
-            .iter()
-            .map(|k| k.to_string())
-            .collect())
-    }
-}
-
 impl AgentStatus {
     /// What the cache alone says: revision, object counts, services with their
     /// endpoints (no data plane state) and orphan endpoints.
@@ -615,189 +368,13 @@ impl AgentStatus {
             ..AgentStatus::default()
         }
     }
-
-    /// The human-readable form.
-    pub fn render(&self) -> String {
-        let mut o = String::new();
-        let _ = self.render_into(&mut o);
-        o
-    }
-
-    fn render_into(&self, o: &mut String) -> std::fmt::Result {
-        self.render_head_into(o)?;
-        if self.services_omitted > 0 {
-            writeln!(
-                o,
-                "  {} services, not listed (more than {SUMMARY_SERVICES}): `rune-agent status --all` lists them, `rune-agent status NAME` shows one",
-                self.services_omitted
-            )?;
-        } else if self.services.is_empty() {
-            writeln!(o, "  (none)")?;
-        }
-        for s in &self.services {
-            o.push_str(&s.render());
-        }
-        o.push_str(&self.render_orphans());
-        Ok(())
-    }
-
-    fn render_head_into(&self, o: &mut String) -> std::fmt::Result {
-        if self.running {
-            writeln!(o, "agent:      running")?;
-        } else {
-            writeln!(o, "agent:      not running (read from the store)")?;
-        }
-        writeln!(o, "state dir:  {}", self.state_dir)?;
-        if let Some(m) = &self.mode {
-            writeln!(o, "mode:       {m}")?;
-        }
-        if let Some(d) = &self.dataplane {
-            match &self.dataplane_reason {
-                Some(why) => writeln!(o, "data plane: {d} ({why})")?,
-                None => writeln!(o, "data plane: {d}")?,
-            }
-        }
-        if !self.preflight.is_empty() {
-            let failed: Vec<&crate::preflight::Check> =
-                self.preflight.iter().filter(|c| !c.passed).collect();
-            writeln!(
-                o,
-                "preflight:  {} of {} checks passed",
-                self.preflight.len() - failed.len(),
-                self.preflight.len()
-            )?;
-            for c in failed {
-                writeln!(o, "  failed {}: {}", c.name, c.detail)?;
-            }
-        }
-        for (i, p) in self.programs.iter().enumerate() {
-            let label = if i == 0 { "programs:" } else { "" };
-            writeln!(o, "{label:12}{p}")?;
-        }
-        for (i, p) in self.policies.iter().enumerate() {
-            let label = if i == 0 { "policies:" } else { "" };
-            writeln!(o, "{label:12}{p}")?;
-        }
-        if let Some(d) = &self.dns {
-            writeln!(o, "dns:        {d}")?;
-        }
-        for (i, c) in self.certificates.iter().enumerate() {
-            let label = if i == 0 { "certs:" } else { "" };
-            writeln!(o, "{label:12}{c}")?;
-        }
-        if let Some(s) = &self.store {
-            writeln!(o, "store:      {s}")?;
-        }
-        if let Some(down) = &self.store_disconnected {
-            writeln!(o, "            StoreDisconnected {down}")?;
-        }
-        if let Some(skipped) = &self.store_skipped {
-            writeln!(o, "            {skipped}")?;
-        }
-        if let Some(n) = &self.node {
-            writeln!(o, "node:       {} ({})", n.node_id, n.hostname)?;
-        }
-        if let Some(r) = self.ready {
-            match &self.ready_error {
-                Some(e) if !r => writeln!(o, "ready:      no ({e})")?,
-                _ => writeln!(o, "ready:      {}", if r { "yes" } else { "no" })?,
-            }
-        }
-        writeln!(o, "revision:   {}", self.revision)?;
-        let objects: Vec<String> = self
-            .objects
-            .iter()
-            .map(|(k, v)| format!("{k} {v}"))
-            .collect();
-        writeln!(o, "objects:    {}", objects.join(", "))?;
-        if !self.subsystems.is_empty() {
-            writeln!(o, "subsystems:")?;
-            let w = self
-                .subsystems
-                .iter()
-                .map(|s| s.name.len())
-                .max()
-                .unwrap_or(0);
-            for s in &self.subsystems {
-                writeln!(o, "  {:w$}  {}", s.name, s.state)?;
-            }
-        }
-        writeln!(o, "services:")
-    }
-
-    /// The text form's lines up to and including `services:`: what `status --all`
-    /// prints before it streams the services.
-    pub fn render_head(&self) -> String {
-        let mut o = String::new();
-        let _ = self.render_head_into(&mut o);
-        o
-    }
-
-    /// The text form's orphan endpoint lines (after the services).
-    pub fn render_orphans(&self) -> String {
-        let mut o = String::new();
-        for e in &self.orphan_endpoints {
-            o.push_str(&render_orphan(e));
-        }
-        if self.orphans_omitted > 0 {
-            let _ = writeln!(
-                o,
-                "  {} endpoints objects without a service, not listed (more than {SUMMARY_SERVICES}): `rune-agent status --all` lists them",
-                self.orphans_omitted
-            );
-        }
-        o
-    }
 }
 
-/// The text line of an orphan endpoints object (`Endpoints namespace/name`).
-pub fn render_orphan(e: &str) -> String {
-    format!("  {e}: no such service\n")
-}
-
-impl ServiceStatus {
-    /// The text form of one service: its line, then one line per port and backend.
-    pub fn render(&self) -> String {
-        let mut o = String::new();
-        let _ = self.render_into(&mut o);
-        o
-    }
-
-    fn render_into(&self, o: &mut String) -> std::fmt::Result {
-        let s = self;
-        let vips = if s.headless {
-            "headless".to_owned()
-        } else if s.vips.is_empty() {
-            "no VIP".to_owned()
-        } else {
-            s.vips.join(", ")
-        };
-        writeln!(o, "  {}  [{vips}]  endpoints: {}", s.service, s.endpoints)?;
-        for p in &s.ports {
-            write!(o, "    {}/{} -> {}", p.port, p.protocol, p.target_port)?;
-            if let Some(l) = &p.listen {
-                write!(o, "  on {l}")?;
-            }
-            if let Some(st) = &p.state {
-                write!(o, "  {st}")?;
-            }
-            if let Some(c) = &p.counters {
-                write!(o, "  ({c})")?;
-            }
-            writeln!(o)?;
-        }
-        for b in &s.backends {
-            write!(o, "    backend {}  {}", b.endpoint(), b.state)?;
-            if !b.node.is_empty() {
-                write!(o, "  (node {})", b.node)?;
-            }
-            if let Some(c) = &b.counters {
-                write!(o, "  ({c})")?;
-            }
-            writeln!(o)?;
-        }
-        Ok(())
-    }
+fn counts(by_kind: BTreeMap<crate::model::Kind, usize>) -> BTreeMap<String, usize> {
+    by_kind
+        .into_iter()
+        .map(|(k, n)| (k.to_string(), n))
+        .collect()
 }
 
 #[cfg(test)]

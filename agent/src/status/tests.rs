@@ -1,5 +1,9 @@
-use super::*;
-use crate::{config::DataplaneMode, preflight::Check};
+use super::{sources::PlaneIndex, *};
+use crate::{
+    config::DataplaneMode,
+    dataplane::{PortState, ServicePortStatus, TrafficCounters},
+    preflight::Check,
+};
 
 #[test]
 fn render_shows_the_data_plane_reason_and_failed_preflight_checks() {
