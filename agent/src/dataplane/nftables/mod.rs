@@ -198,20 +198,39 @@ fn apply_blocking(
             None
         }
     };
-    let desired = pending(policy::Objects::Rules(st.log_group));
+    let desired = pending(policy::Objects::Rules {
+        log_group: st.log_group,
+        size: set_size,
+    });
     let policy_part = desired
         .as_ref()
         .map(|p| p.script.clone())
         .unwrap_or_default();
-    // An element-only change goes to the kernel as one netlink batch; should the
-    // kernel refuse it (nothing applied), `nft` gets the same transaction.
-    let sent = match (&plan.element_ops, policy_part.is_empty()) {
-        (Some(ops), true) => {
+    // An element-only change (DNAT maps, policy sets and maps) goes to the kernel
+    // as one netlink batch; should the kernel refuse it (nothing applied), `nft`
+    // gets the same transaction.
+    let policy_ops = desired
+        .as_ref()
+        .filter(|p| !p.script.is_empty())
+        .map(|p| p.elements.as_ref());
+    let ops: Option<Vec<netlink::Element>> = match (&plan.element_ops, policy_ops) {
+        (Some(ops), None) => Some(ops.iter().map(Into::into).collect()),
+        (Some(ops), Some(Some(policy))) => Some(
+            ops.iter()
+                .map(Into::into)
+                .chain(policy.iter().cloned())
+                .collect(),
+        ),
+        (None, Some(Some(policy))) if plan.is_empty() => Some(policy.clone()),
+        _ => None,
+    };
+    let sent = match ops {
+        Some(ops) => {
             let result = match st.netlink.take() {
                 Some(socket) => Ok(socket),
                 None => netlink::Socket::open(),
             }
-            .and_then(|mut socket| socket.apply(ops).map(|()| socket));
+            .and_then(|mut socket| socket.apply(&ops).map(|()| socket));
             match result {
                 Ok(socket) => {
                     st.netlink = Some(socket);
@@ -223,9 +242,14 @@ fn apply_blocking(
                 }
             }
         }
-        _ => false,
+        None => false,
     };
-    if !sent {
+    if sent {
+        if let Some(pending) = desired {
+            st.policy.commit(pending);
+            st.policy_failure = None;
+        }
+    } else {
         let script = format!("{}{policy_part}", plan.script);
         match nft.apply(&script) {
             Ok(()) => {
