@@ -50,8 +50,8 @@ pub struct NftablesConfig {
     /// Leave the table in the kernel on stop (traffic keeps flowing while the agent
     /// is away); `rune-agent cleanup` removes it.
     pub keep_rules_on_stop: bool,
-    /// Most elements each policy verdict map holds (`size`); none: unbounded. More
-    /// is refused by the kernel, and policy fails closed.
+    /// Most elements each policy set and verdict map holds (`size`); none:
+    /// unbounded. More is refused by the kernel, and policy fails closed.
     pub policy_set_size: Option<u32>,
     /// NFLOG group the policy's refusals are logged to and read from, for
     /// `observe`; none: not logged.

@@ -355,6 +355,7 @@ fn add_elements<'a>(
 }
 
 mod counts;
+mod diff;
 mod layout;
 mod programmed;
 
