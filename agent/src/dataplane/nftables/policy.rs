@@ -11,9 +11,11 @@
 //!   the check chain of the address's group ([`layout`]): the addresses of a
 //!   service with the same rules share one chain and its small sets, named after
 //!   the group `G` (`in4-e1-shop/web`): per port rule `pol-pI-G`, its peers (a
-//!   single-field interval set, aggregated: interval sets refuse overlaps) and
-//!   `pol-qI-G`, guarded address . protocol . port (a hash set: target ports may
-//!   differ per endpoint), and `pol-any-G`, the peers of the rule for every port.
+//!   single-field interval set, aggregated: interval sets refuse overlaps), and
+//!   `pol-any-G`, the peers of the rule for every port; the ports of port rule I
+//!   are in `pol-in4-qI`, guarded address . protocol . port (a hash set shared by
+//!   the direction and family's groups: target ports may differ per endpoint, and
+//!   fewer sets keep the kernel's by-name set lookups short).
 //!   The check chain tries the rules (`goto pol-ok-…`), then the peers of the port
 //!   rules (`goto pol-port-…`: `port_not_allowed`), else `goto pol-nomatch-…`.
 //! * The verdict chains of a service and mode count (named counters

@@ -17,13 +17,14 @@ use std::{
 pub struct Diff {
     deleted: BTreeMap<(String, PolicyKey), Option<String>>,
     added: BTreeMap<(String, PolicyKey), Option<String>>,
-    new_sets: BTreeMap<String, String>,
-    gone_sets: BTreeSet<String>,
+    /// Sets touched, with their definition and use count after.
+    pub sets: BTreeMap<String, (String, usize)>,
     /// Chains touched, with their rules and use count after.
     pub chains: BTreeMap<String, (Vec<String>, usize)>,
     /// Counters touched, with their use count after.
     pub counters: BTreeMap<String, usize>,
-    /// Chains and counters in use before.
+    /// Sets, chains and counters in use before.
+    sets_before: BTreeSet<String>,
     chains_before: BTreeSet<String>,
     counters_before: BTreeSet<String>,
 }
@@ -32,28 +33,21 @@ impl Diff {
     /// A group's objects from `old` to `new`.
     pub fn objects(&mut self, p: &Programmed, old: &PolicyObjects, new: &PolicyObjects) {
         self.elements(&old.elements, &new.elements);
-        for (name, def) in &new.sets {
-            if !old.sets.contains_key(name) {
-                self.new_sets.insert(name.clone(), def.clone());
-            }
-        }
-        for name in old.sets.keys().filter(|n| !new.sets.contains_key(*n)) {
-            self.gone_sets.insert(name.clone());
-        }
         for (objects, up) in [(old, false), (new, true)] {
+            for (name, def) in &objects.sets {
+                let now = p.set(name);
+                count(&mut self.sets, &mut self.sets_before, now, name, def, up);
+            }
             for (name, rules) in &objects.chains {
-                let entry = self.chains.entry(name.clone()).or_insert_with(|| {
-                    let (rules, n) = p.chain(name).cloned().unwrap_or((rules.clone(), 0));
-                    if n > 0 {
-                        self.chains_before.insert(name.clone());
-                    }
-                    (rules, n)
-                });
-                entry.1 = if up {
-                    entry.1 + 1
-                } else {
-                    entry.1.saturating_sub(1)
-                };
+                let now = p.chain(name);
+                count(
+                    &mut self.chains,
+                    &mut self.chains_before,
+                    now,
+                    name,
+                    rules,
+                    up,
+                );
             }
             for name in &objects.counters {
                 let n = self.counters.entry(name.clone()).or_insert_with(|| {
@@ -91,11 +85,23 @@ impl Diff {
     /// The `nft -f` script, and the netlink batch when it is elements only.
     pub fn commands(&self) -> (String, Option<Vec<Element>>) {
         let mut s = String::new();
+        let new_sets: Vec<(&String, &String)> = self
+            .sets
+            .iter()
+            .filter(|(c, (_, n))| *n > 0 && !self.sets_before.contains(*c))
+            .map(|(c, (def, _))| (c, def))
+            .collect();
+        let gone_sets: BTreeSet<&String> = self
+            .sets
+            .iter()
+            .filter(|(c, (_, n))| *n == 0 && self.sets_before.contains(*c))
+            .map(|(c, _)| c)
+            .collect();
         // Elements of deleted sets go with them.
         let deleted: Vec<_> = self
             .deleted
             .iter()
-            .filter(|((set, _), _)| !self.gone_sets.contains(set))
+            .filter(|((set, _), _)| !gone_sets.contains(set))
             .collect();
         let mut by_set: BTreeMap<&str, Vec<String>> = BTreeMap::new();
         for ((set, key), _) in &deleted {
@@ -132,7 +138,7 @@ impl Diff {
         for c in &new_counters {
             let _ = writeln!(s, "add counter {TABLE} {c}");
         }
-        for (name, def) in &self.new_sets {
+        for (name, def) in &new_sets {
             let _ = writeln!(s, "add set {TABLE} {name} {def}");
         }
         for (name, _) in &new_chains {
@@ -147,17 +153,17 @@ impl Diff {
         for c in &gone_chains {
             let _ = writeln!(s, "delete chain {TABLE} {c}");
         }
-        for set in &self.gone_sets {
+        for set in &gone_sets {
             let _ = writeln!(s, "delete set {TABLE} {set}");
         }
         for c in &gone_counters {
             let _ = writeln!(s, "delete counter {TABLE} {c}");
         }
         let structural = !(new_counters.is_empty()
-            && self.new_sets.is_empty()
+            && new_sets.is_empty()
             && new_chains.is_empty()
             && gone_chains.is_empty()
-            && self.gone_sets.is_empty()
+            && gone_sets.is_empty()
             && gone_counters.is_empty());
         let elements = (!structural && !s.is_empty()).then(|| {
             let del = deleted
@@ -171,4 +177,29 @@ impl Diff {
         });
         (s, elements)
     }
+}
+
+/// Counts one more (`up`) or one less use of `name` (`value`: its rules or
+/// definition) in `map`, starting from `now`, its count before the change
+/// (noted in `before` when in use).
+fn count<V: Clone>(
+    map: &mut BTreeMap<String, (V, usize)>,
+    before: &mut BTreeSet<String>,
+    now: Option<&(V, usize)>,
+    name: &str,
+    value: &V,
+    up: bool,
+) {
+    let entry = map.entry(name.to_owned()).or_insert_with(|| {
+        let (value, n) = now.cloned().unwrap_or((value.clone(), 0));
+        if n > 0 {
+            before.insert(name.to_owned());
+        }
+        (value, n)
+    });
+    entry.1 = if up {
+        entry.1 + 1
+    } else {
+        entry.1.saturating_sub(1)
+    };
 }

@@ -103,6 +103,13 @@ pub fn mode_letter(mode: PolicyMode) -> char {
 /// then per port rule its peers and its ports.
 pub type GroupSets = (Option<String>, Vec<(String, String)>);
 
+/// The port set of port rule `i` of every group of direction and family `dir`
+/// (`in4` …): its elements are keyed by their guarded address, so one set
+/// serves them all.
+pub fn port_set(dir: &str, i: usize) -> String {
+    format!("pol-{dir}-q{i}")
+}
+
 /// The check chain of group `group`.
 pub fn check_chain(group: &str) -> String {
     format!("pol-c-{group}")
@@ -112,7 +119,7 @@ pub fn check_chain(group: &str) -> String {
 /// the name alone, so a full sync finds the sets of the chains it deletes.
 pub fn sets(group: &str) -> Option<GroupSets> {
     let mut parts = group.splitn(3, '-');
-    let _dir = parts.next()?;
+    let dir = parts.next()?;
     let shape = parts.next()?.get(1..)?;
     let (any, k) = match shape.strip_prefix('a') {
         Some(k) => (true, k),
@@ -121,7 +128,7 @@ pub fn sets(group: &str) -> Option<GroupSets> {
     let k: usize = k.parse().ok()?;
     let any = any.then(|| format!("pol-any-{group}"));
     let rules = (0..k)
-        .map(|i| (format!("pol-p{i}-{group}"), format!("pol-q{i}-{group}")))
+        .map(|i| (format!("pol-p{i}-{group}"), port_set(dir, i)))
         .collect();
     Some((any, rules))
 }
@@ -206,16 +213,19 @@ pub fn own_elements(
     ports: &[BTreeSet<PortMatch>],
 ) {
     let f = if addr.is_ipv4() { '4' } else { '6' };
+    let map = format!("pol-{}{f}", dir(d));
     out.elements.insert(
-        (format!("pol-{}{f}", dir(d)), PolicyKey::Addr(addr)),
+        (map.clone(), PolicyKey::Addr(addr)),
         Some(target.to_owned()),
     );
-    let Some(group) = group else { return };
+    if group.is_none() {
+        return;
+    }
     for (i, ports) in ports.iter().enumerate() {
         for p in ports {
             out.elements.insert(
                 (
-                    format!("pol-q{i}-{group}"),
+                    port_set(&map["pol-".len()..], i),
                     PolicyKey::Port(addr, p.protocol, p.port),
                 ),
                 None,

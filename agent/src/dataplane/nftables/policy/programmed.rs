@@ -4,7 +4,8 @@
 //!
 //! An address owns its verdict map entries and its port elements; a group's
 //! sets, their peers and its check chain are shared by its members; chains and
-//! counters are shared by a service's groups and counted. A group is named after
+//! counters are shared by a service's groups, the port sets by every group of
+//! a direction and family, and counted. A group is named after
 //! what its rules look like ([`layout`]); should members of one name need
 //! different peers, the later ones take `NAME.2`, `NAME.3` …, so a set always
 //! holds one aggregated peer list. The commands come in the order one
@@ -46,6 +47,8 @@ pub struct Programmed {
     addresses: BTreeMap<IpAddr, Own>,
     /// Each group in use.
     groups: BTreeMap<String, Group>,
+    /// Each set in use with its definition and the number of groups using it.
+    sets: BTreeMap<String, (String, usize)>,
     /// Each chain in use with its rules and the number of groups using it.
     chains: BTreeMap<String, (Vec<String>, usize)>,
     /// Each counter in use with the number of groups using it.
@@ -89,6 +92,7 @@ enum Next {
     Update {
         addresses: Vec<(IpAddr, Option<Own>)>,
         groups: Vec<(String, Option<Group>)>,
+        sets: Vec<(String, String, usize)>,
         chains: Vec<(String, Vec<String>, usize)>,
         counters: Vec<(String, usize)>,
     },
@@ -311,6 +315,7 @@ impl Programmed {
             next: Next::Update {
                 addresses: updates,
                 groups,
+                sets: diff.sets.into_iter().map(|(k, (d, n))| (k, d, n)).collect(),
                 chains: diff
                     .chains
                     .into_iter()
@@ -319,6 +324,11 @@ impl Programmed {
                 counters: diff.counters.into_iter().collect(),
             },
         }
+    }
+
+    /// Set `name` with its definition and use count, when in use.
+    pub(super) fn set(&self, name: &str) -> Option<&(String, usize)> {
+        self.sets.get(name)
     }
 
     /// Chain `name` with its rules and use count, when in use.
@@ -338,6 +348,7 @@ impl Programmed {
             Next::Update {
                 addresses,
                 groups,
+                sets,
                 chains,
                 counters,
             } => {
@@ -351,6 +362,12 @@ impl Programmed {
                     match group {
                         Some(group) => self.groups.insert(name, group),
                         None => self.groups.remove(&name),
+                    };
+                }
+                for (name, def, n) in sets {
+                    match n {
+                        0 => self.sets.remove(&name),
+                        n => self.sets.insert(name, (def, n)),
                     };
                 }
                 for (name, rules, n) in chains {

@@ -67,7 +67,7 @@ fn rules_become_a_groups_sets_and_one_check_chain() {
     assert_eq!(elements(&o, &format!("pol-any-{g}")), ["198.18.0.0/16"]);
     assert_eq!(elements(&o, &format!("pol-p0-{g}")), ["10.0.0.0/8"]);
     assert_eq!(
-        elements(&o, &format!("pol-q0-{g}")),
+        elements(&o, "pol-in4-q0"),
         [
             "198.18.11.2 . tcp . 8080",
             "198.18.11.2 . udp . 53",
@@ -80,7 +80,7 @@ fn rules_become_a_groups_sets_and_one_check_chain() {
         "{ type ipv4_addr ; flags interval ; }"
     );
     assert_eq!(
-        o.sets[&format!("pol-q0-{g}")],
+        o.sets["pol-in4-q0"],
         "{ type ipv4_addr . inet_proto . inet_service ; }"
     );
     assert_eq!(
@@ -88,7 +88,7 @@ fn rules_become_a_groups_sets_and_one_check_chain() {
         [
             format!("ip saddr @pol-any-{g} goto pol-ok-in-e-shop/web"),
             format!(
-                "ip daddr . meta l4proto . th dport @pol-q0-{g} ip saddr @pol-p0-{g} goto pol-ok-in-e-shop/web"
+                "ip daddr . meta l4proto . th dport @pol-in4-q0 ip saddr @pol-p0-{g} goto pol-ok-in-e-shop/web"
             ),
             format!("ip saddr @pol-p0-{g} goto pol-port-in-e-shop/web"),
             "goto pol-nomatch-in-e-shop/web".to_owned(),
@@ -119,7 +119,7 @@ fn audit_chains_count_and_return_and_egress_checks_the_source() {
     assert_eq!(
         o.chains[&format!("pol-c-{g}")][0],
         format!(
-            "ip6 saddr . meta l4proto . th dport @pol-q0-{g} ip6 daddr @pol-p0-{g} goto pol-ok-out-a-shop/web"
+            "ip6 saddr . meta l4proto . th dport @pol-out6-q0 ip6 daddr @pol-p0-{g} goto pol-ok-out-a-shop/web"
         )
     );
     assert_eq!(
@@ -144,9 +144,9 @@ fn a_new_endpoint_changes_its_own_elements_over_netlink() {
         lines,
         [
             "delete element inet rune pol-in4 { 198.18.11.2 }".to_owned(),
-            format!("delete element inet rune pol-q0-{g} {{ 198.18.11.2 . tcp . 8080 }}"),
+            "delete element inet rune pol-in4-q0 { 198.18.11.2 . tcp . 8080 }".to_owned(),
             format!("add element inet rune pol-in4 {{ 198.18.12.2 : goto pol-c-{g} }}"),
-            format!("add element inet rune pol-q0-{g} {{ 198.18.12.2 . tcp . 8080 }}"),
+            "add element inet rune pol-in4-q0 { 198.18.12.2 . tcp . 8080 }".to_owned(),
         ]
     );
     let ops = pending.elements.clone().expect("elements only");
@@ -339,7 +339,7 @@ fn a_full_sync_declares_bounded_sets_and_deletes_what_is_unwanted() {
         "delete chain inet rune pol-c-out4-a2-shop/gone\n",
         "delete chain inet rune pol-ok-out-a-shop/gone\n",
         "delete set inet rune pol-p1-out4-a2-shop/gone\n",
-        "delete set inet rune pol-q0-out4-a2-shop/gone\n",
+        "delete set inet rune pol-out4-q1\n",
         "delete counter inet rune pc-out-allow-shop/gone\n",
         "delete counter inet rune pc-in-unprog-shop/old\n",
     ] {
