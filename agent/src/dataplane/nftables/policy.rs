@@ -145,8 +145,14 @@ impl PolicyObjects {
     }
 }
 
-/// The counters of a service, by verdict.
-const COUNTER_KINDS: [&str; 5] = ["allow", "port", "nomatch", "audit", "unprog"];
+/// The counters the verdict chains of a service in `mode` count in (the failure
+/// chain's is `unprog`); the metrics show the other verdicts as 0.
+fn counter_kinds(mode: PolicyMode) -> &'static [&'static str] {
+    match mode {
+        PolicyMode::Enforce => &["allow", "port", "nomatch"],
+        PolicyMode::Audit => &["allow", "audit"],
+    }
+}
 
 /// `in` or `out`.
 fn dir(d: Direction) -> &'static str {
@@ -156,7 +162,7 @@ fn dir(d: Direction) -> &'static str {
     }
 }
 
-/// The counter of `kind` (one of [`COUNTER_KINDS`]).
+/// The counter of `kind` (`allow`, `port`, `nomatch`, `audit` or `unprog`).
 fn counter(d: Direction, kind: &str, key: &ServiceKey) -> String {
     format!("pc-{}-{kind}-{}/{}", dir(d), key.namespace, key.name)
 }
@@ -209,7 +215,7 @@ fn verdict_chains(
     for (chain, rules) in names.iter().zip(rules) {
         out.chains.insert(chain.clone(), rules);
     }
-    for kind in COUNTER_KINDS {
+    for kind in counter_kinds(mode) {
         out.counters.insert(counter(d, kind, key));
     }
     names
@@ -327,10 +333,15 @@ fn old_objects(chains: &BTreeSet<String>) -> PolicyObjects {
                 out.counters.insert(format!("pc-{d}-unprog-{rest}"));
                 continue;
             }
-            "ok" | "port" | "nomatch" => rest.get(2..).unwrap_or_default(),
+            "ok" | "port" | "nomatch" => rest,
             _ => continue,
         };
-        for kind in COUNTER_KINDS {
+        let (mode, service) = match service.split_once('-') {
+            Some(("a", service)) => (PolicyMode::Audit, service),
+            Some(("e", service)) => (PolicyMode::Enforce, service),
+            _ => continue,
+        };
+        for kind in counter_kinds(mode) {
             out.counters.insert(format!("pc-{d}-{kind}-{service}"));
         }
     }

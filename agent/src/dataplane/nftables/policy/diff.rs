@@ -15,6 +15,9 @@ use std::{
 /// chains and counters it touches.
 #[derive(Default)]
 pub struct Diff {
+    /// Whether element differences are wanted (not when only the use counts
+    /// are).
+    write: bool,
     deleted: BTreeMap<(String, PolicyKey), Option<String>>,
     added: BTreeMap<(String, PolicyKey), Option<String>>,
     /// Sets touched, with their definition and use count after.
@@ -30,6 +33,14 @@ pub struct Diff {
 }
 
 impl Diff {
+    /// A diff that writes commands (`write`) or only counts uses.
+    pub fn new(write: bool) -> Self {
+        Self {
+            write,
+            ..Self::default()
+        }
+    }
+
     /// A group's objects from `old` to `new`.
     pub fn objects(&mut self, p: &Programmed, old: &PolicyObjects, new: &PolicyObjects) {
         self.elements(&old.elements, &new.elements);
@@ -68,6 +79,9 @@ impl Diff {
         old: impl IntoIterator<Item = (&'a (String, PolicyKey), &'a Option<String>)>,
         new: impl IntoIterator<Item = (&'a (String, PolicyKey), &'a Option<String>)>,
     ) {
+        if !self.write {
+            return;
+        }
         let new: BTreeMap<_, _> = new.into_iter().collect();
         let old: BTreeMap<_, _> = old.into_iter().collect();
         for (key, value) in &old {

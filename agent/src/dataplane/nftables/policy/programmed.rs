@@ -290,7 +290,7 @@ impl Programmed {
                 (name.clone(), group)
             })
             .collect();
-        let mut diff = Diff::default();
+        let mut diff = Diff::new(write);
         let empty = PolicyObjects::default();
         for (name, new) in &groups {
             let old = self.groups.get(name).map_or(&empty, |g| &g.objects);

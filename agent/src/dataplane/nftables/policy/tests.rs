@@ -341,6 +341,7 @@ fn a_full_sync_declares_bounded_sets_and_deletes_what_is_unwanted() {
         "delete set inet rune pol-p1-out4-a2-shop/gone\n",
         "delete set inet rune pol-out4-q1\n",
         "delete counter inet rune pc-out-allow-shop/gone\n",
+        "delete counter inet rune pc-out-audit-shop/gone\n",
         "delete counter inet rune pc-in-unprog-shop/old\n",
     ] {
         assert!(script.contains(line), "{line} in {script}");
@@ -351,6 +352,10 @@ fn a_full_sync_declares_bounded_sets_and_deletes_what_is_unwanted() {
     );
     assert!(!script.contains("delete set inet rune pol-any-out4-a2"));
     assert!(!script.contains("delete counter inet rune pc-in-allow-shop/web"));
+    assert!(
+        !script.contains("pc-out-port-shop/gone"),
+        "audit has no port counter"
+    );
     assert!(!script.contains("delete chain inet rune services"));
     assert!(!script.contains("delete chain inet rune pol\n"));
 }
@@ -367,7 +372,11 @@ fn named_counters_map_back_to_verdicts() {
     ]);
     let web = ServiceKey::new("shop", "web");
     let counts = verdict_counts(&counters);
-    assert_eq!(counts.len(), 5);
+    assert_eq!(counts.len(), 10, "every verdict of both directions");
+    let api = ServiceKey::new("shop", "api");
+    let only = verdict_counts(&BTreeMap::from([("pc-in-allow-shop/api".to_owned(), 1)]));
+    assert_eq!(only.len(), 5);
+    assert_eq!(only[&(api, Direction::Ingress, Verdict::AuditWouldDrop)], 0);
     assert_eq!(
         counts[&(web.clone(), Direction::Ingress, Verdict::Allow)],
         4
