@@ -10,6 +10,8 @@
 //! the C libnftnl, whose sets take keys only (no map data, no element deletes).
 
 mod elements;
+#[cfg(test)]
+mod tests;
 
 pub use elements::{Data, Element, backend_bytes, key_bytes, policy_elements};
 

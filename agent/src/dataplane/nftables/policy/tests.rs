@@ -3,7 +3,7 @@ use super::{
     verdict_counts,
 };
 use crate::{
-    dataplane::nftables::netlink::{Data, Element, policy_elements},
+    dataplane::nftables::netlink::{Data, Element},
     model::ServiceKey,
     policy::{
         PolicyPlan,
@@ -212,23 +212,6 @@ fn a_replaced_peer_is_one_interval_out_and_one_in() {
     let mut new = old;
     new.commit(pending);
     assert_eq!(new, programmed(&after));
-}
-
-#[test]
-fn prefixes_encode_as_a_start_and_the_address_after_the_end() {
-    let net = |s: &str| PolicyKey::Prefix(s.parse().unwrap());
-    let v6 = policy_elements("s", &net("fd00:1::/64"), None, true);
-    assert_eq!(v6.len(), 2);
-    assert_eq!(v6[0].key[..8], [0xfd, 0, 0, 1, 0, 0, 0, 0]);
-    assert_eq!(v6[1].key[..8], [0xfd, 0, 0, 1, 0, 0, 0, 1]);
-    assert_eq!((v6[0].flags, v6[1].flags), (0, 1));
-    // The whole space has no end: one element, marked open for `nft list`.
-    let all = policy_elements("s", &net("0.0.0.0/0"), None, false);
-    assert_eq!(all.len(), 1);
-    assert_eq!(all[0].key, [0, 0, 0, 0]);
-    assert_eq!(all[0].udata.as_deref(), Some(&[1, 4, 1, 0, 0, 0][..]));
-    let top = policy_elements("s", &net("255.255.255.254/31"), None, true);
-    assert_eq!(top.len(), 1);
 }
 
 #[test]
