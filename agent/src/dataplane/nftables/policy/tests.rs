@@ -1,6 +1,5 @@
 use super::{
-    Objects, PolicyKey, PolicyObjects, Programmed, failed_objects, full_script, objects,
-    verdict_counts,
+    Objects, PolicyObjects, Programmed, failed_objects, full_script, objects, verdict_counts,
 };
 use crate::{
     dataplane::nftables::netlink::{Data, Element},
