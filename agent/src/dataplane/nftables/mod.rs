@@ -50,8 +50,8 @@ pub struct NftablesConfig {
     /// Leave the table in the kernel on stop (traffic keeps flowing while the agent
     /// is away); `rune-agent cleanup` removes it.
     pub keep_rules_on_stop: bool,
-    /// Most elements each policy verdict map holds (`size`); none: unbounded. More
-    /// is refused by the kernel, and policy fails closed.
+    /// Most elements each policy set and verdict map holds (`size`); none:
+    /// unbounded. More is refused by the kernel, and policy fails closed.
     pub policy_set_size: Option<u32>,
     /// NFLOG group the policy's refusals are logged to and read from, for
     /// `observe`; none: not logged.
@@ -198,20 +198,39 @@ fn apply_blocking(
             None
         }
     };
-    let desired = pending(policy::Objects::Rules(st.log_group));
+    let desired = pending(policy::Objects::Rules {
+        log_group: st.log_group,
+        size: set_size,
+    });
     let policy_part = desired
         .as_ref()
         .map(|p| p.script.clone())
         .unwrap_or_default();
-    // An element-only change goes to the kernel as one netlink batch; should the
-    // kernel refuse it (nothing applied), `nft` gets the same transaction.
-    let sent = match (&plan.element_ops, policy_part.is_empty()) {
-        (Some(ops), true) => {
+    // An element-only change (DNAT maps, policy sets and maps) goes to the kernel
+    // as one netlink batch; should the kernel refuse it (nothing applied), `nft`
+    // gets the same transaction.
+    let policy_ops = desired
+        .as_ref()
+        .filter(|p| !p.script.is_empty())
+        .map(|p| p.elements.as_ref());
+    let ops: Option<Vec<netlink::Element>> = match (&plan.element_ops, policy_ops) {
+        (Some(ops), None) => Some(ops.iter().map(Into::into).collect()),
+        (Some(ops), Some(Some(policy))) => Some(
+            ops.iter()
+                .map(Into::into)
+                .chain(policy.iter().cloned())
+                .collect(),
+        ),
+        (None, Some(Some(policy))) if plan.is_empty() => Some(policy.clone()),
+        _ => None,
+    };
+    let sent = match ops {
+        Some(ops) => {
             let result = match st.netlink.take() {
                 Some(socket) => Ok(socket),
                 None => netlink::Socket::open(),
             }
-            .and_then(|mut socket| socket.apply(ops).map(|()| socket));
+            .and_then(|mut socket| socket.apply(&ops).map(|()| socket));
             match result {
                 Ok(socket) => {
                     st.netlink = Some(socket);
@@ -223,9 +242,14 @@ fn apply_blocking(
                 }
             }
         }
-        _ => false,
+        None => false,
     };
-    if !sent {
+    if sent {
+        if let Some(pending) = desired {
+            st.policy.commit(pending);
+            st.policy_failure = None;
+        }
+    } else {
         let script = format!("{}{policy_part}", plan.script);
         match nft.apply(&script) {
             Ok(()) => {

@@ -1,5 +1,6 @@
 //! Element-only transactions sent to the kernel as one nfnetlink batch, without
-//! starting `nft`: an endpoint change is a few element commands, and starting the
+//! starting `nft`: an endpoint or policy change is a few element commands
+//! ([`elements`]), and starting the
 //! `nft` process (exec, libraries, its cache read) is most of its cost on a busy
 //! node. Anything else (chains, sets, full syncs) still goes through `nft -f`.
 //!
@@ -8,12 +9,14 @@
 //! Encoded here rather than through a crate: rustables is GPL-3.0, and nftnl binds
 //! the C libnftnl, whose sets take keys only (no map data, no element deletes).
 
-use super::ruleset::{ElementKey, ElementOp, ElementValue, TABLE_NAME};
-use crate::dataplane::ebpf::codec::proto_number;
-use std::{
-    io,
-    net::{IpAddr, SocketAddr},
-};
+mod elements;
+#[cfg(test)]
+mod tests;
+
+pub use elements::{Data, Element, backend_bytes, key_bytes, policy_elements};
+
+use super::ruleset::TABLE_NAME;
+use std::io;
 
 const NETLINK_NETFILTER: libc::c_int = 12;
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
@@ -33,6 +36,8 @@ const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
 const NFTA_LIST_ELEM: u16 = 1;
 const NFTA_SET_ELEM_KEY: u16 = 1;
 const NFTA_SET_ELEM_DATA: u16 = 2;
+const NFTA_SET_ELEM_FLAGS: u16 = 3;
+const NFTA_SET_ELEM_USERDATA: u16 = 6;
 const NFTA_DATA_VALUE: u16 = 1;
 const NFTA_DATA_VERDICT: u16 = 2;
 const NFTA_VERDICT_CODE: u16 = 1;
@@ -48,53 +53,6 @@ pub enum NetlinkError {
     /// The kernel refused the batch (nothing of it was applied).
     #[error("the kernel refused the element batch: {0}")]
     Refused(io::Error),
-}
-
-/// Appends a 4-byte-aligned register word holding `bytes` (zero padded).
-fn push_word(out: &mut Vec<u8>, bytes: &[u8]) {
-    out.extend_from_slice(bytes);
-    while !out.len().is_multiple_of(4) {
-        out.push(0);
-    }
-}
-
-/// Appends `ip` as a register word (4 or 16 bytes).
-fn push_addr(out: &mut Vec<u8>, ip: IpAddr) {
-    match ip {
-        IpAddr::V4(a) => push_word(out, &a.octets()),
-        IpAddr::V6(a) => push_word(out, &a.octets()),
-    }
-}
-
-/// `key` as the kernel stores it: addresses as they are, ports big-endian,
-/// protocols one byte, the numgen index host-endian, each part padded to 4 bytes.
-pub fn key_bytes(key: &ElementKey) -> Vec<u8> {
-    let mut out = Vec::new();
-    match *key {
-        ElementKey::Port {
-            vip,
-            protocol,
-            port,
-        } => {
-            push_addr(&mut out, vip);
-            push_word(&mut out, &[proto_number(protocol)]);
-            push_word(&mut out, &port.to_be_bytes());
-        }
-        ElementKey::Backend { vip, port, index } => {
-            push_addr(&mut out, vip);
-            push_word(&mut out, &port.to_be_bytes());
-            push_word(&mut out, &index.to_ne_bytes());
-        }
-    }
-    out
-}
-
-/// A data map's value (`addr . port`) as the kernel stores it.
-pub fn backend_bytes(backend: SocketAddr) -> Vec<u8> {
-    let mut out = Vec::new();
-    push_addr(&mut out, backend.ip());
-    push_word(&mut out, &backend.port().to_be_bytes());
-    out
 }
 
 fn attr(out: &mut Vec<u8>, ty: u16, payload: &[u8]) {
@@ -141,9 +99,13 @@ fn message(
     out.extend_from_slice(attrs);
 }
 
-/// The batch for `ops`: begin, one message per command, end. Returns the bytes
-/// and the sequence numbers that want an answer.
-pub fn batch(ops: &[ElementOp], first_seq: u32) -> (Vec<u8>, Vec<u32>) {
+/// Most elements one message carries.
+const ELEMENTS_PER_MESSAGE: usize = 256;
+
+/// The batch for `ops`: begin, one message per run of commands on the same set
+/// (additions or deletions), end. Returns the bytes and the sequence numbers that
+/// want an answer.
+pub fn batch(ops: &[Element], first_seq: u32) -> (Vec<u8>, Vec<u32>) {
     let mut out = Vec::new();
     let mut seq = first_seq;
     message(
@@ -156,35 +118,20 @@ pub fn batch(ops: &[ElementOp], first_seq: u32) -> (Vec<u8>, Vec<u32>) {
         &[],
     );
     let mut acked = Vec::new();
-    for op in ops {
+    let runs = ops
+        .chunk_by(|a, b| a.set == b.set && a.add == b.add)
+        .flat_map(|run| run.chunks(ELEMENTS_PER_MESSAGE));
+    for run in runs {
         seq += 1;
         let mut attrs = Vec::new();
         attr(&mut attrs, NFTA_SET_ELEM_LIST_TABLE, &cstr(TABLE_NAME));
-        attr(&mut attrs, NFTA_SET_ELEM_LIST_SET, &cstr(op.map));
+        attr(&mut attrs, NFTA_SET_ELEM_LIST_SET, &cstr(&run[0].set));
         nested(&mut attrs, NFTA_SET_ELEM_LIST_ELEMENTS, |list| {
-            nested(list, NFTA_LIST_ELEM, |elem| {
-                nested(elem, NFTA_SET_ELEM_KEY, |k| {
-                    attr(k, NFTA_DATA_VALUE, &key_bytes(&op.key))
-                });
-                match &op.value {
-                    Some(ElementValue::Backend(b)) => {
-                        nested(elem, NFTA_SET_ELEM_DATA, |d| {
-                            attr(d, NFTA_DATA_VALUE, &backend_bytes(*b))
-                        });
-                    }
-                    Some(ElementValue::Goto(chain)) => {
-                        nested(elem, NFTA_SET_ELEM_DATA, |d| {
-                            nested(d, NFTA_DATA_VERDICT, |v| {
-                                attr(v, NFTA_VERDICT_CODE, &NFT_GOTO.to_be_bytes());
-                                attr(v, NFTA_VERDICT_CHAIN, &cstr(chain));
-                            });
-                        });
-                    }
-                    None => {}
-                }
-            });
+            for op in run {
+                nested(list, NFTA_LIST_ELEM, |elem| encode_element(elem, op));
+            }
         });
-        let (ty, flags) = if op.value.is_some() {
+        let (ty, flags) = if run[0].add {
             (NFT_MSG_NEWSETELEM, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE)
         } else {
             (NFT_MSG_DELSETELEM, NLM_F_REQUEST | NLM_F_ACK)
@@ -211,6 +158,33 @@ pub fn batch(ops: &[ElementOp], first_seq: u32) -> (Vec<u8>, Vec<u32>) {
         &[],
     );
     (out, acked)
+}
+
+/// The attributes of one element: key, flags, data, user data.
+fn encode_element(elem: &mut Vec<u8>, op: &Element) {
+    nested(elem, NFTA_SET_ELEM_KEY, |k| {
+        attr(k, NFTA_DATA_VALUE, &op.key)
+    });
+    if op.flags != 0 {
+        attr(elem, NFTA_SET_ELEM_FLAGS, &op.flags.to_be_bytes());
+    }
+    match &op.data {
+        Some(Data::Value(v)) => {
+            nested(elem, NFTA_SET_ELEM_DATA, |d| attr(d, NFTA_DATA_VALUE, v));
+        }
+        Some(Data::Goto(chain)) => {
+            nested(elem, NFTA_SET_ELEM_DATA, |d| {
+                nested(d, NFTA_DATA_VERDICT, |v| {
+                    attr(v, NFTA_VERDICT_CODE, &NFT_GOTO.to_be_bytes());
+                    attr(v, NFTA_VERDICT_CHAIN, &cstr(chain));
+                });
+            });
+        }
+        None => {}
+    }
+    if let Some(udata) = &op.udata {
+        attr(elem, NFTA_SET_ELEM_USERDATA, udata);
+    }
 }
 
 /// A netfilter netlink socket kept open between batches: closing one makes the
@@ -256,7 +230,7 @@ impl Socket {
     }
 
     /// Sends `ops` as one batch and waits for the kernel's answer to each command.
-    pub fn apply(&mut self, ops: &[ElementOp]) -> Result<(), NetlinkError> {
+    pub fn apply(&mut self, ops: &[Element]) -> Result<(), NetlinkError> {
         let first = self.seq.wrapping_add(1);
         self.seq = first.wrapping_add(ops.len() as u32 + 2);
         // SAFETY: the socket is open for as long as `self` lives.
@@ -268,7 +242,7 @@ impl Socket {
 /// `fd` is an open netlink socket.
 unsafe fn send_and_wait(
     fd: libc::c_int,
-    ops: &[ElementOp],
+    ops: &[Element],
     first_seq: u32,
 ) -> Result<(), NetlinkError> {
     let (bytes, mut waiting) = batch(ops, first_seq);

@@ -4,96 +4,69 @@
 //! * Base chains `pol-forward`, `pol-output`, `pol-input` (filter, priority 0,
 //!   after DNAT: VIP traffic is checked on its chosen backend) jump to `pol`, which
 //!   accepts established and related packets (replies of allowed connections) and
-//!   IPv6 neighbour and router discovery, then
-//!   jumps to `pol-out` (egress: the source is guarded) and `pol-in` (ingress: the
-//!   destination is guarded).
-//! * Each of those looks the packet up in shared interval verdict maps keyed by
-//!   guarded address . peer prefix: `pol-in4-any` (rules for every port),
-//!   `pol-in4-ports` (also . protocol . port), `pol-in4-peers` (peers of port rules,
-//!   telling `port_not_allowed` from `no_matching_rule`) and last `pol-in4` (the
-//!   guarded address alone: nothing matched). Each element `goto`s a small chain of
-//!   the reporting service and mode that counts (named counters
-//!   `pc-DIR-KIND-NS/NAME`) and returns (allowed, or audit) or drops; a return
-//!   from a goto'd chain ends that direction's check, so a packet between two
-//!   guarded addresses is checked both ways. The refusing chains first log the
-//!   packet, rate-limited, to NFLOG for `observe` (`super::nflog`).
-//! * Only the sixteen lookup rules bind the maps (binding walks a map's elements):
-//!   a full sync is elements and one-rule chains, and a change is elements (plus
-//!   the chains of a service's first policy).
+//!   IPv6 neighbour and router discovery, then jumps to `pol-out` (egress: the
+//!   source is guarded) and `pol-in` (ingress: the destination is guarded).
+//! * Those look the guarded address up in a hash verdict map per direction and
+//!   family (`pol-in4`, `pol-in6`, `pol-out4`, `pol-out6`), whose element `goto`s
+//!   the check chain of the address's group ([`layout`]): the addresses of a
+//!   service with the same rules share one chain and its small sets, named after
+//!   the group `G` (`in4-e1-shop/web`): per port rule `pol-pI-G`, its peers (a
+//!   single-field interval set, aggregated: interval sets refuse overlaps), and
+//!   `pol-any-G`, the peers of the rule for every port; the ports of port rule I
+//!   are in `pol-in4-qI`, guarded address . protocol . port (a hash set shared by
+//!   the direction and family's groups: target ports may differ per endpoint, and
+//!   fewer sets keep the kernel's by-name set lookups short).
+//!   The check chain tries the rules (`goto pol-ok-…`), then the peers of the port
+//!   rules (`goto pol-port-…`: `port_not_allowed`), else `goto pol-nomatch-…`.
+//! * The verdict chains of a service and mode count (named counters
+//!   `pc-DIR-KIND-NS/NAME`) and return (allowed, or audit) or drop; a return from
+//!   a goto'd chain ends that direction's check, so a packet between two guarded
+//!   addresses is checked both ways. The refusing chains first log the packet,
+//!   rate-limited, to NFLOG for `observe` (`super::nflog`).
 //! * Fail closed ([`failed_objects`]): when the kernel refuses the policy, each
 //!   guarded address `goto`s `pol-fail-DIR-NS/NAME`, which counts and drops (audit
 //!   policies: returns).
 //!
-//! * A change touches only the guarded addresses the plan's change names
-//!   ([`Programmed`] keeps the objects per address and the chains' use counts).
-//!
-//! Interval maps refuse overlapping keys, so each peer list is the aggregate of its
-//! prefixes (contained prefixes dropped, neighbours merged).
+//! A change touches only the guarded addresses the plan's change names
+//! ([`Programmed`]): new peers or ports are element commands, which go to the
+//! kernel as one netlink batch (`super::netlink`); a group's first address or
+//! its last (chains and sets made or deleted) takes `nft -f`.
 
-use super::ruleset::{TABLE, is_policy_chain};
+use super::ruleset::{TABLE, is_policy_chain, proto};
 use crate::{
     model::{PolicyMode, Protocol, ServiceKey},
     policy::{
-        GuardedEndpoint, PolicyPlan,
+        PolicyPlan,
         metrics::{Direction, DropReason},
     },
 };
 use ipnet::IpNet;
 use std::{
     collections::{BTreeMap, BTreeSet},
-    fmt::Write as _,
+    fmt::{self, Write as _},
     net::IpAddr,
 };
 
-/// The lookup kinds in check order, each with its key type (`A` stands for the
-/// family's address type).
-const KINDS: [(&str, &str); 4] = [
-    ("-any", "A . A"),
-    ("-ports", "A . A . inet_proto . inet_service"),
-    ("-peers", "A . A"),
-    ("", "A"),
-];
-
-/// Every verdict map: `pol-{in,out}{4,6}{kind}`.
-fn maps() -> Vec<(String, String)> {
+/// The verdict maps, guarded address → `goto` its group's check chain:
+/// `pol-{in,out}{4,6}`.
+fn maps() -> Vec<(String, &'static str)> {
     let mut out = Vec::new();
     for d in ["in", "out"] {
         for (f, addr) in [('4', "ipv4_addr"), ('6', "ipv6_addr")] {
-            for (kind, key) in KINDS {
-                out.push((format!("pol-{d}{f}{kind}"), key.replace('A', addr)));
-            }
+            out.push((format!("pol-{d}{f}"), addr));
         }
     }
     out
-}
-
-/// A map's definition, bounded by `size` when given.
-fn map_definition(name: &str, key: &str, size: Option<u32>) -> String {
-    let interval = if name.ends_with(['4', '6']) {
-        ""
-    } else {
-        " flags interval ;"
-    };
-    let size = size.map_or_else(String::new, |n| format!(" size {n} ;"));
-    format!("{{ type {key} : verdict ;{interval}{size} }}")
 }
 
 /// The fixed chains: name, definition, rules.
 fn skeleton() -> Vec<(String, &'static str, Vec<String>)> {
     // Chains before the rules that jump to them.
     let mut out = Vec::new();
-    for (d, guarded, peer) in [("in", "daddr", "saddr"), ("out", "saddr", "daddr")] {
-        let mut rules = Vec::new();
-        for (kind, _) in KINDS {
-            for (f, ipf) in [('4', "ip"), ('6', "ip6")] {
-                let key = match kind {
-                    "-ports" => format!("{ipf} {guarded} . {ipf} {peer} . meta l4proto . th dport"),
-                    "" => format!("{ipf} {guarded}"),
-                    _ => format!("{ipf} {guarded} . {ipf} {peer}"),
-                };
-                rules.push(format!("{key} vmap @pol-{d}{f}{kind}"));
-            }
-        }
+    for (d, guarded) in [("in", "daddr"), ("out", "saddr")] {
+        let rules = [('4', "ip"), ('6', "ip6")]
+            .map(|(f, ipf)| format!("{ipf} {guarded} vmap @pol-{d}{f}"))
+            .to_vec();
         out.push((format!("pol-{d}"), "", rules));
     }
     out.push((
@@ -124,19 +97,62 @@ fn skeleton() -> Vec<(String, &'static str, Vec<String>)> {
     out
 }
 
-/// The policy objects of the table.
+/// The key of a policy set or map element, written in nft's syntax by `Display`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum PolicyKey {
+    /// A guarded address (the verdict maps).
+    Addr(IpAddr),
+    /// A peer prefix (the interval sets).
+    Prefix(IpNet),
+    /// Guarded address . protocol . port (the port sets).
+    Port(IpAddr, Protocol, u16),
+}
+
+impl fmt::Display for PolicyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PolicyKey::Addr(a) => write!(f, "{a}"),
+            PolicyKey::Prefix(n) => write!(f, "{n}"),
+            PolicyKey::Port(a, p, port) => write!(f, "{a} . {} . {port}", proto(*p)),
+        }
+    }
+}
+
+/// The policy objects of the table, or of a part of it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PolicyObjects {
-    /// Verdict map elements: (map, key) → the chain they go to.
-    pub elements: BTreeMap<(String, String), String>,
-    /// Per-service chains with their rules.
+    /// Set and map elements: (set, key) → the chain a map element goes to (`None`
+    /// in a set).
+    pub elements: BTreeMap<(String, PolicyKey), Option<String>>,
+    /// Sets with their definition.
+    pub sets: BTreeMap<String, String>,
+    /// Chains with their rules.
     pub chains: BTreeMap<String, Vec<String>>,
     /// Named counters.
     pub counters: BTreeSet<String>,
 }
 
-/// The counters of a service, by verdict.
-const COUNTER_KINDS: [&str; 5] = ["allow", "port", "nomatch", "audit", "unprog"];
+impl PolicyObjects {
+    /// Adds `other` to these objects.
+    pub fn extend(&mut self, other: &PolicyObjects) {
+        self.elements
+            .extend(other.elements.iter().map(|(k, v)| (k.clone(), v.clone())));
+        self.sets
+            .extend(other.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
+        self.chains
+            .extend(other.chains.iter().map(|(k, v)| (k.clone(), v.clone())));
+        self.counters.extend(other.counters.iter().cloned());
+    }
+}
+
+/// The counters the verdict chains of a service in `mode` count in (the failure
+/// chain's is `unprog`); the metrics show the other verdicts as 0.
+fn counter_kinds(mode: PolicyMode) -> &'static [&'static str] {
+    match mode {
+        PolicyMode::Enforce => &["allow", "port", "nomatch"],
+        PolicyMode::Audit => &["allow", "audit"],
+    }
+}
 
 /// `in` or `out`.
 fn dir(d: Direction) -> &'static str {
@@ -146,102 +162,45 @@ fn dir(d: Direction) -> &'static str {
     }
 }
 
-/// The counter of `kind` (one of [`COUNTER_KINDS`]).
+/// The counter of `kind` (`allow`, `port`, `nomatch`, `audit` or `unprog`).
 fn counter(d: Direction, kind: &str, key: &ServiceKey) -> String {
     format!("pc-{}-{kind}-{}/{}", dir(d), key.namespace, key.name)
+}
+
+/// The fail-closed chain of service `key` in direction `d`.
+fn fail_chain(d: Direction, key: &ServiceKey) -> String {
+    format!("pol-fail-{}-{}/{}", dir(d), key.namespace, key.name)
 }
 
 /// The objects that enforce `plan`; refused (and audit would-drop) packets are
 /// logged to NFLOG `log_group` when given (see `super::nflog`).
 pub fn objects(plan: &PolicyPlan, log_group: Option<u16>) -> PolicyObjects {
-    every_address(plan, |out, addr, guarded| {
-        address_objects(out, addr, guarded, log_group)
-    })
+    let kind = Objects::Rules {
+        log_group,
+        size: None,
+    };
+    Programmed::build(plan, kind).objects()
 }
 
-/// The objects `add` gives each guarded address of `plan`, together.
-fn every_address(
-    plan: &PolicyPlan,
-    add: impl Fn(&mut PolicyObjects, IpAddr, &GuardedEndpoint),
-) -> PolicyObjects {
-    let mut out = PolicyObjects::default();
-    for (addr, guarded) in &plan.endpoints {
-        add(&mut out, *addr, guarded);
-    }
-    out
-}
-
-/// Adds the objects that enforce the rules of guarded address `addr` to `out`:
-/// its elements (each keyed by the address first) and the chains and counters
-/// they go to (whose refusals log to NFLOG `log_group` when given).
-pub fn address_objects(
-    out: &mut PolicyObjects,
-    addr: IpAddr,
-    guarded: &GuardedEndpoint,
-    log_group: Option<u16>,
-) {
-    for (d, rules) in [
-        (Direction::Ingress, &guarded.ingress),
-        (Direction::Egress, &guarded.egress),
-    ] {
-        let Some(rules) = rules else { continue };
-        let [ok, port, nomatch] = service_chains(out, d, rules.mode, &rules.service, log_group);
-        let v4 = addr.is_ipv4();
-        let map = |kind: &str| format!("pol-{}{}{kind}", dir(d), if v4 { '4' } else { '6' });
-        let family = |n: &&IpNet| n.addr().is_ipv4() == v4;
-        let mut any = Vec::new();
-        let mut peers = Vec::new();
-        let mut by_port: BTreeMap<(Protocol, u16), Vec<IpNet>> = BTreeMap::new();
-        for rule in &rules.rules {
-            let nets = rule.peers.iter().filter(family).copied();
-            if rule.ports.is_empty() {
-                any.extend(nets);
-                continue;
-            }
-            let nets: Vec<IpNet> = nets.collect();
-            peers.extend(nets.iter().copied());
-            for p in &rule.ports {
-                by_port
-                    .entry((p.protocol, p.port))
-                    .or_default()
-                    .extend(nets.iter().copied());
-            }
-        }
-        for n in IpNet::aggregate(&any) {
-            out.elements
-                .insert((map("-any"), format!("{addr} . {n}")), ok.clone());
-        }
-        for ((protocol, p), nets) in by_port {
-            let proto = super::ruleset::proto(protocol);
-            for n in IpNet::aggregate(&nets) {
-                let key = format!("{addr} . {n} . {proto} . {p}");
-                out.elements.insert((map("-ports"), key), ok.clone());
-            }
-        }
-        for n in IpNet::aggregate(&peers) {
-            out.elements
-                .insert((map("-peers"), format!("{addr} . {n}")), port.clone());
-        }
-        out.elements.insert((map(""), addr.to_string()), nomatch);
-    }
+/// Fail closed: every guarded address of `plan` goes to its service's failure
+/// chain, which drops and counts (`policy_unprogrammable`); audit policies pass.
+pub fn failed_objects(plan: &PolicyPlan) -> PolicyObjects {
+    Programmed::build(plan, Objects::Failed).objects()
 }
 
 /// Declares the verdict chains of `key` in direction `d` and mode `mode` with
 /// their counters: allowed, peer without its port, nothing matched. The two
 /// refusing chains first log the packet (rate-limited) to NFLOG `log_group`.
-fn service_chains(
+fn verdict_chains(
     out: &mut PolicyObjects,
     d: Direction,
     mode: PolicyMode,
     key: &ServiceKey,
     log_group: Option<u16>,
 ) -> [String; 3] {
-    let m = if mode == PolicyMode::Audit { 'a' } else { 'e' };
+    let m = layout::mode_letter(mode);
     let name = |what: &str| format!("pol-{what}-{}-{m}-{}/{}", dir(d), key.namespace, key.name);
     let names = [name("ok"), name("port"), name("nomatch")];
-    if out.chains.contains_key(&names[0]) {
-        return names;
-    }
     let deny = |reason: DropReason, kind: &str| {
         let log = log_group.map(|group| super::nflog::log_rule(group, d, reason, mode, key));
         log.into_iter()
@@ -256,7 +215,7 @@ fn service_chains(
     for (chain, rules) in names.iter().zip(rules) {
         out.chains.insert(chain.clone(), rules);
     }
-    for kind in COUNTER_KINDS {
+    for kind in counter_kinds(mode) {
         out.counters.insert(counter(d, kind, key));
     }
     names
@@ -275,51 +234,45 @@ fn deny_rule(d: Direction, mode: PolicyMode, reason: &str, key: &ServiceKey) -> 
     }
 }
 
-/// Fail closed: every guarded address of `plan` goes to its service's failure
-/// chain, which drops and counts (`policy_unprogrammable`); audit policies pass.
-pub fn failed_objects(plan: &PolicyPlan) -> PolicyObjects {
-    every_address(plan, failed_address_objects)
-}
-
-/// Adds the fail-closed objects of guarded address `addr` to `out`.
-pub fn failed_address_objects(out: &mut PolicyObjects, addr: IpAddr, guarded: &GuardedEndpoint) {
-    for (d, rules) in [
-        (Direction::Ingress, &guarded.ingress),
-        (Direction::Egress, &guarded.egress),
-    ] {
-        let Some(rules) = rules else { continue };
-        let key = &rules.service;
-        let chain = format!("pol-fail-{}-{}/{}", dir(d), key.namespace, key.name);
-        let unprog = counter(d, "unprog", key);
-        let rule = deny_rule(d, rules.mode, "unprog", key);
-        out.counters.insert(unprog);
-        out.chains.insert(chain.clone(), vec![rule]);
-        let f = if addr.is_ipv4() { '4' } else { '6' };
-        out.elements
-            .insert((format!("pol-{}{f}", dir(d)), addr.to_string()), chain);
-    }
+/// Whether chain `name` is a group's check chain (deleted before the chains it
+/// goes to).
+fn is_check_chain(name: &str) -> bool {
+    name.starts_with("pol-c-")
 }
 
 /// The policy part of a full sync, after the rest of the table's script (which
-/// flushed every existing chain): declares the fixed part with maps of at most
-/// `size` elements, replaces every per-service object, and deletes those of
-/// `existing_chains` no longer wanted.
+/// flushed every existing chain): declares the fixed part with verdict maps of at
+/// most `size` elements, replaces every per-service object, and deletes those of
+/// `existing_chains` no longer wanted (with the sets and counters that came with
+/// them).
 pub fn full_script(
     new: &PolicyObjects,
     existing_chains: &BTreeSet<String>,
     size: Option<u32>,
 ) -> String {
     let mut s = String::new();
-    for (map, key) in maps() {
-        let def = map_definition(&map, &key, size);
-        let _ = writeln!(s, "add map {TABLE} {map} {def}");
+    let size = size.map_or_else(String::new, |n| format!(" size {n} ;"));
+    for (map, addr) in maps() {
+        let _ = writeln!(
+            s,
+            "add map {TABLE} {map} {{ type {addr} : verdict ;{size} }}"
+        );
         let _ = writeln!(s, "flush map {TABLE} {map}");
     }
     for c in &new.counters {
         let _ = writeln!(s, "add counter {TABLE} {c}");
     }
-    for (name, rules) in &new.chains {
+    let old = old_objects(existing_chains);
+    for (name, def) in &new.sets {
+        let _ = writeln!(s, "add set {TABLE} {name} {def}");
+        if old.sets.contains_key(name) {
+            let _ = writeln!(s, "flush set {TABLE} {name}");
+        }
+    }
+    for name in new.chains.keys() {
         let _ = writeln!(s, "add chain {TABLE} {name}");
+    }
+    for (name, rules) in &new.chains {
         for r in rules {
             let _ = writeln!(s, "add rule {TABLE} {name} {r}");
         }
@@ -332,22 +285,40 @@ pub fn full_script(
     }
     add_elements(&mut s, new.elements.iter());
     let fixed: BTreeSet<String> = skeleton().into_iter().map(|(n, _, _)| n).collect();
-    for chain in existing_chains {
-        if is_policy_chain(chain) && !fixed.contains(chain) && !new.chains.contains_key(chain) {
-            let _ = writeln!(s, "delete chain {TABLE} {chain}");
-        }
+    let mut gone: Vec<&String> = existing_chains
+        .iter()
+        .filter(|c| is_policy_chain(c) && !fixed.contains(*c) && !new.chains.contains_key(*c))
+        .collect();
+    gone.sort_by_key(|c| !is_check_chain(c));
+    for chain in gone {
+        let _ = writeln!(s, "delete chain {TABLE} {chain}");
     }
-    for c in old_counters(existing_chains).difference(&new.counters) {
+    for set in old.sets.keys().filter(|n| !new.sets.contains_key(*n)) {
+        let _ = writeln!(s, "delete set {TABLE} {set}");
+    }
+    for c in old.counters.difference(&new.counters) {
         let _ = writeln!(s, "delete counter {TABLE} {c}");
     }
     s
 }
 
-/// The counters that exist with the per-service chains among `chains` (made and
-/// deleted together).
-fn old_counters(chains: &BTreeSet<String>) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
+/// The sets and counters that exist with the per-service chains among `chains`
+/// (made and deleted together).
+fn old_objects(chains: &BTreeSet<String>) -> PolicyObjects {
+    let mut out = PolicyObjects::default();
     for chain in chains {
+        if let Some(group) = chain.strip_prefix("pol-c-") {
+            let Some((any, rules)) = layout::sets(group) else {
+                continue;
+            };
+            for set in any
+                .into_iter()
+                .chain(rules.into_iter().flat_map(|(p, q)| [p, q]))
+            {
+                out.sets.insert(set, String::new());
+            }
+            continue;
+        }
         let Some(rest) = chain.strip_prefix("pol-") else {
             continue;
         };
@@ -359,38 +330,46 @@ fn old_counters(chains: &BTreeSet<String>) -> BTreeSet<String> {
         };
         let service = match what {
             "fail" => {
-                out.insert(format!("pc-{d}-unprog-{rest}"));
+                out.counters.insert(format!("pc-{d}-unprog-{rest}"));
                 continue;
             }
-            "ok" | "port" | "nomatch" => rest.get(2..).unwrap_or_default(),
+            "ok" | "port" | "nomatch" => rest,
             _ => continue,
         };
-        for kind in COUNTER_KINDS {
-            out.insert(format!("pc-{d}-{kind}-{service}"));
+        let (mode, service) = match service.split_once('-') {
+            Some(("a", service)) => (PolicyMode::Audit, service),
+            Some(("e", service)) => (PolicyMode::Enforce, service),
+            _ => continue,
+        };
+        for kind in counter_kinds(mode) {
+            out.counters.insert(format!("pc-{d}-{kind}-{service}"));
         }
     }
     out
 }
 
+/// Writes `elements` as `add element` commands, one per set (in chunks).
 fn add_elements<'a>(
     s: &mut String,
-    elements: impl Iterator<Item = (&'a (String, String), &'a String)>,
+    elements: impl Iterator<Item = (&'a (String, PolicyKey), &'a Option<String>)>,
 ) {
-    let mut by_map: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-    for ((map, key), chain) in elements {
-        by_map
-            .entry(map)
-            .or_default()
-            .push(format!("{key} : goto {chain}"));
+    let mut by_set: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for ((set, key), chain) in elements {
+        by_set.entry(set).or_default().push(match chain {
+            Some(chain) => format!("{key} : goto {chain}"),
+            None => key.to_string(),
+        });
     }
-    for (map, items) in by_map {
+    for (set, items) in by_set {
         for chunk in items.chunks(4096) {
-            let _ = writeln!(s, "add element {TABLE} {map} {{ {} }}", chunk.join(", "));
+            let _ = writeln!(s, "add element {TABLE} {set} {{ {} }}", chunk.join(", "));
         }
     }
 }
 
 mod counts;
+mod diff;
+mod layout;
 mod programmed;
 
 pub use counts::verdict_counts;

@@ -6,6 +6,15 @@ use crate::{
 };
 use std::collections::BTreeMap;
 
+/// Every verdict.
+const ALL: [Verdict; 5] = [
+    Verdict::Allow,
+    Verdict::Drop(DropReason::PortNotAllowed),
+    Verdict::Drop(DropReason::NoMatchingRule),
+    Verdict::Drop(DropReason::PolicyUnprogrammable),
+    Verdict::AuditWouldDrop,
+];
+
 /// The verdict counts in named counters `packets` (`pc-DIR-KIND-NS/NAME` →
 /// packets), for the policy metrics.
 pub fn verdict_counts(packets: &BTreeMap<String, u64>) -> VerdictCounts {
@@ -36,8 +45,13 @@ pub fn verdict_counts(packets: &BTreeMap<String, u64>) -> VerdictCounts {
             "audit" => Verdict::AuditWouldDrop,
             _ => continue,
         };
-        *out.entry((ServiceKey::new(namespace, svc), direction, verdict))
-            .or_default() += n;
+        let key = ServiceKey::new(namespace, svc);
+        // Every verdict of a service and direction with counters is shown, 0
+        // when its mode has no counter for it.
+        for v in ALL {
+            out.entry((key.clone(), direction, v)).or_default();
+        }
+        *out.entry((key, direction, verdict)).or_default() += n;
     }
     out
 }
