@@ -1,4 +1,8 @@
 use super::*;
+use crate::{
+    dataplane::ebpf::{EMBEDDED_OBJECT, programs_embedded},
+    preflight::object,
+};
 use std::collections::BTreeSet;
 
 #[test]
