@@ -58,10 +58,12 @@ pub struct ProxyLimits {
 #[derive(Clone, Copy, Debug)]
 struct Upstream(SocketAddr);
 
-/// What every connection's requests share.
+/// What every connection's requests share: one per worker thread, with its own
+/// upstream clients (so upstream connections stay on the worker that uses them)
+/// and the routes, access-log sampling and ACME tokens of all workers.
 pub struct Proxy {
     /// The current routes (swapped by the route watcher).
-    pub routes: ArcSwap<RouteTable>,
+    pub routes: Arc<ArcSwap<RouteTable>>,
     /// HTTP/1.1 to endpoints, pooled.
     client: Client<HttpConnector, ProxyBody>,
     /// HTTP/2 with prior knowledge (h2c) to endpoints of routes whose port says so,
@@ -69,7 +71,7 @@ pub struct Proxy {
     h2c_client: Client<HttpConnector, ProxyBody>,
     limits: ProxyLimits,
     metrics: IngressMetrics,
-    access_log: AccessLog,
+    access_log: Arc<AccessLog>,
     /// Rotates the starting point of the least-outstanding choice.
     turn: AtomicUsize,
     /// Pending ACME HTTP-01 tokens, answered on the plain listener before routing.
@@ -79,27 +81,32 @@ pub struct Proxy {
 impl Proxy {
     /// A proxy with no routes yet.
     pub fn new(limits: ProxyLimits, metrics: IngressMetrics) -> Proxy {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(limits.connect_timeout));
-        connector.set_nodelay(true);
-        let mut builder = Client::builder(hyper_util::rt::TokioExecutor::new());
-        builder
-            .pool_timer(hyper_util::rt::TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(60));
-        let client = builder.build(connector.clone());
-        let h2c_client = builder
-            .http2_only(true)
-            .timer(hyper_util::rt::TokioTimer::new())
-            .build(connector);
+        let (client, h2c_client) = clients(&limits);
         Proxy {
-            routes: ArcSwap::default(),
+            routes: Arc::default(),
             client,
             h2c_client,
-            access_log: AccessLog::new(limits.access_log_sample),
+            access_log: Arc::new(AccessLog::new(limits.access_log_sample)),
             limits,
             metrics,
             turn: AtomicUsize::new(0),
             challenges: Arc::default(),
+        }
+    }
+
+    /// A proxy for another worker thread: the same routes, access-log sampling
+    /// and ACME tokens, its own upstream clients.
+    pub fn for_worker(&self) -> Proxy {
+        let (client, h2c_client) = clients(&self.limits);
+        Proxy {
+            routes: self.routes.clone(),
+            client,
+            h2c_client,
+            access_log: self.access_log.clone(),
+            limits: self.limits.clone(),
+            metrics: self.metrics.clone(),
+            turn: AtomicUsize::new(0),
+            challenges: self.challenges.clone(),
         }
     }
 
@@ -358,6 +365,28 @@ impl Proxy {
         }
         resp
     }
+}
+
+/// The pooled HTTP/1.1 and h2c clients to endpoints.
+fn clients(
+    limits: &ProxyLimits,
+) -> (
+    Client<HttpConnector, ProxyBody>,
+    Client<HttpConnector, ProxyBody>,
+) {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(limits.connect_timeout));
+    connector.set_nodelay(true);
+    let mut builder = Client::builder(hyper_util::rt::TokioExecutor::new());
+    builder
+        .pool_timer(hyper_util::rt::TokioTimer::new())
+        .pool_idle_timeout(Duration::from_secs(60));
+    let client = builder.build(connector.clone());
+    let h2c_client = builder
+        .http2_only(true)
+        .timer(hyper_util::rt::TokioTimer::new())
+        .build(connector);
+    (client, h2c_client)
 }
 
 /// Why an upstream exchange failed.
