@@ -14,6 +14,7 @@ use super::{
 use arc_swap::ArcSwap;
 
 use http_body_util::{BodyExt, Empty, Full, combinators::UnsyncBoxBody};
+use hyper::http::uri::PathAndQuery;
 use hyper::{
     Method, Request, Response, StatusCode, Uri,
     body::{Body, Bytes, Incoming},
@@ -162,18 +163,18 @@ impl Proxy {
                 (route, response)
             }
         };
-        let (route_host, service) = route
-            .as_ref()
-            .map(|r| (r.host.clone(), r.service.clone()))
-            .unwrap_or_default();
-        self.metrics
-            .requests
-            .get_or_create(&RequestLabels {
-                host: route_host,
-                service,
-                code: response.status().as_u16(),
-            })
-            .inc();
+        let code = response.status().as_u16();
+        if let Some(r) = &route {
+            r.requests
+                .inc(&self.metrics.requests, &r.host, &r.service, code);
+        } else {
+            let labels = RequestLabels {
+                host: String::new(),
+                service: String::new(),
+                code,
+            };
+            self.metrics.requests.get_or_create(&labels).inc();
+        }
         let duration = start.elapsed();
         self.metrics.duration.observe(duration.as_secs_f64());
         if let Some((method, path, version)) = logged {
@@ -235,24 +236,28 @@ impl Proxy {
         // A connect failure is retried once on another endpoint when resending is
         // safe: an idempotent method and no body to replay.
         let retryable = is_idempotent(&parts.method) && body.is_end_stream();
-        let mut headers = forwarded_headers(
-            &parts.headers,
-            host,
-            peer,
-            tls,
-            &self.limits.trusted_proxies,
-        );
-        if route.h2c {
-            // HTTP/2 has no Upgrade; gRPC needs `TE: trailers` to reach the server.
-            keep_te_trailers(&parts.headers, &mut headers);
-        } else if let Some(value) = upgrade {
-            upgrade::keep_headers(&mut headers, value);
-        }
+        // Built again for a retry rather than copied for every request.
+        let forwarded = || {
+            let mut headers = forwarded_headers(
+                &parts.headers,
+                host,
+                peer,
+                tls,
+                &self.limits.trusted_proxies,
+            );
+            if route.h2c {
+                // HTTP/2 has no Upgrade; gRPC needs `TE: trailers` to reach the server.
+                keep_te_trailers(&parts.headers, &mut headers);
+            } else if let Some(value) = &upgrade {
+                upgrade::keep_headers(&mut headers, value.clone());
+            }
+            headers
+        };
         let build = |backend: &Backend, body: ProxyBody| {
             let mut up = Request::new(body);
             *up.method_mut() = parts.method.clone();
-            *up.uri_mut() = upstream_uri(backend.addr, &parts.uri);
-            *up.headers_mut() = headers.clone();
+            *up.uri_mut() = upstream_uri(backend, &parts.uri);
+            *up.headers_mut() = forwarded();
             if route.h2c {
                 *up.version_mut() = hyper::Version::HTTP_2;
             }
@@ -406,10 +411,18 @@ fn is_idempotent(m: &Method) -> bool {
     )
 }
 
-/// `http://ADDR/path?query`.
-fn upstream_uri(addr: SocketAddr, uri: &Uri) -> Uri {
-    let path = uri.path_and_query().map_or("/", |p| p.as_str());
-    format!("http://{addr}{path}").parse().unwrap_or_default()
+/// `http://ADDR/path?query`, from the backend's authority and the request's
+/// path (both shared, not copied).
+fn upstream_uri(backend: &Backend, uri: &Uri) -> Uri {
+    let mut parts = hyper::http::uri::Parts::default();
+    parts.scheme = Some(hyper::http::uri::Scheme::HTTP);
+    parts.authority = Some(backend.authority.clone());
+    parts.path_and_query = Some(
+        uri.path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/")),
+    );
+    Uri::from_parts(parts).unwrap_or_default()
 }
 
 fn empty() -> ProxyBody {
