@@ -14,6 +14,7 @@
 mod access_log;
 pub mod acme;
 mod activity;
+mod answers;
 mod body_limit;
 mod client_cert;
 mod conn_cap;
@@ -24,6 +25,7 @@ mod routes;
 mod serve;
 mod tls;
 mod upgrade;
+mod upstream;
 mod workers;
 
 pub use acme::{AcmeCertStatus, AcmeServer, AcmeSettings};

@@ -1,24 +1,25 @@
 //! One request through the ingress proxy: route, allow-list, redirect, upstream
-//! choice, the forwarded request, and the proxy's own short answers.
+//! choice and the forwarded request.
 
 use super::{
     access_log::{self, AccessLog},
     acme::Challenges,
+    answers::{acme_answer, answer, empty, redirect},
     body_limit,
     client_cert::{self, TlsSession},
     headers::{forwarded_headers, keep_te_trailers, strip_hop_by_hop},
     metrics::{IngressMetrics, ReasonLabels, RequestLabels},
     routes::{Backend, Route, RouteTable, path_is_normal, request_host},
     upgrade,
+    upstream::{Failure, Http1Pool, h2c_client, path_and_query, upstream_uri},
 };
 use arc_swap::ArcSwap;
-
-use http_body_util::{BodyExt, Empty, Full, combinators::UnsyncBoxBody};
-use hyper::http::uri::PathAndQuery;
+use futures::future::Either;
+use http_body_util::{BodyExt, combinators::UnsyncBoxBody};
 use hyper::{
     Method, Request, Response, StatusCode, Uri,
     body::{Body, Bytes, Incoming},
-    header::{self, HeaderValue},
+    header,
 };
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use ipnet::IpNet;
@@ -65,8 +66,8 @@ struct Upstream(SocketAddr);
 pub struct Proxy {
     /// The current routes (swapped by the route watcher).
     pub routes: Arc<ArcSwap<RouteTable>>,
-    /// HTTP/1.1 to endpoints, pooled.
-    client: Client<HttpConnector, ProxyBody>,
+    /// HTTP/1.1 to endpoints, pooled (this worker's connections).
+    http1: Arc<Http1Pool>,
     /// HTTP/2 with prior knowledge (h2c) to endpoints of routes whose port says so,
     /// one multiplexed connection per endpoint.
     h2c_client: Client<HttpConnector, ProxyBody>,
@@ -82,11 +83,10 @@ pub struct Proxy {
 impl Proxy {
     /// A proxy with no routes yet.
     pub fn new(limits: ProxyLimits, metrics: IngressMetrics) -> Proxy {
-        let (client, h2c_client) = clients(&limits);
         Proxy {
             routes: Arc::default(),
-            client,
-            h2c_client,
+            http1: Arc::new(Http1Pool::new(limits.connect_timeout)),
+            h2c_client: h2c_client(&limits),
             access_log: Arc::new(AccessLog::new(limits.access_log_sample)),
             limits,
             metrics,
@@ -98,17 +98,22 @@ impl Proxy {
     /// A proxy for another worker thread: the same routes, access-log sampling
     /// and ACME tokens, its own upstream clients.
     pub fn for_worker(&self) -> Proxy {
-        let (client, h2c_client) = clients(&self.limits);
         Proxy {
             routes: self.routes.clone(),
-            client,
-            h2c_client,
+            http1: Arc::new(Http1Pool::new(self.limits.connect_timeout)),
+            h2c_client: h2c_client(&self.limits),
             access_log: self.access_log.clone(),
             limits: self.limits.clone(),
             metrics: self.metrics.clone(),
             turn: AtomicUsize::new(0),
             challenges: self.challenges.clone(),
         }
+    }
+
+    /// Closes this worker's upstream connections idle too long (or closed by their
+    /// endpoint).
+    pub fn sweep_idle(&self) {
+        self.http1.sweep();
     }
 
     /// Answers one request from `peer`, received over TLS when `tls` (the
@@ -212,7 +217,7 @@ impl Proxy {
         }
         let tls = session.is_some();
         if route.tls && !tls {
-            return self.redirect(req.uri(), host);
+            return redirect(req.uri(), host, self.limits.tls_port);
         }
         if !route.tls && tls {
             // The certificate was chosen for another host than this request's.
@@ -256,7 +261,13 @@ impl Proxy {
         let build = |backend: &Backend, body: ProxyBody| {
             let mut up = Request::new(body);
             *up.method_mut() = parts.method.clone();
-            *up.uri_mut() = upstream_uri(backend, &parts.uri);
+            // HTTP/1.1 in origin form (the Host header names the host); the h2c
+            // client wants the endpoint's address in the URI.
+            *up.uri_mut() = if route.h2c {
+                upstream_uri(backend, &parts.uri)
+            } else {
+                Uri::from(path_and_query(&parts.uri))
+            };
             *up.headers_mut() = forwarded();
             if route.h2c {
                 *up.version_mut() = hyper::Version::HTTP_2;
@@ -290,7 +301,7 @@ impl Proxy {
     /// splicing the connections when the endpoint switched protocols.
     fn relay(
         &self,
-        response: Result<Response<Incoming>, Failure>,
+        response: Result<Response<ProxyBody>, Failure>,
         client_upgrade: Option<hyper::upgrade::OnUpgrade>,
     ) -> Response<ProxyBody> {
         match response {
@@ -310,7 +321,7 @@ impl Proxy {
                     upgrade::keep_headers(&mut parts.headers, protocol);
                     tokio::spawn(upgrade::splice(client, upstream));
                 }
-                Response::from_parts(parts, body.map_err(Into::into).boxed_unsync())
+                Response::from_parts(parts, body)
             }
             Err(Failure::Timeout) => answer(StatusCode::GATEWAY_TIMEOUT, "upstream timeout\n"),
             Err(Failure::Connect | Failure::Protocol) => {
@@ -326,12 +337,20 @@ impl Proxy {
         backend: &Arc<Backend>,
         h2c: bool,
         req: Request<ProxyBody>,
-    ) -> impl Future<Output = Result<Response<Incoming>, Failure>> + Send + 'static {
+    ) -> impl Future<Output = Result<Response<ProxyBody>, Failure>> + Send + 'static {
         let backend = backend.clone();
         let fut = if h2c {
-            self.h2c_client.request(req)
+            let fut = self.h2c_client.request(req);
+            Either::Left(async move {
+                match fut.await {
+                    Ok(resp) => Ok(resp.map(|b| b.map_err(Into::into).boxed_unsync())),
+                    Err(e) if e.is_connect() => Err(Failure::Connect),
+                    Err(_) => Err(Failure::Protocol),
+                }
+            })
         } else {
-            self.client.request(req)
+            let (pool, addr) = (self.http1.clone(), backend.addr);
+            Either::Right(async move { pool.send(addr, req).await })
         };
         let timeout = self.limits.response_timeout;
         let errors = self.metrics.upstream_errors.clone();
@@ -341,8 +360,7 @@ impl Proxy {
             backend.outstanding.fetch_sub(1, Ordering::Relaxed);
             let failure = match r {
                 Ok(Ok(resp)) => return Ok(resp),
-                Ok(Err(e)) if e.is_connect() => Failure::Connect,
-                Ok(Err(_)) => Failure::Protocol,
+                Ok(Err(failure)) => failure,
                 Err(_) => Failure::Timeout,
             };
             let reason = match failure {
@@ -355,53 +373,6 @@ impl Proxy {
             Err(failure)
         }
     }
-
-    /// 308 to the same URL over HTTPS.
-    fn redirect(&self, uri: &Uri, host: &str) -> Response<ProxyBody> {
-        let port = match self.limits.tls_port {
-            443 => String::new(),
-            p => format!(":{p}"),
-        };
-        let path = uri.path_and_query().map_or("/", |p| p.as_str());
-        let location = format!("https://{host}{port}{path}");
-        let mut resp = answer(StatusCode::PERMANENT_REDIRECT, "moved to https\n");
-        if let Ok(v) = HeaderValue::from_str(&location) {
-            resp.headers_mut().insert(header::LOCATION, v);
-        }
-        resp
-    }
-}
-
-/// The pooled HTTP/1.1 and h2c clients to endpoints.
-fn clients(
-    limits: &ProxyLimits,
-) -> (
-    Client<HttpConnector, ProxyBody>,
-    Client<HttpConnector, ProxyBody>,
-) {
-    let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(limits.connect_timeout));
-    connector.set_nodelay(true);
-    let mut builder = Client::builder(hyper_util::rt::TokioExecutor::new());
-    builder
-        .pool_timer(hyper_util::rt::TokioTimer::new())
-        .pool_idle_timeout(Duration::from_secs(60));
-    let client = builder.build(connector.clone());
-    let h2c_client = builder
-        .http2_only(true)
-        .timer(hyper_util::rt::TokioTimer::new())
-        .build(connector);
-    (client, h2c_client)
-}
-
-/// Why an upstream exchange failed.
-enum Failure {
-    /// No connection could be made (nothing was sent).
-    Connect,
-    /// No response headers within the response timeout.
-    Timeout,
-    /// The connection broke or the response was not HTTP.
-    Protocol,
 }
 
 fn is_idempotent(m: &Method) -> bool {
@@ -409,49 +380,4 @@ fn is_idempotent(m: &Method) -> bool {
         *m,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::PUT | Method::DELETE | Method::TRACE
     )
-}
-
-/// `http://ADDR/path?query`, from the backend's authority and the request's
-/// path (both shared, not copied).
-fn upstream_uri(backend: &Backend, uri: &Uri) -> Uri {
-    let mut parts = hyper::http::uri::Parts::default();
-    parts.scheme = Some(hyper::http::uri::Scheme::HTTP);
-    parts.authority = Some(backend.authority.clone());
-    parts.path_and_query = Some(
-        uri.path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/")),
-    );
-    Uri::from_parts(parts).unwrap_or_default()
-}
-
-fn empty() -> ProxyBody {
-    Empty::new().map_err(|never| match never {}).boxed_unsync()
-}
-
-/// The proxy's own answer: a status and a short plain-text body.
-pub fn answer(status: StatusCode, text: &'static str) -> Response<ProxyBody> {
-    let mut resp = full(
-        Bytes::from_static(text.as_bytes()),
-        "text/plain; charset=utf-8",
-    );
-    *resp.status_mut() = status;
-    resp
-}
-
-/// The key authorization of a pending ACME HTTP-01 challenge (RFC 8555 §8.3).
-fn acme_answer(key_authorization: String) -> Response<ProxyBody> {
-    full(Bytes::from(key_authorization), "application/octet-stream")
-}
-
-/// A 200 with `body` of `content_type`.
-fn full(body: Bytes, content_type: &'static str) -> Response<ProxyBody> {
-    let mut resp = Response::new(
-        Full::new(body)
-            .map_err(|never| match never {})
-            .boxed_unsync(),
-    );
-    resp.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
-    resp
 }

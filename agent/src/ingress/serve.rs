@@ -5,6 +5,7 @@
 use super::{
     IngressConfig, IngressMetrics, activity::Activity, client_cert::TlsConfigs,
     client_cert::TlsSession, conn_cap::ConnCap, metrics::ReasonLabels, proxy::Proxy,
+    upstream::IDLE_TIMEOUT,
 };
 use hyper::{Request, body::Incoming, service::service_fn};
 use hyper_util::{
@@ -40,6 +41,18 @@ impl Serve {
         secure: std::net::TcpListener,
         tls: Arc<TlsConfigs>,
     ) {
+        let sweeper = {
+            let (proxy, cancel) = (self.proxy.clone(), self.cancel.clone());
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(IDLE_TIMEOUT / 4);
+                loop {
+                    tokio::select! {
+                        () = cancel.cancelled() => return,
+                        _ = tick.tick() => proxy.sweep_idle(),
+                    }
+                }
+            })
+        };
         match (TcpListener::from_std(plain), TcpListener::from_std(secure)) {
             (Ok(plain), Ok(secure)) => {
                 tokio::join!(
@@ -51,6 +64,7 @@ impl Serve {
                 tracing::error!(%error, "ingress: a worker could not use its listeners");
             }
         }
+        sweeper.abort();
         self.tasks.close();
         self.tasks.wait().await;
     }
