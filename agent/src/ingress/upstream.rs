@@ -249,3 +249,77 @@ pub fn path_and_query(uri: &Uri) -> PathAndQuery {
         .cloned()
         .unwrap_or_else(|| PathAndQuery::from_static("/"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ingress::answers::empty;
+    use http_body_util::Full;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// An HTTP/1.1 server on loopback answering `ok`, counting its connections.
+    async fn server() -> (SocketAddr, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::Relaxed);
+                let service = hyper::service::service_fn(|_req| async {
+                    Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from_static(
+                        b"ok",
+                    ))))
+                });
+                tokio::spawn(
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service),
+                );
+            }
+        });
+        (addr, accepted)
+    }
+
+    fn get() -> Request<ProxyBody> {
+        Request::builder()
+            .uri("/")
+            .header(hyper::header::HOST, "a.example")
+            .body(empty())
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_connection_is_reused_once_its_body_was_read_and_not_before() {
+        let (addr, accepted) = server().await;
+        let pool = Arc::new(Http1Pool::new(Duration::from_secs(1)));
+        for _ in 0..3 {
+            let Ok(resp) = pool.send(addr, get()).await else {
+                panic!("no response")
+            };
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(&body[..], b"ok");
+        }
+        assert_eq!(accepted.load(Ordering::Relaxed), 1);
+        // A response whose body is still unread holds its connection.
+        let Ok(_unread) = pool.send(addr, get()).await else {
+            panic!("no response")
+        };
+        let Ok(resp) = pool.send(addr, get()).await else {
+            panic!("no response")
+        };
+        drop(resp);
+        assert_eq!(accepted.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
+    async fn nothing_listening_is_a_connect_failure() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let pool = Arc::new(Http1Pool::new(Duration::from_secs(1)));
+        assert!(matches!(
+            pool.send(addr, get()).await,
+            Err(Failure::Connect)
+        ));
+    }
+}
