@@ -494,6 +494,13 @@ settings! {
         ingress_max_connections: usize => ingress_max_connections: usize = |n| {
             resolve::in_range(n, 16_384, 1..=1 << 20)
         },
+        /// Threads serving ingress clients, each with its own listeners (sharing the
+        /// port) and upstream connections [default: the available CPUs].
+        #[arg(long = "ingress-workers", env = "RUNE_INGRESS_WORKERS", value_name = "N")]
+        ingress_workers: usize => ingress_workers: usize = |n| {
+            let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+            resolve::in_range(n, cpus, 1..=1024)
+        },
         /// The share of requests the ingress proxy writes an access-log line for
         /// (target `rune::ingress::access`), 0 (none) to 1 (every request) [default: 1].
         #[arg(

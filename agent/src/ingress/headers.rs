@@ -3,12 +3,16 @@
 //! (`X-Forwarded-*`, `Forwarded`).
 
 use super::upgrade;
+use hyper::body::Bytes;
 use hyper::{
     HeaderMap,
     header::{self, HeaderName, HeaderValue},
 };
 use ipnet::IpNet;
-use std::net::{IpAddr, SocketAddr};
+use std::{
+    fmt::Write as _,
+    net::{IpAddr, SocketAddr},
+};
 
 /// Hop-by-hop headers: never forwarded either way.
 const HOP_BY_HOP: [HeaderName; 7] = [
@@ -49,31 +53,37 @@ pub fn forwarded_headers(
         headers.insert(header::HOST, h.clone());
         headers.insert("x-forwarded-host", h.clone());
     }
-    if let Ok(v) = HeaderValue::from_str(&xff) {
+    if let Ok(v) = owned_value(xff) {
         headers.insert("x-forwarded-for", v);
     }
     let proto = if tls { "https" } else { "http" };
     headers.insert("x-forwarded-proto", HeaderValue::from_static(proto));
     // RFC 7239: the same facts in one header, replaced or (trusted peer) appended.
-    let node = match client {
-        IpAddr::V6(v6) => format!("\"[{v6}]\""),
-        v4 => v4.to_string(),
-    };
     let shown_host = original_host
         .as_ref()
         .and_then(|h| h.to_str().ok())
-        .unwrap_or(host)
-        .replace(['"', '\\'], "");
-    let mut forwarded = format!("for={node};proto={proto};host=\"{shown_host}\"");
-    if let Some(prior) = from.get(header::FORWARDED).and_then(|v| v.to_str().ok())
-        && trusted
-    {
-        forwarded = format!("{prior}, {forwarded}");
-    }
-    if let Ok(v) = HeaderValue::from_str(&forwarded) {
+        .unwrap_or(host);
+    let mut forwarded = match from.get(header::FORWARDED).and_then(|v| v.to_str().ok()) {
+        Some(prior) if trusted => format!("{prior}, "),
+        _ => String::with_capacity(48),
+    };
+    // Writing to a String cannot fail.
+    let _ = match client {
+        IpAddr::V6(v6) => write!(forwarded, "for=\"[{v6}]\""),
+        v4 => write!(forwarded, "for={v4}"),
+    };
+    let _ = write!(forwarded, ";proto={proto};host=\"");
+    forwarded.extend(shown_host.chars().filter(|c| !matches!(c, '"' | '\\')));
+    forwarded.push('"');
+    if let Ok(v) = owned_value(forwarded) {
         headers.insert(header::FORWARDED, v);
     }
     headers
+}
+
+/// A header value that takes `text`'s buffer rather than copying it.
+fn owned_value(text: String) -> Result<HeaderValue, header::InvalidHeaderValue> {
+    HeaderValue::from_maybe_shared(Bytes::from(text))
 }
 
 /// Puts `TE: trailers` back when the client sent it (the one `TE` HTTP/2 allows;

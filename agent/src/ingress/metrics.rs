@@ -10,6 +10,7 @@ use prometheus_client::{
     },
     registry::Registry,
 };
+use std::sync::{PoisonError, RwLock};
 
 /// Labels of a request the ingress answered.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -20,6 +21,45 @@ pub struct RequestLabels {
     pub service: String,
     /// The HTTP status code sent to the client.
     pub code: u16,
+}
+
+/// A route's request counters by status code, each looked up in the family once:
+/// a request then costs no label allocation or hashing, only a short scan.
+#[derive(Debug, Default)]
+pub struct CodeCounters(RwLock<Vec<(u16, Counter)>>);
+
+impl CodeCounters {
+    /// Counts one request answered with `code` on the route of `host` and
+    /// `service`, in `family`.
+    pub fn inc(
+        &self,
+        family: &Family<RequestLabels, Counter>,
+        host: &str,
+        service: &str,
+        code: u16,
+    ) {
+        let counted = |list: &[(u16, Counter)]| {
+            list.iter()
+                .find(|(c, _)| *c == code)
+                .map(|(_, counter)| counter.inc())
+                .is_some()
+        };
+        if counted(&self.0.read().unwrap_or_else(PoisonError::into_inner)) {
+            return;
+        }
+        let mut list = self.0.write().unwrap_or_else(PoisonError::into_inner);
+        if counted(&list) {
+            return;
+        }
+        let labels = RequestLabels {
+            host: host.to_owned(),
+            service: service.to_owned(),
+            code,
+        };
+        let counter = family.get_or_create(&labels).clone();
+        counter.inc();
+        list.push((code, counter));
+    }
 }
 
 /// Labels of a failure, by reason.

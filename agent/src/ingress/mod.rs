@@ -3,7 +3,9 @@
 //!
 //! Routes ([`routes`]) and certificates ([`tls`]) are rebuilt from the endpoint
 //! cache on every change and swapped in whole, so requests never take a lock.
-//! Connections are served by hyper (HTTP/1.1 and h2, on both listeners); each
+//! Connections are served by hyper (HTTP/1.1 and h2, on both listeners) on the
+//! [`workers`] threads, each with its own listeners and upstream connections
+//! ([`serve`]); each
 //! request goes to the least loaded ready endpoint of its route ([`proxy`]);
 //! `Upgrade` requests (WebSocket) are spliced through once the endpoint agrees
 //! ([`upgrade`]). Routes with `tls.mode: acme` get their certificates from
@@ -12,6 +14,7 @@
 mod access_log;
 pub mod acme;
 mod activity;
+mod answers;
 mod body_limit;
 mod client_cert;
 mod conn_cap;
@@ -19,8 +22,11 @@ mod headers;
 mod metrics;
 mod proxy;
 mod routes;
+mod serve;
 mod tls;
 mod upgrade;
+mod upstream;
+mod workers;
 
 pub use acme::{AcmeCertStatus, AcmeServer, AcmeSettings};
 pub use metrics::IngressMetrics;
@@ -32,17 +38,11 @@ use crate::{
     subsystem::{Readiness, ReadySetter, StartContext, Subsystem, SubsystemError},
 };
 use acme::Acme;
-use activity::Activity;
-use client_cert::{TlsConfigs, TlsSession};
+use client_cert::TlsConfigs;
 use conn_cap::ConnCap;
-use hyper::{Request, body::Incoming, service::service_fn};
-use hyper_util::{
-    rt::{TokioExecutor, TokioIo, TokioTimer},
-    server::conn::auto,
-};
-use metrics::ReasonLabels;
 use proxy::Proxy;
 use routes::RouteTable;
+use serve::Serve;
 use std::{
     collections::BTreeSet,
     net::SocketAddr,
@@ -50,10 +50,6 @@ use std::{
     time::Duration,
 };
 use tls::CertMap;
-use tokio::{
-    io::{AsyncRead, AsyncWrite},
-    net::TcpListener,
-};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 /// What the ingress proxy listens on and how it treats clients.
@@ -71,6 +67,9 @@ pub struct IngressConfig {
     pub max_header_bytes: usize,
     /// Most client connections open at once, both listeners together.
     pub max_connections: usize,
+    /// Worker threads serving clients, each with its own listeners and upstream
+    /// connections (at least 1).
+    pub workers: usize,
     /// The Secret whose certificate answers names no route has (else refused).
     pub default_cert: Option<ServiceKey>,
     /// Upstream limits and forwarding rules.
@@ -134,17 +133,13 @@ impl Subsystem for IngressServer {
     }
 
     async fn start(&self, ctx: &StartContext) -> Result<(), SubsystemError> {
-        let bind = |addr: SocketAddr| async move {
-            TcpListener::bind(addr)
-                .await
-                .map_err(|e| SubsystemError::io(format!("ingress: bind TCP {addr}"), e))
-        };
-        let plain = bind(self.config.addr).await?;
-        let secure = bind(self.config.tls_addr).await?;
-        let local = |l: &TcpListener, a| l.local_addr().unwrap_or(a);
+        let workers = self.config.workers.max(1);
+        let plain = workers::bind(self.config.addr, workers)?;
+        let secure = workers::bind(self.config.tls_addr, workers)?;
+        let local = |l: &std::net::TcpListener, a| l.local_addr().unwrap_or(a);
         let addrs = (
-            local(&plain, self.config.addr),
-            local(&secure, self.config.tls_addr),
+            local(&plain[0], self.config.addr),
+            local(&secure[0], self.config.tls_addr),
         );
         *crate::lock::lock(&self.bound) = Some(addrs);
         let tls_configs = TlsConfigs::new(self.resolver.clone())
@@ -163,18 +158,24 @@ impl Subsystem for IngressServer {
         ));
         self.tasks
             .spawn(self.acme.clone().run(ctx.cancel.child_token()));
-        let serve = Arc::new(Serve {
-            proxy: self.proxy.clone(),
-            cap: ConnCap::new(self.config.max_connections),
-            config: self.config.clone(),
-            metrics: self.metrics.clone(),
-            tasks: self.tasks.clone(),
-            cancel: ctx.cancel.clone(),
-        });
-        self.tasks.spawn(serve.clone().accept(plain, None));
-        self.tasks
-            .spawn(serve.accept(secure, Some(Arc::new(tls_configs))));
-        tracing::info!(http = %addrs.0, https = %addrs.1, "ingress serving");
+        let cap = Arc::new(ConnCap::new(self.config.max_connections));
+        let serves = plain
+            .into_iter()
+            .zip(secure)
+            .map(|(plain, secure)| {
+                let serve = Serve {
+                    proxy: Arc::new(self.proxy.for_worker()),
+                    cap: cap.clone(),
+                    config: self.config.clone(),
+                    metrics: self.metrics.clone(),
+                    tasks: TaskTracker::new(),
+                    cancel: ctx.cancel.clone(),
+                };
+                (serve, plain, secure)
+            })
+            .collect();
+        workers::spawn(serves, &Arc::new(tls_configs), &self.tasks)?;
+        tracing::info!(http = %addrs.0, https = %addrs.1, workers, "ingress serving");
         Ok(())
     }
 
@@ -259,141 +260,4 @@ fn acme_hosts(views: &[ServiceView]) -> BTreeSet<String> {
         .filter_map(|v| v.service.spec.expose.as_ref()?.acme_host())
         .map(str::to_owned)
         .collect()
-}
-
-/// What the accept loops and connections share.
-struct Serve {
-    proxy: Arc<Proxy>,
-    config: IngressConfig,
-    metrics: IngressMetrics,
-    tasks: TaskTracker,
-    cancel: CancellationToken,
-    /// Room for client connections, shared by both listeners.
-    cap: ConnCap,
-}
-
-impl Serve {
-    /// Accepts connections until cancelled; each is served in its own task.
-    async fn accept(self: Arc<Self>, listener: TcpListener, tls: Option<Arc<TlsConfigs>>) {
-        loop {
-            let (stream, peer) = tokio::select! {
-                () = self.cancel.cancelled() => return,
-                r = listener.accept() => match r {
-                    Ok(c) => c,
-                    Err(error) => {
-                        // Out of file descriptors and the like: pause, then go on.
-                        tracing::warn!(%error, "ingress: accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-            };
-            // At the cap, the accepted client waits (and later ones in the
-            // backlog) until a connection closes; idle ones are asked to. A place
-            // is taken only for a connection in hand, so the listeners waiting
-            // for clients hold none.
-            let permit = tokio::select! {
-                () = self.cancel.cancelled() => return,
-                p = self.cap.room() => p,
-            };
-            let _ = stream.set_nodelay(true);
-            let this = self.clone();
-            let tls = tls.clone();
-            self.tasks.spawn(async move {
-                let _permit = permit;
-                match tls {
-                    None => this.connection(stream, peer, None).await,
-                    Some(configs) => {
-                        let handshake = tokio::time::timeout(
-                            this.config.header_timeout,
-                            configs.accept(stream, |host| {
-                                this.proxy.routes.load().requests_client_cert(host)
-                            }),
-                        );
-                        match handshake.await {
-                            Ok(Ok((stream, session))) => {
-                                this.connection(stream, peer, Some(Arc::new(session))).await
-                            }
-                            Ok(Err(e)) => this.handshake_failed(peer, &e),
-                            Err(_) => this.count_tls_error("timeout"),
-                        }
-                    }
-                }
-            });
-        }
-    }
-
-    fn handshake_failed(&self, peer: SocketAddr, e: &std::io::Error) {
-        let text = e.to_string();
-        let reason = if text.contains("no server certificate") {
-            "unknown_sni"
-        } else {
-            "handshake"
-        };
-        tracing::debug!(%peer, error = %text, "ingress: TLS handshake failed");
-        self.count_tls_error(reason);
-    }
-
-    fn count_tls_error(&self, reason: &'static str) {
-        self.metrics
-            .tls_handshake_errors
-            .get_or_create(&ReasonLabels { reason })
-            .inc();
-    }
-
-    /// Serves one client connection (HTTP/1.1 or h2) until it ends, idles out or
-    /// the subsystem stops (then gracefully).
-    async fn connection<S>(&self, stream: S, peer: SocketAddr, tls: Option<Arc<TlsSession>>)
-    where
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    {
-        let activity = Arc::new(Activity::new());
-        let service = {
-            let (proxy, activity) = (self.proxy.clone(), activity.clone());
-            service_fn(move |req: Request<Incoming>| {
-                let (proxy, activity, tls) = (proxy.clone(), activity.clone(), tls.clone());
-                async move {
-                    activity.begin();
-                    let resp = proxy.handle(req, peer, tls.as_deref()).await;
-                    activity.end();
-                    Ok::<_, std::convert::Infallible>(resp)
-                }
-            })
-        };
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder
-            .http1()
-            .timer(TokioTimer::new())
-            .header_read_timeout(self.config.header_timeout)
-            .max_buf_size(self.config.max_header_bytes);
-        builder
-            .http2()
-            .timer(TokioTimer::new())
-            .max_header_list_size(u32::try_from(self.config.max_header_bytes).unwrap_or(u32::MAX));
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-        tokio::pin!(conn);
-        let idle = self.config.idle_timeout;
-        let mut tick = tokio::time::interval(idle / 4);
-        let stopping = loop {
-            tokio::select! {
-                r = conn.as_mut() => {
-                    if let Err(error) = r {
-                        tracing::debug!(%peer, %error, "ingress: connection ended");
-                    }
-                    return;
-                }
-                () = self.cancel.cancelled() => break true,
-                _ = tick.tick() => if activity.idle_for() >= idle { break false },
-                () = self.cap.pressure() => if activity.idle_after_requests() { break false },
-            }
-        };
-        // Responses under way finish (a body still streaming after an idle tick
-        // too); the agent's stop waits for them a bounded time only.
-        conn.as_mut().graceful_shutdown();
-        if stopping {
-            let _ = tokio::time::timeout(self.config.header_timeout, conn).await;
-        } else {
-            let _ = conn.await;
-        }
-    }
 }

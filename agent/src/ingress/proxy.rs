@@ -1,23 +1,25 @@
 //! One request through the ingress proxy: route, allow-list, redirect, upstream
-//! choice, the forwarded request, and the proxy's own short answers.
+//! choice and the forwarded request.
 
 use super::{
     access_log::{self, AccessLog},
     acme::Challenges,
+    answers::{acme_answer, answer, empty, redirect},
     body_limit,
     client_cert::{self, TlsSession},
     headers::{forwarded_headers, keep_te_trailers, strip_hop_by_hop},
     metrics::{IngressMetrics, ReasonLabels, RequestLabels},
     routes::{Backend, Route, RouteTable, path_is_normal, request_host},
     upgrade,
+    upstream::{Failure, Http1Pool, h2c_client, path_and_query, upstream_uri},
 };
 use arc_swap::ArcSwap;
-
-use http_body_util::{BodyExt, Empty, Full, combinators::UnsyncBoxBody};
+use futures::future::Either;
+use http_body_util::{BodyExt, combinators::UnsyncBoxBody};
 use hyper::{
     Method, Request, Response, StatusCode, Uri,
     body::{Body, Bytes, Incoming},
-    header::{self, HeaderValue},
+    header,
 };
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use ipnet::IpNet;
@@ -58,18 +60,20 @@ pub struct ProxyLimits {
 #[derive(Clone, Copy, Debug)]
 struct Upstream(SocketAddr);
 
-/// What every connection's requests share.
+/// What every connection's requests share: one per worker thread, with its own
+/// upstream clients (so upstream connections stay on the worker that uses them)
+/// and the routes, access-log sampling and ACME tokens of all workers.
 pub struct Proxy {
     /// The current routes (swapped by the route watcher).
-    pub routes: ArcSwap<RouteTable>,
-    /// HTTP/1.1 to endpoints, pooled.
-    client: Client<HttpConnector, ProxyBody>,
+    pub routes: Arc<ArcSwap<RouteTable>>,
+    /// HTTP/1.1 to endpoints, pooled (this worker's connections).
+    http1: Arc<Http1Pool>,
     /// HTTP/2 with prior knowledge (h2c) to endpoints of routes whose port says so,
     /// one multiplexed connection per endpoint.
     h2c_client: Client<HttpConnector, ProxyBody>,
     limits: ProxyLimits,
     metrics: IngressMetrics,
-    access_log: AccessLog,
+    access_log: Arc<AccessLog>,
     /// Rotates the starting point of the least-outstanding choice.
     turn: AtomicUsize,
     /// Pending ACME HTTP-01 tokens, answered on the plain listener before routing.
@@ -79,28 +83,37 @@ pub struct Proxy {
 impl Proxy {
     /// A proxy with no routes yet.
     pub fn new(limits: ProxyLimits, metrics: IngressMetrics) -> Proxy {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(limits.connect_timeout));
-        connector.set_nodelay(true);
-        let mut builder = Client::builder(hyper_util::rt::TokioExecutor::new());
-        builder
-            .pool_timer(hyper_util::rt::TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(60));
-        let client = builder.build(connector.clone());
-        let h2c_client = builder
-            .http2_only(true)
-            .timer(hyper_util::rt::TokioTimer::new())
-            .build(connector);
         Proxy {
-            routes: ArcSwap::default(),
-            client,
-            h2c_client,
-            access_log: AccessLog::new(limits.access_log_sample),
+            routes: Arc::default(),
+            http1: Arc::new(Http1Pool::new(limits.connect_timeout)),
+            h2c_client: h2c_client(&limits),
+            access_log: Arc::new(AccessLog::new(limits.access_log_sample)),
             limits,
             metrics,
             turn: AtomicUsize::new(0),
             challenges: Arc::default(),
         }
+    }
+
+    /// A proxy for another worker thread: the same routes, access-log sampling
+    /// and ACME tokens, its own upstream clients.
+    pub fn for_worker(&self) -> Proxy {
+        Proxy {
+            routes: self.routes.clone(),
+            http1: Arc::new(Http1Pool::new(self.limits.connect_timeout)),
+            h2c_client: h2c_client(&self.limits),
+            access_log: self.access_log.clone(),
+            limits: self.limits.clone(),
+            metrics: self.metrics.clone(),
+            turn: AtomicUsize::new(0),
+            challenges: self.challenges.clone(),
+        }
+    }
+
+    /// Closes this worker's upstream connections idle too long (or closed by their
+    /// endpoint).
+    pub fn sweep_idle(&self) {
+        self.http1.sweep();
     }
 
     /// Answers one request from `peer`, received over TLS when `tls` (the
@@ -155,18 +168,18 @@ impl Proxy {
                 (route, response)
             }
         };
-        let (route_host, service) = route
-            .as_ref()
-            .map(|r| (r.host.clone(), r.service.clone()))
-            .unwrap_or_default();
-        self.metrics
-            .requests
-            .get_or_create(&RequestLabels {
-                host: route_host,
-                service,
-                code: response.status().as_u16(),
-            })
-            .inc();
+        let code = response.status().as_u16();
+        if let Some(r) = &route {
+            r.requests
+                .inc(&self.metrics.requests, &r.host, &r.service, code);
+        } else {
+            let labels = RequestLabels {
+                host: String::new(),
+                service: String::new(),
+                code,
+            };
+            self.metrics.requests.get_or_create(&labels).inc();
+        }
         let duration = start.elapsed();
         self.metrics.duration.observe(duration.as_secs_f64());
         if let Some((method, path, version)) = logged {
@@ -204,7 +217,7 @@ impl Proxy {
         }
         let tls = session.is_some();
         if route.tls && !tls {
-            return self.redirect(req.uri(), host);
+            return redirect(req.uri(), host, self.limits.tls_port);
         }
         if !route.tls && tls {
             // The certificate was chosen for another host than this request's.
@@ -228,24 +241,34 @@ impl Proxy {
         // A connect failure is retried once on another endpoint when resending is
         // safe: an idempotent method and no body to replay.
         let retryable = is_idempotent(&parts.method) && body.is_end_stream();
-        let mut headers = forwarded_headers(
-            &parts.headers,
-            host,
-            peer,
-            tls,
-            &self.limits.trusted_proxies,
-        );
-        if route.h2c {
-            // HTTP/2 has no Upgrade; gRPC needs `TE: trailers` to reach the server.
-            keep_te_trailers(&parts.headers, &mut headers);
-        } else if let Some(value) = upgrade {
-            upgrade::keep_headers(&mut headers, value);
-        }
+        // Built again for a retry rather than copied for every request.
+        let forwarded = || {
+            let mut headers = forwarded_headers(
+                &parts.headers,
+                host,
+                peer,
+                tls,
+                &self.limits.trusted_proxies,
+            );
+            if route.h2c {
+                // HTTP/2 has no Upgrade; gRPC needs `TE: trailers` to reach the server.
+                keep_te_trailers(&parts.headers, &mut headers);
+            } else if let Some(value) = &upgrade {
+                upgrade::keep_headers(&mut headers, value.clone());
+            }
+            headers
+        };
         let build = |backend: &Backend, body: ProxyBody| {
             let mut up = Request::new(body);
             *up.method_mut() = parts.method.clone();
-            *up.uri_mut() = upstream_uri(backend.addr, &parts.uri);
-            *up.headers_mut() = headers.clone();
+            // HTTP/1.1 in origin form (the Host header names the host); the h2c
+            // client wants the endpoint's address in the URI.
+            *up.uri_mut() = if route.h2c {
+                upstream_uri(backend, &parts.uri)
+            } else {
+                Uri::from(path_and_query(&parts.uri))
+            };
+            *up.headers_mut() = forwarded();
             if route.h2c {
                 *up.version_mut() = hyper::Version::HTTP_2;
             }
@@ -278,7 +301,7 @@ impl Proxy {
     /// splicing the connections when the endpoint switched protocols.
     fn relay(
         &self,
-        response: Result<Response<Incoming>, Failure>,
+        response: Result<Response<ProxyBody>, Failure>,
         client_upgrade: Option<hyper::upgrade::OnUpgrade>,
     ) -> Response<ProxyBody> {
         match response {
@@ -298,7 +321,7 @@ impl Proxy {
                     upgrade::keep_headers(&mut parts.headers, protocol);
                     tokio::spawn(upgrade::splice(client, upstream));
                 }
-                Response::from_parts(parts, body.map_err(Into::into).boxed_unsync())
+                Response::from_parts(parts, body)
             }
             Err(Failure::Timeout) => answer(StatusCode::GATEWAY_TIMEOUT, "upstream timeout\n"),
             Err(Failure::Connect | Failure::Protocol) => {
@@ -314,12 +337,20 @@ impl Proxy {
         backend: &Arc<Backend>,
         h2c: bool,
         req: Request<ProxyBody>,
-    ) -> impl Future<Output = Result<Response<Incoming>, Failure>> + Send + 'static {
+    ) -> impl Future<Output = Result<Response<ProxyBody>, Failure>> + Send + 'static {
         let backend = backend.clone();
         let fut = if h2c {
-            self.h2c_client.request(req)
+            let fut = self.h2c_client.request(req);
+            Either::Left(async move {
+                match fut.await {
+                    Ok(resp) => Ok(resp.map(|b| b.map_err(Into::into).boxed_unsync())),
+                    Err(e) if e.is_connect() => Err(Failure::Connect),
+                    Err(_) => Err(Failure::Protocol),
+                }
+            })
         } else {
-            self.client.request(req)
+            let (pool, addr) = (self.http1.clone(), backend.addr);
+            Either::Right(async move { pool.send(addr, req).await })
         };
         let timeout = self.limits.response_timeout;
         let errors = self.metrics.upstream_errors.clone();
@@ -329,8 +360,7 @@ impl Proxy {
             backend.outstanding.fetch_sub(1, Ordering::Relaxed);
             let failure = match r {
                 Ok(Ok(resp)) => return Ok(resp),
-                Ok(Err(e)) if e.is_connect() => Failure::Connect,
-                Ok(Err(_)) => Failure::Protocol,
+                Ok(Err(failure)) => failure,
                 Err(_) => Failure::Timeout,
             };
             let reason = match failure {
@@ -343,31 +373,6 @@ impl Proxy {
             Err(failure)
         }
     }
-
-    /// 308 to the same URL over HTTPS.
-    fn redirect(&self, uri: &Uri, host: &str) -> Response<ProxyBody> {
-        let port = match self.limits.tls_port {
-            443 => String::new(),
-            p => format!(":{p}"),
-        };
-        let path = uri.path_and_query().map_or("/", |p| p.as_str());
-        let location = format!("https://{host}{port}{path}");
-        let mut resp = answer(StatusCode::PERMANENT_REDIRECT, "moved to https\n");
-        if let Ok(v) = HeaderValue::from_str(&location) {
-            resp.headers_mut().insert(header::LOCATION, v);
-        }
-        resp
-    }
-}
-
-/// Why an upstream exchange failed.
-enum Failure {
-    /// No connection could be made (nothing was sent).
-    Connect,
-    /// No response headers within the response timeout.
-    Timeout,
-    /// The connection broke or the response was not HTTP.
-    Protocol,
 }
 
 fn is_idempotent(m: &Method) -> bool {
@@ -375,41 +380,4 @@ fn is_idempotent(m: &Method) -> bool {
         *m,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::PUT | Method::DELETE | Method::TRACE
     )
-}
-
-/// `http://ADDR/path?query`.
-fn upstream_uri(addr: SocketAddr, uri: &Uri) -> Uri {
-    let path = uri.path_and_query().map_or("/", |p| p.as_str());
-    format!("http://{addr}{path}").parse().unwrap_or_default()
-}
-
-fn empty() -> ProxyBody {
-    Empty::new().map_err(|never| match never {}).boxed_unsync()
-}
-
-/// The proxy's own answer: a status and a short plain-text body.
-pub fn answer(status: StatusCode, text: &'static str) -> Response<ProxyBody> {
-    let mut resp = full(
-        Bytes::from_static(text.as_bytes()),
-        "text/plain; charset=utf-8",
-    );
-    *resp.status_mut() = status;
-    resp
-}
-
-/// The key authorization of a pending ACME HTTP-01 challenge (RFC 8555 §8.3).
-fn acme_answer(key_authorization: String) -> Response<ProxyBody> {
-    full(Bytes::from(key_authorization), "application/octet-stream")
-}
-
-/// A 200 with `body` of `content_type`.
-fn full(body: Bytes, content_type: &'static str) -> Response<ProxyBody> {
-    let mut resp = Response::new(
-        Full::new(body)
-            .map_err(|never| match never {})
-            .boxed_unsync(),
-    );
-    resp.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
-    resp
 }

@@ -1,11 +1,12 @@
 //! The ingress routing table, rebuilt from the endpoint cache on every change: host
 //! (exact beats wildcard) then the longest path prefix on segment boundaries.
 
-use super::client_cert::ClientCa;
+use super::{client_cert::ClientCa, metrics::CodeCounters};
 use crate::{
     endpoints::ServiceView,
     model::{Secret, ServiceKey},
 };
+use hyper::http::uri::Authority;
 use ipnet::IpNet;
 use std::{
     collections::{BTreeMap, HashMap},
@@ -23,6 +24,21 @@ pub struct Backend {
     pub addr: SocketAddr,
     /// Requests sent and not yet answered (least-outstanding balancing).
     pub outstanding: AtomicUsize,
+    /// `addr` as a URI authority, formatted once rather than per request.
+    pub authority: Authority,
+}
+
+impl Backend {
+    /// The endpoint at `addr`, with nothing in flight.
+    pub fn new(addr: SocketAddr) -> Backend {
+        Backend {
+            addr,
+            outstanding: AtomicUsize::new(0),
+            // A socket address always formats as a valid authority.
+            authority: Authority::try_from(addr.to_string())
+                .unwrap_or_else(|_| Authority::from_static("invalid")),
+        }
+    }
 }
 
 /// One exposed service.
@@ -47,6 +63,8 @@ pub struct Route {
     pub h2c: bool,
     /// Ready, non-terminating endpoints.
     pub backends: Vec<Arc<Backend>>,
+    /// `rune_ingress_requests_total` of this route, by status code.
+    pub requests: CodeCounters,
 }
 
 impl Route {
@@ -97,12 +115,7 @@ impl RouteTable {
                     view.port_backends(port)
                         .into_iter()
                         .filter(|b| b.endpoint.accepts_new())
-                        .map(|b| {
-                            Arc::new(Backend {
-                                addr: b.addr,
-                                outstanding: AtomicUsize::new(0),
-                            })
-                        })
+                        .map(|b| Arc::new(Backend::new(b.addr)))
                         .collect()
                 })
                 .unwrap_or_default();
@@ -118,6 +131,7 @@ impl RouteTable {
                 client_ca: ClientCa::for_route(view, secrets),
                 h2c: port.is_some_and(|p| speaks_h2c(&p.name)),
                 backends,
+                requests: CodeCounters::default(),
             });
             let (map, host) = match expose.host.strip_prefix("*.") {
                 Some(suffix) => (&mut table.wildcard, suffix),

@@ -29,6 +29,11 @@ const TLS_HOST: &str = "secure.test";
 /// The memory 1,000 routes may add (issue 18).
 const MEMORY_TARGET_MIB: f64 = 30.0;
 
+/// Worker threads of every proxy: nginx's `worker_processes`, haproxy's
+/// `nbthread` and the ingress's `--ingress-workers`. One: nginx runs as a single
+/// process (no master, which a kill on drop would leave its workers behind).
+const WORKERS: usize = 1;
+
 /// The proxies compared, in the order of their columns.
 const PROXIES: [&str; 3] = ["nginx", "haproxy", "ingress"];
 
@@ -53,6 +58,8 @@ fn ingress_agent(bin: &Path, state: &Path, http: u16, https: u16, extra: &[&str]
             &format!("127.0.0.1:{https}"),
             "--ingress-default-cert",
             "bench-cert",
+            "--ingress-workers",
+            &WORKERS.to_string(),
         ])
         .args(extra)
         .spawn()
@@ -154,7 +161,7 @@ pub fn section(bin: &Path) -> Result<String> {
     writeln!(t)?;
     writeln!(
         t,
-        "One nginx backend (`return 200 \"ok\"`); nginx (1 worker, upstream keepalive pool) and haproxy (1 thread, `http-reuse always`) vs the agent's ingress (dev mode); {} with a `Host` of the route (new connection: plus `Connection: close`; TLS: SNI is the address, answered by each proxy's default certificate; flood: a second wrk with {} connections making a new TLS connection per request to the same proxy during the run, its answers not counted). {ROUNDS} interleaved rounds, medians.",
+        "One nginx backend (`return 200 \"ok\"`); nginx ({WORKERS} worker, upstream keepalive pool) and haproxy ({WORKERS} thread, `http-reuse always`) vs the agent's ingress (dev mode, `--ingress-workers {WORKERS}`); {} with a `Host` of the route (new connection: plus `Connection: close`; TLS: SNI is the address, answered by each proxy's default certificate; flood: a second wrk with {} connections making a new TLS connection per request to the same proxy during the run, its answers not counted). {ROUNDS} interleaved rounds, medians.",
         wrk::describe(),
         wrk::FLOOD_CONNECTIONS
     )?;

@@ -92,12 +92,13 @@ fn the_least_loaded_backend_is_picked_and_a_failed_one_skipped() {
         client_ca: None,
         h2c: false,
         backends: Vec::new(),
+        requests: Default::default(),
     };
     for port in [1, 2] {
-        route.backends.push(Arc::new(Backend {
-            addr: SocketAddr::from(([198, 18, 0, 1], port)),
-            outstanding: AtomicUsize::new(0),
-        }));
+        route.backends.push(Arc::new(Backend::new(SocketAddr::from((
+            [198, 18, 0, 1],
+            port,
+        )))));
     }
     route.backends[0].outstanding.store(3, Ordering::Relaxed);
     let first = route.pick(0, None).unwrap();

@@ -68,7 +68,8 @@ pub(super) struct ProxyPorts {
     pub(super) backend: u16,
 }
 
-/// nginx as a reverse proxy (one worker, an upstream keepalive pool), plain and TLS.
+/// nginx as a reverse proxy (one worker: [`super::WORKERS`], an upstream keepalive
+/// pool), plain and TLS.
 pub(super) fn nginx_proxy(
     dir: &Path,
     ports: &ProxyPorts,
@@ -95,7 +96,7 @@ pub(super) fn nginx_proxy(
     )
 }
 
-/// haproxy in HTTP mode as a reverse proxy (one thread, connection reuse to the
+/// haproxy in HTTP mode as a reverse proxy ([`super::WORKERS`] threads, connection reuse to the
 /// backend, `X-Forwarded-For` set), plain and TLS, in the foreground (`-db`).
 pub(super) fn haproxy(dir: &Path, ports: &ProxyPorts, cert: &Path, key: &Path) -> Result<Reaped> {
     std::fs::create_dir_all(dir)?;
@@ -110,8 +111,9 @@ pub(super) fn haproxy(dir: &Path, ports: &ProxyPorts, cert: &Path, key: &Path) -
         &pem,
         std::fs::read_to_string(cert)? + &std::fs::read_to_string(key)?,
     )?;
+    let workers = super::WORKERS;
     let config = format!(
-        "global\n  nbthread 1\n  maxconn 8192\n\
+        "global\n  nbthread {workers}\n  maxconn 8192\n\
          defaults\n  mode http\n  option forwardfor\n  http-reuse always\n\
          timeout connect 5s\n  timeout client 30s\n  timeout server 30s\n\
          frontend bench\n  bind 127.0.0.1:{http}\n  bind 127.0.0.1:{https} ssl crt {}\n\
