@@ -251,6 +251,7 @@ pub fn full_script(
     size: Option<u32>,
 ) -> String {
     let mut s = String::new();
+    retire_earlier_maps(&mut s);
     let size = size.map_or_else(String::new, |n| format!(" size {n} ;"));
     for (map, addr) in maps() {
         let _ = writeln!(
@@ -302,6 +303,32 @@ pub fn full_script(
     s
 }
 
+/// The shared interval maps of the earlier layout (`pol-{in,out}{4,6}-{any,ports,peers}`,
+/// keyed by guarded address . peer): a table adopted from an agent of that layout
+/// still holds them, their elements `goto` verdict chains this layout deletes by
+/// the same names, and the kernel refuses to delete a chain a map still jumps to.
+/// Each is declared as it was (a no-op when present, made when absent) and
+/// deleted, first in the full sync; the flush of every chain before it has
+/// already unbound them from their lookup rules.
+fn retire_earlier_maps(s: &mut String) {
+    for d in ["in", "out"] {
+        for (f, addr) in [('4', "ipv4_addr"), ('6', "ipv6_addr")] {
+            for (kind, key) in [
+                ("any", "A . A"),
+                ("ports", "A . A . inet_proto . inet_service"),
+                ("peers", "A . A"),
+            ] {
+                let (name, key) = (format!("pol-{d}{f}-{kind}"), key.replace('A', addr));
+                let _ = writeln!(
+                    s,
+                    "add map {TABLE} {name} {{ type {key} : verdict ; flags interval ; }}"
+                );
+                let _ = writeln!(s, "delete map {TABLE} {name}");
+            }
+        }
+    }
+}
+
 /// The sets and counters that exist with the per-service chains among `chains`
 /// (made and deleted together).
 fn old_objects(chains: &BTreeSet<String>) -> PolicyObjects {
@@ -330,7 +357,11 @@ fn old_objects(chains: &BTreeSet<String>) -> PolicyObjects {
         };
         let service = match what {
             "fail" => {
-                out.counters.insert(format!("pc-{d}-unprog-{rest}"));
+                // A second failure chain of one service (`NS/NAME.2`: its audit and
+                // enforce addresses) counts into the service's one counter. Names
+                // are DNS labels, so a dot starts the suffix.
+                let service = rest.split_once('.').map_or(rest, |(s, _)| s);
+                out.counters.insert(format!("pc-{d}-unprog-{service}"));
                 continue;
             }
             "ok" | "port" | "nomatch" => rest,

@@ -343,6 +343,43 @@ fn a_full_sync_declares_bounded_sets_and_deletes_what_is_unwanted() {
 }
 
 #[test]
+fn a_full_sync_retires_the_earlier_layouts_maps_before_any_chain() {
+    let p = plan("{ingress: [{}]}", "[{address: 198.18.11.2}]");
+    let rules = Objects::Rules {
+        log_group: None,
+        size: None,
+    };
+    let o = Programmed::build(&p, rules).objects();
+    // A second failure chain of one service (its audit and enforce addresses).
+    let existing = BTreeSet::from([
+        "pol-ok-in-e-shop/gone".to_owned(),
+        "pol-fail-in-shop/old".to_owned(),
+        "pol-fail-in-shop/old.2".to_owned(),
+    ]);
+    let script = full_script(&o, &existing, None);
+    let retire = "add map inet rune pol-in4-any { type ipv4_addr . ipv4_addr : verdict ; flags interval ; }\n\
+                  delete map inet rune pol-in4-any\n";
+    assert!(script.starts_with(retire), "{script}");
+    for kind in ["any", "ports", "peers"] {
+        for map in ["in4", "in6", "out4", "out6"] {
+            let line = format!("delete map inet rune pol-{map}-{kind}\n");
+            assert!(
+                script.find(&line) < script.find("delete chain"),
+                "{line} first in {script}"
+            );
+        }
+    }
+    // The suffixed failure chain counts into the service's one counter.
+    assert_eq!(
+        script
+            .matches("delete counter inet rune pc-in-unprog-shop/old\n")
+            .count(),
+        1
+    );
+    assert!(!script.contains("pc-in-unprog-shop/old.2"), "{script}");
+}
+
+#[test]
 fn named_counters_map_back_to_verdicts() {
     let counters = BTreeMap::from([
         ("pc-in-allow-shop/web".to_owned(), 4),
