@@ -1,7 +1,7 @@
 //! The ingress proxy's own answers: short plain-text errors, redirects to HTTPS,
 //! ACME challenge answers.
 
-use super::proxy::ProxyBody;
+use super::body::ProxyBody;
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::{
     Response, StatusCode, Uri,

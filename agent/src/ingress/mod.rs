@@ -15,6 +15,7 @@ mod access_log;
 pub mod acme;
 mod activity;
 mod answers;
+mod body;
 mod body_limit;
 mod client_cert;
 mod conn_cap;

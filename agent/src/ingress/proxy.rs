@@ -15,10 +15,10 @@ use super::{
 };
 use arc_swap::ArcSwap;
 use futures::future::Either;
-use http_body_util::{BodyExt, combinators::UnsyncBoxBody};
+use http_body_util::BodyExt;
 use hyper::{
     Method, Request, Response, StatusCode, Uri,
-    body::{Body, Bytes, Incoming},
+    body::{Body, Incoming},
     header,
 };
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
@@ -32,11 +32,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-/// The body type both ways: a client's or upstream's stream, or the proxy's own text.
-pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
-
-/// Any body error.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use super::body::ProxyBody;
 
 /// The limits and timeouts a request is held to.
 #[derive(Clone, Debug)]
@@ -86,7 +82,7 @@ impl Proxy {
         Proxy {
             routes: Arc::default(),
             http1: Arc::new(Http1Pool::new(limits.connect_timeout)),
-            h2c_client: h2c_client(&limits),
+            h2c_client: h2c_client(limits.connect_timeout),
             access_log: Arc::new(AccessLog::new(limits.access_log_sample)),
             limits,
             metrics,
@@ -101,7 +97,7 @@ impl Proxy {
         Proxy {
             routes: self.routes.clone(),
             http1: Arc::new(Http1Pool::new(self.limits.connect_timeout)),
-            h2c_client: h2c_client(&self.limits),
+            h2c_client: h2c_client(self.limits.connect_timeout),
             access_log: self.access_log.clone(),
             limits: self.limits.clone(),
             metrics: self.metrics.clone(),

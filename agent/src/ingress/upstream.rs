@@ -5,7 +5,7 @@
 //! closed by the endpoint, is dropped.
 
 use super::{
-    proxy::{BoxError, ProxyBody, ProxyLimits},
+    body::{BoxError, ProxyBody},
     routes::Backend,
 };
 use http_body_util::BodyExt;
@@ -219,10 +219,11 @@ pub enum Failure {
     Protocol,
 }
 
-/// The pooled h2c client to endpoints (one multiplexed connection each).
-pub fn h2c_client(limits: &ProxyLimits) -> Client<HttpConnector, ProxyBody> {
+/// The pooled h2c client to endpoints (one multiplexed connection each), each
+/// connected within `connect_timeout`.
+pub fn h2c_client(connect_timeout: Duration) -> Client<HttpConnector, ProxyBody> {
     let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(limits.connect_timeout));
+    connector.set_connect_timeout(Some(connect_timeout));
     connector.set_nodelay(true);
     Client::builder(hyper_util::rt::TokioExecutor::new())
         .pool_timer(hyper_util::rt::TokioTimer::new())

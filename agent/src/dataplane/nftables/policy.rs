@@ -32,19 +32,17 @@
 //! kernel as one netlink batch (`super::netlink`); a group's first address or
 //! its last (chains and sets made or deleted) takes `nft -f`.
 
-use super::ruleset::{TABLE, is_policy_chain, proto};
+use super::ruleset::{TABLE, is_policy_chain};
 use crate::{
-    model::{PolicyMode, Protocol, ServiceKey},
+    model::{PolicyMode, ServiceKey},
     policy::{
         PolicyPlan,
         metrics::{Direction, DropReason},
     },
 };
-use ipnet::IpNet;
 use std::{
     collections::{BTreeMap, BTreeSet},
-    fmt::{self, Write as _},
-    net::IpAddr,
+    fmt::Write as _,
 };
 
 /// The verdict maps, guarded address → `goto` its group's check chain:
@@ -95,27 +93,6 @@ fn skeleton() -> Vec<(String, &'static str, Vec<String>)> {
         ));
     }
     out
-}
-
-/// The key of a policy set or map element, written in nft's syntax by `Display`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum PolicyKey {
-    /// A guarded address (the verdict maps).
-    Addr(IpAddr),
-    /// A peer prefix (the interval sets).
-    Prefix(IpNet),
-    /// Guarded address . protocol . port (the port sets).
-    Port(IpAddr, Protocol, u16),
-}
-
-impl fmt::Display for PolicyKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PolicyKey::Addr(a) => write!(f, "{a}"),
-            PolicyKey::Prefix(n) => write!(f, "{n}"),
-            PolicyKey::Port(a, p, port) => write!(f, "{a} . {} . {port}", proto(*p)),
-        }
-    }
 }
 
 /// The policy objects of the table, or of a part of it.
@@ -400,10 +377,12 @@ fn add_elements<'a>(
 
 mod counts;
 mod diff;
+pub(super) mod key;
 mod layout;
 mod programmed;
 
 pub use counts::verdict_counts;
+pub use key::PolicyKey;
 pub use programmed::{Objects, Pending, Programmed};
 
 #[cfg(test)]

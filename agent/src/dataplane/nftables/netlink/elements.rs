@@ -9,7 +9,7 @@
 //! wrote it). Deleting a prefix names both elements again.
 
 use super::super::ruleset::{ElementKey, ElementOp, ElementValue};
-use crate::{dataplane::ebpf::codec::proto_number, dataplane::nftables::policy::PolicyKey};
+use crate::dataplane::{ebpf::codec::proto_number, nftables::policy::key::PolicyKey};
 use ipnet::IpNet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
