@@ -98,16 +98,26 @@ fn wait_ok(topo: &Topology, src: IpAddr, to: SocketAddr) {
     });
 }
 
+/// The [`SERIAL`] guard: held for the whole test.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The two client addresses the tests tell apart: A (the client's own) and B.
+fn clients(topo: &Topology) -> (IpAddr, IpAddr) {
+    (
+        IpAddr::V4(topo.client_addr().v4),
+        IpAddr::V4(topo.client_alt_addr().v4),
+    )
+}
+
 #[test]
 fn nftables_a_cidr_rule_admits_one_client_on_the_vip_and_direct_paths() {
     require_root().unwrap();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let topo = topology(2);
     let m = ModeAgent::start(Mode::Nftables, &topo);
-    let (a, b) = (
-        IpAddr::V4(topo.client_addr().v4),
-        IpAddr::V4(topo.client_alt_addr().v4),
-    );
+    let (a, b) = clients(&topo);
     let backends = [v4(&topo, 0), v4(&topo, 1)];
     m.apply(&service(
         "web",
@@ -175,7 +185,7 @@ fn nftables_a_cidr_rule_admits_one_client_on_the_vip_and_direct_paths() {
 #[test]
 fn nftables_ipv6_clients_are_told_apart_too() {
     require_root().unwrap();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let topo = topology(1);
     let m = ModeAgent::start(Mode::Nftables, &topo);
     let (a, b) = (
@@ -194,13 +204,10 @@ fn nftables_ipv6_clients_are_told_apart_too() {
 #[test]
 fn nftables_a_restarted_agent_keeps_the_policy() {
     require_root().unwrap();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let topo = topology(1);
     let mut m = ModeAgent::start(Mode::Nftables, &topo);
-    let (a, b) = (
-        IpAddr::V4(topo.client_addr().v4),
-        IpAddr::V4(topo.client_alt_addr().v4),
-    );
+    let (a, b) = clients(&topo);
     let policy = format!("{{ingress: [{{from: [{{cidr: {a}/32}}], ports: [http]}}]}}");
     m.apply(&service("web", VIP4, &policy, &[v4(&topo, 0)]));
     wait_ok(&topo, a, vip());
@@ -222,13 +229,10 @@ fn nftables_a_restarted_agent_keeps_the_policy() {
 #[test]
 fn nftables_a_service_peer_follows_its_endpoints() {
     require_root().unwrap();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let topo = topology(1);
     let m = ModeAgent::start(Mode::Nftables, &topo);
-    let (a, b) = (
-        IpAddr::V4(topo.client_addr().v4),
-        IpAddr::V4(topo.client_alt_addr().v4),
-    );
+    let (a, b) = clients(&topo);
     let backend = SocketAddr::new(v4(&topo, 0), BACKEND_PORT);
     m.apply(&service("api", "198.18.100.30", "", &[a]));
     m.apply(&service("other", "198.18.100.31", "", &[b]));
@@ -251,13 +255,10 @@ fn nftables_a_service_peer_follows_its_endpoints() {
 #[test]
 fn nftables_a_namespace_peer_admits_its_services_endpoints() {
     require_root().unwrap();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let topo = topology(1);
     let m = ModeAgent::start(Mode::Nftables, &topo);
-    let (a, b) = (
-        IpAddr::V4(topo.client_addr().v4),
-        IpAddr::V4(topo.client_alt_addr().v4),
-    );
+    let (a, b) = clients(&topo);
     // Service `api` in namespace `ops` has client A as its endpoint; B is in no
     // service of `ops`.
     let api = service("api", "198.18.100.30", "", &[a]).replace(
@@ -294,7 +295,7 @@ fn backend_dial(topo: &Topology, from: usize, to: SocketAddr) -> bool {
 #[test]
 fn nftables_egress_reaches_db_through_its_vip_and_directly_and_nothing_else() {
     require_root().unwrap();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let topo = topology(3);
     let m = ModeAgent::start(Mode::Nftables, &topo);
     let (web, db, other) = (v4(&topo, 0), v4(&topo, 1), v4(&topo, 2));
@@ -333,13 +334,10 @@ fn nftables_egress_reaches_db_through_its_vip_and_directly_and_nothing_else() {
 #[test]
 fn nftables_audit_mode_refuses_nothing_and_counts() {
     require_root().unwrap();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let topo = topology(1);
     let m = ModeAgent::start(Mode::Nftables, &topo);
-    let (a, b) = (
-        IpAddr::V4(topo.client_addr().v4),
-        IpAddr::V4(topo.client_alt_addr().v4),
-    );
+    let (a, b) = clients(&topo);
     m.apply(&service(
         "web",
         VIP4,
@@ -361,13 +359,10 @@ fn nftables_audit_mode_refuses_nothing_and_counts() {
 #[test]
 fn nftables_observe_shows_refused_flows_and_audit_would_drops_through_nflog() {
     require_root().unwrap();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let topo = topology(1);
     let m = ModeAgent::start(Mode::Nftables, &topo);
-    let (a, b) = (
-        IpAddr::V4(topo.client_addr().v4),
-        IpAddr::V4(topo.client_alt_addr().v4),
-    );
+    let (a, b) = clients(&topo);
     let backend = v4(&topo, 0);
     let only_a = |mode: &str| {
         format!("{{mode: {mode}, ingress: [{{from: [{{cidr: {a}/32}}], ports: [http]}}]}}")
@@ -436,7 +431,7 @@ fn nftables_observe_shows_refused_flows_and_audit_would_drops_through_nflog() {
 #[test]
 fn nftables_a_policy_the_kernel_refuses_fails_closed() {
     require_root().unwrap();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let topo = topology(1);
     let m = ModeAgent::start_with(Mode::Nftables, &topo, &["--nft-policy-set-size", "1"]);
     let a = IpAddr::V4(topo.client_addr().v4);
@@ -470,7 +465,7 @@ fn nftables_a_policy_the_kernel_refuses_fails_closed() {
 #[test]
 fn apply_refuses_bad_policies_naming_field_and_value() {
     require_root().unwrap();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let topo = topology(1);
     let m = ModeAgent::start(Mode::Nftables, &topo);
     let backend = [v4(&topo, 0)];
@@ -508,13 +503,10 @@ fn apply_refuses_bad_policies_naming_field_and_value() {
 #[test]
 fn userspace_the_proxy_admits_one_client_through_the_vip() {
     require_root().unwrap();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let topo = topology(1);
     let m = ModeAgent::start(Mode::Userspace, &topo);
-    let (a, b) = (
-        IpAddr::V4(topo.client_addr().v4),
-        IpAddr::V4(topo.client_alt_addr().v4),
-    );
+    let (a, b) = clients(&topo);
     let backend = SocketAddr::new(v4(&topo, 0), BACKEND_PORT);
     m.apply(&service(
         "web",
