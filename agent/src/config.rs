@@ -501,6 +501,18 @@ settings! {
             let cpus = std::thread::available_parallelism().map_or(1, usize::from);
             resolve::in_range(n, cpus, 1..=1024)
         },
+        /// Threads doing the ingress proxy's TLS handshakes, apart from the workers so
+        /// a flood of new TLS clients does not slow the clients already served;
+        /// 0 does each handshake on the worker that accepted the connection
+        /// [default: the available CPUs].
+        #[arg(
+            long = "ingress-handshake-threads", env = "RUNE_INGRESS_HANDSHAKE_THREADS",
+            value_name = "N"
+        )]
+        ingress_handshake_threads: usize => ingress_handshake_threads: usize = |n| {
+            let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+            resolve::in_range(n, cpus, 0..=1024)
+        },
         /// The share of requests the ingress proxy writes an access-log line for
         /// (target `rune::ingress::access`), 0 (none) to 1 (every request) [default: 1].
         #[arg(

@@ -176,6 +176,7 @@ pub async fn run(config: Config) -> Result<()> {
                 max_header_bytes: config.ingress_max_header_bytes,
                 max_connections: config.ingress_max_connections,
                 workers: config.ingress_workers,
+                handshake_threads: config.ingress_handshake_threads,
                 default_cert: config.ingress_default_cert.clone(),
                 limits: ProxyLimits {
                     connect_timeout: config.ingress_connect_timeout,

@@ -5,7 +5,7 @@
 //! cache on every change and swapped in whole, so requests never take a lock.
 //! Connections are served by hyper (HTTP/1.1 and h2, on both listeners) on the
 //! [`workers`] threads, each with its own listeners and upstream connections
-//! ([`serve`]); each
+//! ([`serve`]), and TLS handshakes on threads of their own ([`handshakes`]); each
 //! request goes to the least loaded ready endpoint of its route ([`proxy`]);
 //! `Upgrade` requests (WebSocket) are spliced through once the endpoint agrees
 //! ([`upgrade`]). Routes with `tls.mode: acme` get their certificates from
@@ -19,6 +19,7 @@ mod body;
 mod body_limit;
 mod client_cert;
 mod conn_cap;
+mod handshakes;
 mod headers;
 mod metrics;
 mod proxy;
@@ -41,6 +42,7 @@ use crate::{
 use acme::Acme;
 use client_cert::TlsConfigs;
 use conn_cap::ConnCap;
+use handshakes::Handshakes;
 use proxy::Proxy;
 use routes::RouteTable;
 use serve::Serve;
@@ -71,6 +73,8 @@ pub struct IngressConfig {
     /// Worker threads serving clients, each with its own listeners and upstream
     /// connections (at least 1).
     pub workers: usize,
+    /// Threads doing TLS handshakes for the workers (0: each worker its own).
+    pub handshake_threads: usize,
     /// The Secret whose certificate answers names no route has (else refused).
     pub default_cert: Option<ServiceKey>,
     /// Upstream limits and forwarding rules.
@@ -175,8 +179,22 @@ impl Subsystem for IngressServer {
                 (serve, plain, secure)
             })
             .collect();
-        workers::spawn(serves, &Arc::new(tls_configs), &self.tasks)?;
-        tracing::info!(http = %addrs.0, https = %addrs.1, workers, "ingress serving");
+        let handshakes = Handshakes::start(
+            self.config.handshake_threads,
+            Arc::new(tls_configs),
+            self.proxy.routes.clone(),
+            self.config.header_timeout,
+            &self.tasks,
+        )
+        .map_err(|e| SubsystemError::io("ingress: TLS handshake threads", e))?;
+        workers::spawn(serves, &Arc::new(handshakes), &self.tasks)?;
+        tracing::info!(
+            http = %addrs.0,
+            https = %addrs.1,
+            workers,
+            handshake_threads = self.config.handshake_threads,
+            "ingress serving"
+        );
         Ok(())
     }
 

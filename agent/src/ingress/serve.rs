@@ -3,8 +3,13 @@
 //! until it ends, idles out or the subsystem stops.
 
 use super::{
-    IngressConfig, IngressMetrics, activity::Activity, client_cert::TlsConfigs,
-    client_cert::TlsSession, conn_cap::ConnCap, metrics::ReasonLabels, proxy::Proxy,
+    IngressConfig, IngressMetrics,
+    activity::Activity,
+    client_cert::TlsSession,
+    conn_cap::ConnCap,
+    handshakes::{HandshakeError, Handshakes},
+    metrics::ReasonLabels,
+    proxy::Proxy,
     upstream::IDLE_TIMEOUT,
 };
 use hyper::{Request, body::Incoming, service::service_fn};
@@ -39,7 +44,7 @@ impl Serve {
         self: Arc<Self>,
         plain: std::net::TcpListener,
         secure: std::net::TcpListener,
-        tls: Arc<TlsConfigs>,
+        tls: Arc<Handshakes>,
     ) {
         let sweeper = {
             let (proxy, cancel) = (self.proxy.clone(), self.cancel.clone());
@@ -70,7 +75,7 @@ impl Serve {
     }
 
     /// Accepts connections until cancelled; each is served in its own task.
-    async fn accept(self: Arc<Self>, listener: TcpListener, tls: Option<Arc<TlsConfigs>>) {
+    async fn accept(self: Arc<Self>, listener: TcpListener, tls: Option<Arc<Handshakes>>) {
         loop {
             let (stream, peer) = tokio::select! {
                 () = self.cancel.cancelled() => return,
@@ -99,21 +104,13 @@ impl Serve {
                 let _permit = permit;
                 match tls {
                     None => this.connection(stream, peer, None).await,
-                    Some(configs) => {
-                        let handshake = tokio::time::timeout(
-                            this.config.header_timeout,
-                            configs.accept(stream, |host| {
-                                this.proxy.routes.load().requests_client_cert(host)
-                            }),
-                        );
-                        match handshake.await {
-                            Ok(Ok((stream, session))) => {
-                                this.connection(stream, peer, Some(Arc::new(session))).await
-                            }
-                            Ok(Err(e)) => this.handshake_failed(peer, &e),
-                            Err(_) => this.count_tls_error("timeout"),
+                    Some(handshakes) => match handshakes.handshake(stream).await {
+                        Ok((stream, session)) => {
+                            this.connection(stream, peer, Some(Arc::new(session))).await
                         }
-                    }
+                        Err(HandshakeError::Failed(e)) => this.handshake_failed(peer, &e),
+                        Err(HandshakeError::Timeout) => this.count_tls_error("timeout"),
+                    },
                 }
             });
         }

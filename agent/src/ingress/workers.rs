@@ -5,7 +5,7 @@
 //! in nginx's worker processes, with no wake-ups across threads. Routes, metrics,
 //! ACME tokens, TLS configurations and the connection cap are shared.
 
-use super::{client_cert::TlsConfigs, serve::Serve};
+use super::{handshakes::Handshakes, serve::Serve};
 use crate::subsystem::SubsystemError;
 use socket2::{Domain, Protocol, Socket, Type};
 use std::{io, net::SocketAddr, sync::Arc};
@@ -46,12 +46,12 @@ fn bind_one(addr: SocketAddr, shared: bool) -> io::Result<std::net::TcpListener>
     Ok(socket.into())
 }
 
-/// Starts one worker thread per `Serve` with its plain and TLS listener; each
-/// thread's end is tracked by `tasks`, so the subsystem's stop waits for its
-/// connections to finish.
+/// Starts one worker thread per `Serve` with its plain and TLS listener, handing
+/// TLS connections to `tls`; each thread's end is tracked by `tasks`, so the
+/// subsystem's stop waits for its connections to finish.
 pub fn spawn(
     workers: Vec<(Serve, std::net::TcpListener, std::net::TcpListener)>,
-    tls: &Arc<TlsConfigs>,
+    tls: &Arc<Handshakes>,
     tasks: &TaskTracker,
 ) -> Result<(), SubsystemError> {
     for (i, (serve, plain, secure)) in workers.into_iter().enumerate() {

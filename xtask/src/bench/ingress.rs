@@ -34,6 +34,10 @@ const MEMORY_TARGET_MIB: f64 = 30.0;
 /// process (no master, which a kill on drop would leave its workers behind).
 const WORKERS: usize = 1;
 
+/// The ingress's TLS handshake threads (`--ingress-handshake-threads`), beside its
+/// worker: handshakes that nginx and haproxy do on their one thread.
+const HANDSHAKE_THREADS: usize = 1;
+
 /// The proxies compared, in the order of their columns.
 const PROXIES: [&str; 3] = ["nginx", "haproxy", "ingress"];
 
@@ -60,6 +64,8 @@ fn ingress_agent(bin: &Path, state: &Path, http: u16, https: u16, extra: &[&str]
             "bench-cert",
             "--ingress-workers",
             &WORKERS.to_string(),
+            "--ingress-handshake-threads",
+            &HANDSHAKE_THREADS.to_string(),
         ])
         .args(extra)
         .spawn()
@@ -161,7 +167,7 @@ pub fn section(bin: &Path) -> Result<String> {
     writeln!(t)?;
     writeln!(
         t,
-        "One nginx backend (`return 200 \"ok\"`); nginx ({WORKERS} worker, upstream keepalive pool) and haproxy ({WORKERS} thread, `http-reuse always`) vs the agent's ingress (dev mode, `--ingress-workers {WORKERS}`); {} with a `Host` of the route (new connection: plus `Connection: close`; TLS: SNI is the address, answered by each proxy's default certificate; flood: a second wrk with {} connections making a new TLS connection per request to the same proxy during the run, its answers not counted). {ROUNDS} interleaved rounds, medians.",
+        "One nginx backend (`return 200 \"ok\"`); nginx ({WORKERS} worker, upstream keepalive pool) and haproxy ({WORKERS} thread, `http-reuse always`) vs the agent's ingress (dev mode, `--ingress-workers {WORKERS} --ingress-handshake-threads {HANDSHAKE_THREADS}`: TLS handshakes on a thread of their own); {} with a `Host` of the route (new connection: plus `Connection: close`; TLS: SNI is the address, answered by each proxy's default certificate; flood: a second wrk with {} connections making a new TLS connection per request to the same proxy during the run, its answers not counted). {ROUNDS} interleaved rounds, medians.",
         wrk::describe(),
         wrk::FLOOD_CONNECTIONS
     )?;
