@@ -223,7 +223,7 @@ fn a_dataplane_request_is_auto_or_one_mode_forced() {
         .collect();
     assert_eq!(forced, DataplaneMode::ALL);
     let names: Vec<&str> = DataplaneRequest::ALL.map(DataplaneRequest::as_str).into();
-    assert_eq!(names, DATAPLANE_REQUEST_NAMES);
+    assert_eq!(names, modes::DATAPLANE_REQUEST_NAMES);
     for request in DataplaneRequest::ALL {
         let yaml = format!("dataplane: {}\n", request.as_str());
         let file: FileConfig = serde_yaml_ng::from_str(&yaml).unwrap();
