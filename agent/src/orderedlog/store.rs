@@ -141,6 +141,34 @@ pub struct Claim {
     what: String,
 }
 
+/// How an object's index entries change when it goes from `old` to `new` (either
+/// absent: a create or a delete), for both stores' indexes.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ClaimMove {
+    /// Index keys `old` held and `new` does not: released where the index still
+    /// names the owner (another service of the same batch may have taken one).
+    pub released: Vec<String>,
+    /// Index keys `new` holds, to point at the owner.
+    pub claimed: Vec<String>,
+}
+
+/// The [`ClaimMove`] from `old` to `new`.
+pub fn claim_move(old: Option<&Object>, new: Option<&Object>) -> ClaimMove {
+    let keys = |o: Option<&Object>| -> Vec<String> {
+        o.map(claims_of)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| c.index_key)
+            .collect()
+    };
+    let claimed = keys(new);
+    let released = keys(old)
+        .into_iter()
+        .filter(|k| !claimed.contains(k))
+        .collect();
+    ClaimMove { released, claimed }
+}
+
 /// What an object claims (nothing for anything but a service).
 pub fn claims_of(object: &Object) -> Vec<Claim> {
     let Object::Service(s) = object else {

@@ -16,7 +16,7 @@ use crate::{
     model::{Object, ObjectKey, parse_stored},
     orderedlog::{
         LogError, Revision,
-        store::{VipCheckError, check_claim_owners, claims_of},
+        store::{VipCheckError, check_claim_owners, claim_move, claims_of},
     },
 };
 use redb::{ReadableTable, Table, TableDefinition, WriteTransaction};
@@ -64,17 +64,8 @@ pub(super) fn update(
     new: Option<&Object>,
     path: &Path,
 ) -> Result<(), LogError> {
-    let new_vips: Vec<String> = new
-        .map(claims_of)
-        .unwrap_or_default()
-        .into_iter()
-        .map(|c| c.index_key)
-        .collect();
-    for vip in old.map(claims_of).unwrap_or_default() {
-        if new_vips.contains(&vip.index_key) {
-            continue;
-        }
-        let text = vip.index_key;
+    let moved = claim_move(old, new);
+    for text in moved.released {
         let ours = index
             .get(text.as_str())
             .map_err(|e| storage_err(path, e))?
@@ -85,7 +76,7 @@ pub(super) fn update(
                 .map_err(|e| storage_err(path, e))?;
         }
     }
-    for vip in new_vips {
+    for vip in moved.claimed {
         index
             .insert(vip.as_str(), owner)
             .map_err(|e| storage_err(path, e))?;

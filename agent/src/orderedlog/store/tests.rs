@@ -86,3 +86,18 @@ fn two_services_exposing_one_host_and_path_are_refused_naming_both() {
     let keys = check_batch(&batch).unwrap();
     check_claim_owners(&batch, &keys, |_| Ok(None)).unwrap();
 }
+
+#[test]
+fn a_claim_move_releases_what_the_new_version_no_longer_holds() {
+    let old = svc("a", "198.18.0.1, 'fd00::1'");
+    let new = svc("a", "198.18.0.2, 'fd00::1'");
+    let moved = claim_move(Some(&old), Some(&new));
+    assert_eq!(moved.released, ["198.18.0.1"]);
+    assert_eq!(moved.claimed, ["198.18.0.2", "fd00::1"]);
+    // A create claims everything, a delete releases everything.
+    assert_eq!(claim_move(None, Some(&old)).released, Vec::<String>::new());
+    assert_eq!(
+        claim_move(Some(&old), None).released,
+        ["198.18.0.1", "fd00::1"]
+    );
+}

@@ -10,7 +10,7 @@ use crate::{
     orderedlog::{
         LogError,
         etcd::{Shared, keys},
-        store::{Change, VipCheckError, check_claim_owners, claims_of},
+        store::{Change, VipCheckError, check_claim_owners, claim_move},
     },
 };
 use etcd_client::{Compare, CompareOp, TxnOp};
@@ -155,17 +155,12 @@ impl Shared {
         stored: Option<&Stored>,
         new: Option<&Object>,
     ) {
-        let new_vips: Vec<String> = new
-            .map(claims_of)
-            .unwrap_or_default()
-            .into_iter()
-            .map(|c| c.index_key)
-            .collect();
-        match stored.map(|s| old_object(&s.value)) {
-            Some(Some(old)) => {
-                let old = claims_of(&old);
-                for vip in old.iter().filter(|c| !new_vips.contains(&c.index_key)) {
-                    let k = self.layout.claim(&vip.index_key);
+        let old = stored.map(|s| old_object(&s.value));
+        let moved = claim_move(old.as_ref().and_then(Option::as_ref), new);
+        match old {
+            Some(Some(_)) => {
+                for vip in moved.released {
+                    let k = self.layout.claim(&vip);
                     if index.get(&k).is_some_and(|o| o.as_deref() == Some(owner)) {
                         index.insert(k, None);
                     }
@@ -180,7 +175,7 @@ impl Shared {
             }
             None => {}
         }
-        for vip in new_vips {
+        for vip in moved.claimed {
             index.insert(self.layout.claim(&vip), Some(owner.to_owned()));
         }
     }
