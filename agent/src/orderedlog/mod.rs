@@ -15,6 +15,7 @@
 
 pub mod embedded;
 pub mod etcd;
+mod feed;
 pub mod store;
 
 use crate::model::{Object, ObjectKey};

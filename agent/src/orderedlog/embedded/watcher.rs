@@ -4,7 +4,10 @@
 use super::{EmbeddedLog, Inner, LOG, META, META_OLDEST, META_REVISION, StoredEvent, read_meta};
 use crate::{
     model::{ObjectKey, parse_stored},
-    orderedlog::{Event, EventStream, LogError, OrderedLog, Revision, Snapshot},
+    orderedlog::{
+        Event, EventStream, LogError, OrderedLog, Revision, Snapshot,
+        feed::{self, Feed},
+    },
 };
 use async_trait::async_trait;
 use redb::ReadableDatabase;
@@ -104,46 +107,31 @@ async fn blocking<T: Send + 'static>(
     }
 }
 
-/// A watcher's position: what it delivered last and what it has read but not yet
-/// delivered (at most one batch).
+/// A watcher's position: the last revision it read (delivered, or waiting in the
+/// read-ahead).
 struct Cursor {
     inner: Weak<Inner>,
     committed: watch::Receiver<Revision>,
     last: Revision,
-    pending: VecDeque<Event>,
-    done: bool,
 }
 
-impl Cursor {
-    async fn next(mut self) -> Option<(Result<Event, LogError>, Cursor)> {
-        if self.done {
-            return None;
+#[async_trait]
+impl Feed for Cursor {
+    async fn fill(&mut self, pending: &mut VecDeque<Event>) -> Result<(), LogError> {
+        while *self.committed.borrow_and_update() <= self.last {
+            self.committed
+                .changed()
+                .await
+                .map_err(|_| LogError::Closed)?;
         }
-        loop {
-            if let Some(event) = self.pending.pop_front() {
-                self.last = event.revision();
-                return Some((Ok(event), self));
-            }
-            if *self.committed.borrow_and_update() > self.last {
-                let Some(inner) = self.inner.upgrade() else {
-                    return self.fail(LogError::Closed);
-                };
-                let after = self.last;
-                match blocking(move || inner.read_events(after, WATCH_BATCH)).await {
-                    Ok(events) => self.pending.extend(events),
-                    Err(e) => return self.fail(e),
-                }
-                continue;
-            }
-            if self.committed.changed().await.is_err() {
-                return self.fail(LogError::Closed);
-            }
+        let inner = self.inner.upgrade().ok_or(LogError::Closed)?;
+        let after = self.last;
+        let events = blocking(move || inner.read_events(after, WATCH_BATCH)).await?;
+        if let Some(last) = events.last() {
+            self.last = last.revision();
         }
-    }
-
-    fn fail(mut self, e: LogError) -> Option<(Result<Event, LogError>, Cursor)> {
-        self.done = true;
-        Some((Err(e), self))
+        pending.extend(events);
+        Ok(())
     }
 }
 
@@ -172,13 +160,10 @@ impl OrderedLog for EmbeddedLog {
                 oldest,
             });
         }
-        let cursor = Cursor {
+        Ok(feed::events(Cursor {
             inner: Arc::downgrade(&self.inner),
             committed,
             last: from,
-            pending: VecDeque::new(),
-            done: false,
-        };
-        Ok(Box::pin(futures::stream::unfold(cursor, Cursor::next)))
+        }))
     }
 }

@@ -11,7 +11,11 @@
 //! ([`LogError::Refused`]). The consumer takes a new snapshot in every case.
 
 use super::{Shared, error, keys::Parsed, keys::range_end};
-use crate::orderedlog::{Event, EventStream, LogError, Revision};
+use crate::orderedlog::{
+    Event, EventStream, LogError, Revision,
+    feed::{self, Feed},
+};
+use async_trait::async_trait;
 use etcd_client::{EventType, WatchOptions, WatchResponse, WatchStream};
 use std::{collections::VecDeque, sync::Arc, time::Duration};
 
@@ -35,26 +39,21 @@ pub(super) async fn start(inner: Arc<Shared>, from: Revision) -> Result<EventStr
             current,
         });
     }
-    let cursor = Cursor {
+    Ok(feed::events(Cursor {
         inner,
         received: from,
-        pending: VecDeque::new(),
         stream: None,
         backoff: INITIAL_BACKOFF,
         outage: false,
-        done: false,
-    };
-    Ok(Box::pin(futures::stream::unfold(cursor, Cursor::next)))
+    }))
 }
 
 /// A watcher's position and connection.
 struct Cursor {
     inner: Arc<Shared>,
-    /// The highest revision whose events are delivered or in `pending`: the next
+    /// The highest revision whose events are delivered or read ahead: the next
     /// watch starts after it.
     received: Revision,
-    /// Events received and not yet delivered.
-    pending: VecDeque<Event>,
     /// The open watch, if any.
     stream: Option<WatchStream>,
     /// The pause before the next attempt after a failure.
@@ -62,8 +61,6 @@ struct Cursor {
     /// Whether the connection is broken (logged once per outage, and once when it
     /// comes back).
     outage: bool,
-    /// An error was delivered: the stream is over.
-    done: bool,
 }
 
 /// What a failed step means.
@@ -74,29 +71,24 @@ enum Failure {
     End(LogError),
 }
 
-impl Cursor {
-    async fn next(mut self) -> Option<(Result<Event, LogError>, Cursor)> {
-        if self.done {
-            return None;
-        }
+#[async_trait]
+impl Feed for Cursor {
+    /// The events of etcd's next response, through any reconnections.
+    async fn fill(&mut self, pending: &mut VecDeque<Event>) -> Result<(), LogError> {
         loop {
-            if let Some(event) = self.pending.pop_front() {
-                return Some((Ok(event), self));
-            }
             let step = match self.stream.as_mut() {
-                None => self.open().await,
+                None => self.open(pending).await,
                 Some(stream) => match stream.message().await {
-                    Ok(Some(response)) => self.take(response),
+                    Ok(Some(response)) => self.take(response, pending),
                     Ok(None) => Err(Failure::Retry("etcd closed the watch".to_owned())),
                     Err(e) => Err(self.classify(&e)),
                 },
             };
             match step {
-                Ok(()) => {}
+                Ok(()) => return Ok(()),
                 Err(Failure::End(e)) => {
-                    self.done = true;
                     self.stream = None;
-                    return Some((Err(e), self));
+                    return Err(e);
                 }
                 Err(Failure::Retry(message)) => {
                     self.stream = None;
@@ -117,10 +109,12 @@ impl Cursor {
             }
         }
     }
+}
 
+impl Cursor {
     /// Opens a watch from the revision after [`Cursor::received`] and waits for
     /// etcd to confirm it.
-    async fn open(&mut self) -> Result<(), Failure> {
+    async fn open(&mut self, pending: &mut VecDeque<Event>) -> Result<(), Failure> {
         let prefix = self.inner.layout.prefix().as_bytes().to_vec();
         let options = WatchOptions::new()
             .with_range(range_end(&prefix))
@@ -144,7 +138,7 @@ impl Cursor {
                 current,
             }));
         }
-        self.take(created)?;
+        self.take(created, pending)?;
         self.stream = Some(stream);
         if self.outage {
             tracing::info!(endpoints = %self.inner.endpoints, after = self.received, "etcd watch resumed");
@@ -155,7 +149,11 @@ impl Cursor {
     }
 
     /// Queues a response's events; a cancelled watch ends the stream.
-    fn take(&mut self, response: WatchResponse) -> Result<(), Failure> {
+    fn take(
+        &mut self,
+        response: WatchResponse,
+        pending: &mut VecDeque<Event>,
+    ) -> Result<(), Failure> {
         if response.canceled() {
             let compacted = response.compact_revision();
             if compacted > 0 {
@@ -190,24 +188,24 @@ impl Cursor {
                 EventType::Put => match self.inner.layout.parse(kv.key()) {
                     // `decode` logs and counts a value that is not a valid object.
                     Parsed::Object(_) => match self.inner.decode(kv.clone()) {
-                        Some(object) => self.pending.push_back(Event::Put { revision, object }),
-                        None => self.pending.push_back(skipped(kv.key(), revision)),
+                        Some(object) => pending.push_back(Event::Put { revision, object }),
+                        None => pending.push_back(skipped(kv.key(), revision)),
                     },
                     // Bookkeeping, node documents and drain records: not objects.
                     Parsed::Internal | Parsed::Node(_) | Parsed::Drain(_) => {}
                     Parsed::Unknown(reason) => {
                         self.inner.skip(kv.key(), revision, reason);
-                        self.pending.push_back(skipped(kv.key(), revision));
+                        pending.push_back(skipped(kv.key(), revision));
                     }
                 },
                 EventType::Delete => match self.inner.layout.parse(kv.key()) {
-                    Parsed::Object(key) => self.pending.push_back(Event::Delete { revision, key }),
+                    Parsed::Object(key) => pending.push_back(Event::Delete { revision, key }),
                     // Bookkeeping, node documents (a lease expiring deletes
                     // one) and drain records (an undrain): not objects.
                     Parsed::Internal | Parsed::Node(_) | Parsed::Drain(_) => {}
                     Parsed::Unknown(reason) => {
                         self.inner.skip(kv.key(), revision, reason);
-                        self.pending.push_back(skipped(kv.key(), revision));
+                        pending.push_back(skipped(kv.key(), revision));
                     }
                 },
             }
