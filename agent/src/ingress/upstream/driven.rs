@@ -52,16 +52,17 @@ fn quiet() -> Context<'static> {
 /// One poll of `what` (the response, or its body), whose progress comes only
 /// from the connection in `driven`: what earlier drives delivered (when
 /// `delivered_first`: a body's frames read with its response), else the
-/// connection driven once without a waker and `what` again, else driven with
-/// this task's waker (for its wake-ups) and `what` a last time. Wakers left to
-/// the connection's channels by a quiet drive wake nobody: this task, taking a
-/// response or frame they announce, would otherwise wake itself for nothing.
-/// Once the connection has ended (`driven` is then emptied), `what` is polled
-/// with this task's waker.
+/// connection driven once without a waker (when `quiet_first`) and `what`
+/// again, else driven with this task's waker (for its wake-ups) and `what` a
+/// last time. Wakers a quiet drive leaves to the connection's channels wake
+/// nobody: this task, taking the response or frame they announce, would
+/// otherwise wake itself for nothing. Once the connection has ended (`driven` is
+/// then emptied), `what` is polled with this task's waker.
 fn pass<T>(
     driven: &mut Option<Driven>,
     cx: &mut Context<'_>,
     delivered_first: bool,
+    quiet_first: bool,
     mut what: impl FnMut(&mut Context<'_>) -> Poll<T>,
 ) -> Poll<T> {
     if driven.is_none() {
@@ -70,7 +71,8 @@ fn pass<T>(
     if delivered_first && let Poll::Ready(v) = what(&mut quiet()) {
         return Poll::Ready(v);
     }
-    for wake_this_task in [false, true] {
+    let drives: &[bool] = if quiet_first { &[false, true] } else { &[true] };
+    for &wake_this_task in drives {
         let ended = match driven {
             Some(d) if wake_this_task => d.drive(cx),
             Some(d) => d.drive(&mut quiet()),
@@ -152,8 +154,16 @@ impl Driven {
         }
         let mut response = pin!(self.sender.try_send_request(req));
         let mut driven = Some(self);
-        let result =
-            poll_fn(|cx| pass(&mut driven, cx, false, |cx| response.as_mut().poll(cx))).await;
+        // The first drive writes the request: a response can hardly come with it,
+        // so it is driven with this task's waker at once.
+        let mut first = true;
+        let result = poll_fn(|cx| {
+            let quiet_first = !std::mem::take(&mut first);
+            pass(&mut driven, cx, false, quiet_first, |cx| {
+                response.as_mut().poll(cx)
+            })
+        })
+        .await;
         match result {
             Ok(resp) => Sent::Response(resp, driven),
             Err(mut e) => match e.take_message() {
@@ -216,7 +226,7 @@ impl Body for Returning {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         let body = &mut this.body;
-        let frame = pass(&mut this.driven, cx, true, |cx| {
+        let frame = pass(&mut this.driven, cx, true, true, |cx| {
             Pin::new(&mut *body).poll_frame(cx)
         });
         match &frame {
