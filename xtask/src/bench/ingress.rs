@@ -13,9 +13,11 @@ mod servers;
 mod wrk;
 
 use super::common::{apply, free_port, median, wait_ready};
-use anyhow::Result;
+use anyhow::{Result, bail};
 use rune_harness::agent::Agent;
-use servers::{ProxyPorts, haproxy, nginx, nginx_proxy, self_signed, wait_answering};
+use servers::{
+    ProxyPorts, haproxy, negotiated_suite, nginx, nginx_proxy, self_signed, wait_answering,
+};
 use std::{fmt::Write as _, path::Path};
 use wrk::{Run, Scenario, wrk};
 
@@ -26,6 +28,8 @@ const HOST: &str = "bench.test";
 /// The host of the TLS route (a route with TLS redirects plain HTTP, and a route
 /// without it answers TLS requests with 421, hence two).
 const TLS_HOST: &str = "secure.test";
+/// The TLS 1.3 cipher suite every proxy must negotiate with the clients.
+const SUITE: &str = "TLS_AES_128_GCM_SHA256";
 /// The memory 1,000 routes may add (issue 18).
 const MEMORY_TARGET_MIB: f64 = 30.0;
 
@@ -128,6 +132,12 @@ pub fn section(bin: &Path) -> Result<String> {
         wait_answering(plain, HOST)?;
         wait_answering(tls, TLS_HOST)?;
     }
+    for ports in [&nginx_ports, &haproxy_ports, &ingress_ports] {
+        let suite = negotiated_suite(ports.https)?;
+        if suite != SUITE {
+            bail!("127.0.0.1:{} negotiated {suite}, not {SUITE}", ports.https);
+        }
+    }
 
     let mut rows = Vec::new();
     for scenario in Scenario::ALL {
@@ -167,7 +177,7 @@ pub fn section(bin: &Path) -> Result<String> {
     writeln!(t)?;
     writeln!(
         t,
-        "One nginx backend (`return 200 \"ok\"`); nginx ({WORKERS} worker, upstream keepalive pool) and haproxy ({WORKERS} thread, `http-reuse always`) vs the agent's ingress (dev mode, `--ingress-workers {WORKERS} --ingress-handshake-threads {HANDSHAKE_THREADS}`: TLS handshakes on a thread of their own); {} with a `Host` of the route (new connection: plus `Connection: close`; TLS: SNI is the address, answered by each proxy's default certificate; flood: a second wrk with {} connections making a new TLS connection per request to the same proxy during the run, its answers not counted). {ROUNDS} interleaved rounds, medians.",
+        "One nginx backend (`return 200 \"ok\"`); nginx ({WORKERS} worker, upstream keepalive pool) and haproxy ({WORKERS} thread, `http-reuse always`) vs the agent's ingress (dev mode, `--ingress-workers {WORKERS} --ingress-handshake-threads {HANDSHAKE_THREADS}`: TLS handshakes on a thread of their own); {} with a `Host` of the route (new connection: plus `Connection: close`; TLS: SNI is the address, answered by each proxy's default certificate, every proxy checked to negotiate TLS 1.3 with {SUITE} by its own order; flood: a second wrk with {} connections making a new TLS connection per request to the same proxy during the run, its answers not counted). {ROUNDS} interleaved rounds, medians.",
         wrk::describe(),
         wrk::FLOOD_CONNECTIONS
     )?;

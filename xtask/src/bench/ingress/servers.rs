@@ -58,6 +58,12 @@ pub(super) fn nginx(dir: &Path, server: &str) -> Result<Reaped> {
     Ok(Reaped(child))
 }
 
+/// The TLS 1.3 cipher suites of nginx and haproxy, in the server's order that
+/// decides: the ingress's own (docs/ingress.md), so every proxy negotiates
+/// TLS 1.3 with TLS_AES_128_GCM_SHA256 with wrk, which lists AES-256 first
+/// (Debian's nginx 1.22 also needs TLS 1.3 turned on: its default is up to 1.2).
+const SUITES: &str = "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256";
+
 /// The addresses one reference proxy listens on and proxies to.
 pub(super) struct ProxyPorts {
     /// Plain HTTP, on 127.0.0.1.
@@ -69,7 +75,7 @@ pub(super) struct ProxyPorts {
 }
 
 /// nginx as a reverse proxy (one worker: [`super::WORKERS`], an upstream keepalive
-/// pool), plain and TLS.
+/// pool), plain and TLS ([`SUITES`] in its order).
 pub(super) fn nginx_proxy(
     dir: &Path,
     ports: &ProxyPorts,
@@ -87,6 +93,7 @@ pub(super) fn nginx_proxy(
             "upstream backend {{ server 127.0.0.2:{backend}; keepalive 64; }}\n\
              server {{\n  listen 127.0.0.1:{http};\n  listen 127.0.0.1:{https} ssl;\n\
              ssl_certificate {};\n  ssl_certificate_key {};\n  keepalive_requests 100000;\n\
+             ssl_protocols TLSv1.2 TLSv1.3;\n  ssl_prefer_server_ciphers on;\n  ssl_conf_command Ciphersuites {SUITES};\n\
              location / {{ proxy_pass http://backend; proxy_http_version 1.1;\n\
              proxy_set_header Connection \"\"; proxy_set_header Host $host;\n\
              proxy_set_header X-Forwarded-For $remote_addr; }}\n}}",
@@ -97,7 +104,8 @@ pub(super) fn nginx_proxy(
 }
 
 /// haproxy in HTTP mode as a reverse proxy ([`super::WORKERS`] threads, connection reuse to the
-/// backend, `X-Forwarded-For` set), plain and TLS, in the foreground (`-db`).
+/// backend, `X-Forwarded-For` set), plain and TLS ([`SUITES`], its own order by
+/// default), in the foreground (`-db`).
 pub(super) fn haproxy(dir: &Path, ports: &ProxyPorts, cert: &Path, key: &Path) -> Result<Reaped> {
     std::fs::create_dir_all(dir)?;
     let ProxyPorts {
@@ -113,7 +121,7 @@ pub(super) fn haproxy(dir: &Path, ports: &ProxyPorts, cert: &Path, key: &Path) -
     )?;
     let workers = super::WORKERS;
     let config = format!(
-        "global\n  nbthread {workers}\n  maxconn 8192\n\
+        "global\n  nbthread {workers}\n  maxconn 8192\n  ssl-default-bind-ciphersuites {SUITES}\n\
          defaults\n  mode http\n  option forwardfor\n  http-reuse always\n\
          timeout connect 5s\n  timeout client 30s\n  timeout server 30s\n\
          frontend bench\n  bind 127.0.0.1:{http}\n  bind 127.0.0.1:{https} ssl crt {}\n\
@@ -162,4 +170,23 @@ pub(super) fn wait_answering(url: &str, host: &str) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// The TLS 1.3 cipher suite `openssl s_client` (AES-256 first in its list, as
+/// wrk's) negotiates with the proxy on 127.0.0.1:`port`, so every proxy is known
+/// to run the same one.
+pub(super) fn negotiated_suite(port: u16) -> Result<String> {
+    let out = Command::new("timeout")
+        .args(["5", "openssl", "s_client", "-brief", "-tls1_3"])
+        .args(["-connect", &format!("127.0.0.1:{port}")])
+        .args(["-servername", "bench.test"])
+        .stdin(Stdio::null())
+        .output()
+        .context("running openssl s_client")?;
+    let text =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.trim().strip_prefix("Ciphersuite:"))
+        .map(|s| s.trim().to_owned())
+        .with_context(|| format!("no cipher suite from 127.0.0.1:{port}: {text}"))
 }
