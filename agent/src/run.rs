@@ -203,6 +203,7 @@ pub async fn run(config: Config) -> Result<()> {
     });
     let status = LiveStatus {
         acme: ingress.as_ref().map(|i| i.acme_status()),
+        routes: ingress.as_ref().map(|i| i.route_status()),
         agent: Arc::downgrade(&agent),
         cache: cache.clone(),
         plane: plane.clone(),

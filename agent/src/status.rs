@@ -64,6 +64,9 @@ pub struct AgentStatus {
     /// The ingress proxy's ACME certificates: host, issuer, expiry, last error.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub certificates: Vec<crate::ingress::AcmeCertStatus>,
+    /// The ingress proxy's routes, with what keeps each from serving.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub routes: Vec<crate::ingress::RouteStatus>,
     /// The embedded DNS server: `serving on ADDR, ...`, or `off: <reason>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dns: Option<String>,

@@ -35,8 +35,28 @@ fn routes_by_host_and_path_over_http1_and_h2() {
         &[root],
     );
     yaml += &exposed("empty", "host: empty.test", &[]);
+    yaml += &exposed("nocert", "host: nocert.test, tls: {secret: nope}", &[root]);
     ingress.apply(&yaml);
     ingress.until("empty.test", "/", 503);
+
+    // `status` lists each route with what keeps it from serving.
+    let out = ingress.agent.cli(&["status"], None);
+    let status = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "a.example.com/api -> default/api, 1 endpoint",
+        "*.example.com/ -> default/wild, 1 endpoint",
+        "allow.test/ -> default/only-lo, 1 endpoint, allow 1 network",
+        "empty.test/ -> default/empty, 0 endpoints; no ready endpoint: 503",
+        "nocert.test/ -> default/nocert, 1 endpoint, tls secret default/nope; \
+         secret default/nope missing or unusable: handshakes refused",
+    ] {
+        assert!(
+            status
+                .lines()
+                .any(|l| l.trim_start_matches("routes:").trim() == line),
+            "no route line {line:?} in status:\n{status}"
+        );
+    }
 
     for (host, path, want) in [
         ("a.example.com", "/", "root /"),

@@ -51,6 +51,11 @@ pub struct TlsSession {
 pub struct ClientCa(Option<Arc<dyn ClientCertVerifier>>);
 
 impl ClientCa {
+    /// Whether its CA could be loaded (else every request is refused).
+    pub fn usable(&self) -> bool {
+        self.0.is_some()
+    }
+
     /// The CA of `expose.clientCert` for the service of `view`, from `secrets`;
     /// `None` when the route requires no client certificate.
     pub fn for_route(

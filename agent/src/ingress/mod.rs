@@ -23,6 +23,7 @@ mod handshakes;
 mod headers;
 mod metrics;
 mod proxy;
+mod route_status;
 mod routes;
 mod serve;
 mod tls;
@@ -33,6 +34,7 @@ mod workers;
 pub use acme::{AcmeCertStatus, AcmeServer, AcmeSettings};
 pub use metrics::IngressMetrics;
 pub use proxy::ProxyLimits;
+pub use route_status::RouteStatus;
 
 use crate::{
     endpoints::{EndpointCache, ServiceView},
@@ -123,6 +125,12 @@ impl IngressServer {
     pub fn acme_status(&self) -> Arc<dyn Fn() -> Vec<AcmeCertStatus> + Send + Sync> {
         let acme = self.acme.clone();
         Arc::new(move || acme.status())
+    }
+
+    /// Each route, for `status`.
+    pub fn route_status(&self) -> Arc<dyn Fn() -> Vec<RouteStatus> + Send + Sync> {
+        let (routes, resolver) = (self.proxy.routes.clone(), self.resolver.clone());
+        Arc::new(move || route_status::routes(&routes.load(), &resolver.certs.load()))
     }
 
     /// The plain and TLS addresses bound, once started.

@@ -4,7 +4,7 @@
 use super::{client_cert::ClientCa, metrics::CodeCounters};
 use crate::{
     endpoints::ServiceView,
-    model::{Secret, ServiceKey},
+    model::{Expose, Secret, ServiceKey},
 };
 use hyper::http::uri::Authority;
 use ipnet::IpNet;
@@ -52,6 +52,8 @@ pub struct Route {
     pub path: String,
     /// The route has TLS: plain HTTP is redirected to HTTPS.
     pub tls: bool,
+    /// Where its certificate comes from (`secret NS/NAME` or `acme`), for status.
+    pub tls_from: Option<String>,
     /// Networks served; `None`: every client. An empty list refuses everyone (a list
     /// that could not be used: fail closed).
     pub allow: Option<Vec<IpNet>>,
@@ -127,6 +129,7 @@ impl RouteTable {
                 host: expose.host.clone(),
                 path: expose.path().to_owned(),
                 tls: expose.tls.is_some(),
+                tls_from: tls_from(expose, &view.service.metadata.namespace),
                 allow,
                 client_ca: ClientCa::for_route(view, secrets),
                 h2c: port.is_some_and(|p| speaks_h2c(&p.name)),
@@ -143,6 +146,11 @@ impl RouteTable {
             routes.sort_by_key(|r| std::cmp::Reverse(r.path.len()));
         }
         table
+    }
+
+    /// Every route.
+    pub fn routes(&self) -> impl Iterator<Item = &Arc<Route>> {
+        self.exact.values().chain(self.wildcard.values()).flatten()
     }
 
     /// The route for `host` (lowercase, without a port) and `path`: exact host
@@ -171,6 +179,16 @@ impl RouteTable {
                 .split_once('.')
                 .is_some_and(|(_, parent)| wants(self.wildcard.get(parent)))
     }
+}
+
+/// Where the certificate of a route with `expose` comes from, for status.
+fn tls_from(expose: &Expose, namespace: &str) -> Option<String> {
+    if expose.acme_host().is_some() {
+        return Some("acme".to_owned());
+    }
+    expose
+        .tls_secret(namespace)
+        .map(|(ns, name)| format!("secret {ns}/{name}"))
 }
 
 /// Whether a service port named `name` speaks h2c: `grpc`, `h2c` or `http2`, alone

@@ -94,6 +94,20 @@ impl CertMap {
         };
     }
 
+    /// Whether a route of `host` (exact, or `*.` wildcard) has a certificate of
+    /// its own (the default one aside).
+    pub fn has(&self, host: &str) -> bool {
+        match host.strip_prefix("*.") {
+            Some(suffix) => self.wildcard.contains_key(suffix),
+            None => {
+                self.exact.contains_key(host)
+                    || host
+                        .split_once('.')
+                        .is_some_and(|(_, parent)| self.wildcard.contains_key(parent))
+            }
+        }
+    }
+
     /// The certificate for `host` (lowercase): exact, else its parent's wildcard,
     /// else the default; without SNI the default.
     pub fn get(&self, host: Option<&str>) -> Option<Arc<CertifiedKey>> {

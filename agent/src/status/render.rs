@@ -74,6 +74,7 @@ impl AgentStatus {
             let label = if i == 0 { "certs:" } else { "" };
             writeln!(o, "{label:12}{c}")?;
         }
+        self.write_routes(o)?;
         if let Some(s) = &self.store {
             writeln!(o, "store:      {s}")?;
         }
@@ -112,6 +113,27 @@ impl AgentStatus {
             }
         }
         writeln!(o, "services:")
+    }
+
+    /// The ingress routes, those with problems first, at most
+    /// [`SUMMARY_SERVICES`] of them (then a count of the rest).
+    fn write_routes(&self, o: &mut String) -> std::fmt::Result {
+        let mut routes: Vec<_> = self.routes.iter().collect();
+        routes.sort_by_key(|r| r.problems.is_empty());
+        for (i, r) in routes.iter().take(SUMMARY_SERVICES).enumerate() {
+            let label = if i == 0 { "routes:" } else { "" };
+            writeln!(o, "{label:12}{r}")?;
+        }
+        if routes.len() > SUMMARY_SERVICES {
+            let healthy = routes.iter().filter(|r| r.problems.is_empty()).count();
+            writeln!(
+                o,
+                "            … {} more routes ({healthy} of all {} without problems)",
+                routes.len() - SUMMARY_SERVICES,
+                routes.len()
+            )?;
+        }
+        Ok(())
     }
 
     /// The text form's lines up to and including `services:`: what `status --all`

@@ -33,6 +33,8 @@ pub struct LiveStatus {
     pub dns: Arc<dyn Fn() -> DnsState + Send + Sync>,
     /// The ingress proxy's ACME certificates, when the ingress runs.
     pub acme: Option<Arc<dyn Fn() -> Vec<crate::ingress::AcmeCertStatus> + Send + Sync>>,
+    /// The ingress proxy's routes, when the ingress runs.
+    pub routes: Option<Arc<dyn Fn() -> Vec<crate::ingress::RouteStatus> + Send + Sync>>,
     /// The state dir.
     pub state_dir: PathBuf,
     /// Why this data plane (production: preflight's decision at start).
@@ -55,6 +57,7 @@ impl StatusSource for LiveStatus {
             policies: self.plane.policy(),
             dns: Some((self.dns)().to_string()),
             certificates: self.acme.as_ref().map(|f| f()).unwrap_or_default(),
+            routes: self.routes.as_ref().map(|f| f()).unwrap_or_default(),
             revision: self.cache.revision(),
             objects: counts(self.cache.counts()),
             ..AgentStatus::default()

@@ -88,6 +88,7 @@ fn the_least_loaded_backend_is_picked_and_a_failed_one_skipped() {
         host: "a".into(),
         path: "/".into(),
         tls: false,
+        tls_from: None,
         allow: Some(Vec::new()),
         client_ca: None,
         h2c: false,
