@@ -3,10 +3,7 @@
 //! body) instead of running as a task of its own, so a request, its response and
 //! its body cross no channel wake between tasks.
 
-use super::{
-    super::body::{BoxError, ProxyBody},
-    pool::Http1Pool,
-};
+use super::super::body::{BoxError, ProxyBody};
 use hyper::{
     Request, Response,
     body::{Body, Bytes, Frame, Incoming, SizeHint},
@@ -188,14 +185,20 @@ impl Driven {
     }
 }
 
+/// Where a connection goes back once its response body has ended (the pool).
+pub(super) trait Home: Send + Sync {
+    /// Takes back the connection to `addr`, ready for its next request.
+    fn give_back(&self, addr: SocketAddr, driven: Driven);
+}
+
 /// A response body that drives its connection while it streams and puts the
-/// connection back in the pool once it has ended.
+/// connection back in its [`Home`] once it has ended.
 pub(super) struct Returning {
     body: Incoming,
     /// The connection while it can still be reused.
     driven: Option<Driven>,
     ended: bool,
-    pool: Arc<Http1Pool>,
+    home: Arc<dyn Home>,
     addr: SocketAddr,
 }
 
@@ -203,14 +206,14 @@ impl Returning {
     pub(super) fn new(
         body: Incoming,
         driven: Option<Driven>,
-        pool: Arc<Http1Pool>,
+        home: Arc<dyn Home>,
         addr: SocketAddr,
     ) -> Returning {
         Returning {
             body,
             driven,
             ended: false,
-            pool,
+            home,
             addr,
         }
     }
@@ -254,7 +257,7 @@ impl Drop for Returning {
         if (self.ended || self.body.is_end_stream())
             && let Some(driven) = self.driven.take()
         {
-            self.pool.give_back(self.addr, driven);
+            self.home.give_back(self.addr, driven);
         }
     }
 }

@@ -7,7 +7,7 @@
 use super::{
     super::body::ProxyBody,
     Failure, IDLE_TIMEOUT,
-    driven::{Driven, Returning, Sent},
+    driven::{Driven, Home, Returning, Sent},
 };
 use http_body_util::BodyExt;
 use hyper::{Request, Response, StatusCode, body::Incoming, client::conn::http1};
@@ -38,6 +38,15 @@ impl std::fmt::Debug for Http1Pool {
 struct Idle {
     driven: Driven,
     since: Instant,
+}
+
+impl Home for Http1Pool {
+    /// Puts a connection whose response has ended back in the free list.
+    fn give_back(&self, addr: SocketAddr, driven: Driven) {
+        let since = Instant::now();
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        idle.entry(addr).or_default().push(Idle { driven, since });
+    }
 }
 
 impl Http1Pool {
@@ -96,13 +105,6 @@ impl Http1Pool {
             }
         }
         None
-    }
-
-    /// Puts a connection whose response has ended back in the free list.
-    pub(super) fn give_back(&self, addr: SocketAddr, driven: Driven) {
-        let since = Instant::now();
-        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        idle.entry(addr).or_default().push(Idle { driven, since });
     }
 
     /// How many connections to `addr` are idle.
