@@ -138,8 +138,9 @@ async fn nothing_listening_is_a_connect_failure() {
     ));
 }
 
-#[tokio::test]
-async fn a_request_goes_on_a_new_connection_when_the_endpoint_closed_the_idle_one() {
+/// A pool whose one idle connection to the returned endpoint was closed by it
+/// after answering; the endpoint's count of accepted connections.
+async fn idle_closed_by_endpoint() -> (Arc<Http1Pool>, SocketAddr, Arc<AtomicUsize>) {
     let (addr, accepted) = raw_server(one_then_close).await;
     let pool = Arc::new(Http1Pool::new(Duration::from_secs(1)));
     let Ok(resp) = pool.send(addr, get()).await else {
@@ -149,6 +150,12 @@ async fn a_request_goes_on_a_new_connection_when_the_endpoint_closed_the_idle_on
     assert_eq!(pool.idle_count(addr), 1);
     // Time for the close to reach this side's socket.
     tokio::time::sleep(Duration::from_millis(200)).await;
+    (pool, addr, accepted)
+}
+
+#[tokio::test]
+async fn a_request_goes_on_a_new_connection_when_the_endpoint_closed_the_idle_one() {
+    let (pool, addr, accepted) = idle_closed_by_endpoint().await;
     let Ok(resp) = pool.send(addr, get()).await else {
         panic!("the request was not resent on a new connection")
     };
@@ -158,14 +165,7 @@ async fn a_request_goes_on_a_new_connection_when_the_endpoint_closed_the_idle_on
 
 #[tokio::test]
 async fn an_idle_connection_the_endpoint_closed_is_swept() {
-    let (addr, _) = raw_server(one_then_close).await;
-    let pool = Arc::new(Http1Pool::new(Duration::from_secs(1)));
-    let Ok(resp) = pool.send(addr, get()).await else {
-        panic!("no response")
-    };
-    assert_eq!(&body_of(resp).await[..], b"ok");
-    assert_eq!(pool.idle_count(addr), 1);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (pool, addr, _) = idle_closed_by_endpoint().await;
     pool.sweep();
     assert_eq!(pool.idle_count(addr), 0);
 }
