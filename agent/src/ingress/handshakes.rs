@@ -31,7 +31,7 @@ use tokio_rustls::server::TlsStream;
 use tokio_util::task::TaskTracker;
 
 /// Connections each handshake thread's queue holds before workers wait to hand
-/// more over (the connection cap bounds them in any case).
+/// more over (their tasks hold connection-cap places while they wait).
 const QUEUE: usize = 256;
 
 /// An established TLS connection and what its handshake told.
@@ -48,13 +48,13 @@ pub(super) enum HandshakeError {
 
 /// Where the TLS handshakes run: the threads' queues, or inline.
 pub(super) struct Handshakes {
-    here: Arc<Inline>,
+    settings: Arc<Settings>,
     threads: Vec<mpsc::Sender<Job>>,
     next: AtomicUsize,
 }
 
 /// What a handshake needs, wherever it runs.
-struct Inline {
+struct Settings {
     configs: Arc<TlsConfigs>,
     routes: Arc<ArcSwap<RouteTable>>,
     timeout: Duration,
@@ -78,7 +78,7 @@ impl Handshakes {
         timeout: Duration,
         tasks: &TaskTracker,
     ) -> io::Result<Handshakes> {
-        let here = Arc::new(Inline {
+        let settings = Arc::new(Settings {
             configs,
             routes,
             timeout,
@@ -86,25 +86,39 @@ impl Handshakes {
         let mut senders = Vec::with_capacity(threads);
         for i in 0..threads {
             let (tx, rx) = mpsc::channel(QUEUE);
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
             let (done, finished) = oneshot::channel::<()>();
-            let here = here.clone();
+            let settings = settings.clone();
+            // The runtime is built on its thread (one dropped by a failed spawn
+            // here, in the caller's runtime, would panic), which says how it went.
+            let (started, start) = std::sync::mpsc::channel();
             std::thread::Builder::new()
                 .name(format!("ingress-tls-{i}"))
                 .spawn(move || {
-                    runtime.block_on(serve(rx, here));
+                    let built = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build();
+                    let runtime = match built {
+                        Ok(runtime) => runtime,
+                        Err(e) => {
+                            let _ = started.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = started.send(Ok(()));
+                    runtime.block_on(serve(rx, settings));
                     drop(runtime);
                     drop(done);
                 })?;
+            start
+                .recv()
+                .unwrap_or_else(|_| Err(io::Error::other("handshake thread ended at start")))?;
             tasks.spawn(async move {
                 let _ = finished.await;
             });
             senders.push(tx);
         }
         Ok(Handshakes {
-            here,
+            settings,
             threads: senders,
             next: AtomicUsize::new(0),
         })
@@ -114,7 +128,7 @@ impl Handshakes {
     /// and returns the connection registered with the worker's runtime.
     pub(super) async fn handshake(&self, stream: TcpStream) -> Result<Established, HandshakeError> {
         if self.threads.is_empty() {
-            return self.here.handshake(stream).await;
+            return self.settings.handshake(stream).await;
         }
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.threads.len();
         let handed = async {
@@ -126,7 +140,7 @@ impl Handshakes {
                 .map_err(|_| stopped())?;
             answer.await.map_err(|_| stopped())?
         };
-        let (mut tls, session) = tokio::time::timeout(self.here.timeout, handed)
+        let (mut tls, session) = tokio::time::timeout(self.settings.timeout, handed)
             .await
             .map_err(|_| HandshakeError::Timeout)??;
         tls.get_mut().0.rebind().map_err(HandshakeError::Failed)?;
@@ -134,7 +148,7 @@ impl Handshakes {
     }
 }
 
-impl Inline {
+impl Settings {
     /// The handshake on this thread, within the timeout.
     async fn handshake(&self, stream: TcpStream) -> Result<Established, HandshakeError> {
         let wanted = |host: &str| self.routes.load().requests_client_cert(host);
@@ -149,15 +163,15 @@ impl Inline {
 
 /// A handshake thread: one task per connection handed over, each given up as
 /// soon as the worker stopped waiting for it (timed out, or stopping).
-async fn serve(mut jobs: mpsc::Receiver<Job>, here: Arc<Inline>) {
+async fn serve(mut jobs: mpsc::Receiver<Job>, settings: Arc<Settings>) {
     while let Some(Job { stream, mut reply }) = jobs.recv().await {
-        let here = here.clone();
+        let settings = settings.clone();
         tokio::spawn(async move {
             let outcome = tokio::select! {
                 () = reply.closed() => return,
                 r = async {
                     let stream = TcpStream::from_std(stream).map_err(HandshakeError::Failed)?;
-                    here.handshake(stream).await
+                    settings.handshake(stream).await
                 } => r,
             };
             let _ = reply.send(outcome);
@@ -167,8 +181,9 @@ async fn serve(mut jobs: mpsc::Receiver<Job>, here: Arc<Inline>) {
     // for, end with the runtime.
 }
 
+/// The handshake thread took no job or gave no answer: stopping, or gone.
 fn stopped() -> HandshakeError {
-    HandshakeError::Failed(io::Error::other("ingress stopping"))
+    HandshakeError::Failed(io::Error::other("no handshake thread answered"))
 }
 
 /// A TCP stream that can move to another thread's runtime: [`Movable::rebind`]

@@ -76,10 +76,15 @@ pub fn routes(table: &RouteTable, certs: &CertMap) -> Vec<RouteStatus> {
             if let Some(tls) = &r.tls_from
                 && !certs.has(&r.host)
             {
-                problems.push(if tls == "acme" {
-                    "no certificate yet: handshakes refused".to_owned()
+                let meanwhile = if certs.has_default() {
+                    "the default certificate is served"
                 } else {
-                    format!("{tls} missing or unusable: handshakes refused")
+                    "handshakes refused"
+                };
+                problems.push(if tls == "acme" {
+                    format!("no certificate yet: {meanwhile}")
+                } else {
+                    format!("{tls} missing or unusable: {meanwhile}")
                 });
             }
             if r.allow.as_ref().is_some_and(Vec::is_empty) {

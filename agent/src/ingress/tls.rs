@@ -94,8 +94,9 @@ impl CertMap {
         };
     }
 
-    /// Whether a route of `host` (exact, or `*.` wildcard) has a certificate of
-    /// its own (the default one aside).
+    /// Whether a route of `host` (exact, or `*.` wildcard) is served a
+    /// certificate for its name: an exact host's own, or a wildcard route's that
+    /// covers it (the default certificate aside).
     pub fn has(&self, host: &str) -> bool {
         match host.strip_prefix("*.") {
             Some(suffix) => self.wildcard.contains_key(suffix),
@@ -106,6 +107,11 @@ impl CertMap {
                         .is_some_and(|(_, parent)| self.wildcard.contains_key(parent))
             }
         }
+    }
+
+    /// Whether a default certificate answers names no route has a certificate for.
+    pub fn has_default(&self) -> bool {
+        self.default.is_some()
     }
 
     /// The certificate for `host` (lowercase): exact, else its parent's wildcard,
@@ -165,9 +171,10 @@ pub fn server_config(
 }
 
 /// The server's order of cipher suites: TLS 1.3 before 1.2, and within each
-/// AES-128-GCM first (as Go and BoringSSL prefer: SHA-256 for the key schedule
-/// and ten AES rounds make handshakes and bulk data cheaper than AES-256's
-/// SHA-384 and fourteen rounds); a stable sort keeps ring's order after that.
+/// AES-128-GCM first (SHA-256 for the key schedule and ten AES rounds make
+/// handshakes and bulk data cheaper than AES-256's SHA-384 and fourteen rounds);
+/// a stable sort keeps ring's order after that (AES-256-GCM, then ChaCha20, which
+/// a client listing it first, for want of AES hardware, does not get).
 fn preference(suite: &SupportedCipherSuite) -> u8 {
     let aes_128 = matches!(
         suite.suite(),

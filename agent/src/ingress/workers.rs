@@ -2,7 +2,8 @@
 //! current-thread runtime with its own listeners (`SO_REUSEPORT`, so the kernel
 //! spreads new clients over the workers) and its own upstream clients: a client
 //! connection, its requests and their upstream connections stay on one thread, as
-//! in nginx's worker processes, with no wake-ups across threads. Routes, metrics,
+//! in nginx's worker processes (only a TLS connection's handshake is handed to a
+//! thread of [`super::handshakes`] and back). Routes, metrics,
 //! ACME tokens, TLS configurations and the connection cap are shared.
 
 use super::{handshakes::Handshakes, serve::Serve};

@@ -84,6 +84,12 @@ fn pass<T>(
             return Poll::Ready(v);
         }
     }
+    // A budgeted receiver (the response's oneshot) out of tokio's cooperative
+    // budget answers Pending and defers its wake-up to the quiet waker, which
+    // loses it: wake this task, so it is polled again once it has yielded.
+    if !tokio::task::coop::has_budget_remaining() {
+        cx.waker().wake_by_ref();
+    }
     Poll::Pending
 }
 
@@ -116,6 +122,14 @@ impl Driven {
     /// wake-up: the connection is not watched while idle).
     pub(super) fn ended(&mut self) -> bool {
         self.drive(&mut quiet())
+    }
+
+    /// Whether the connection, its response over, can take the next request now:
+    /// not when it has ended, nor while it still writes the request's body (an
+    /// endpoint may answer before reading an upload; nothing would drive the rest
+    /// of it from the pool).
+    pub(super) fn reusable(&mut self) -> bool {
+        !self.ended() && self.sender.is_ready()
     }
 
     /// Drives the connection until it waits for a request: false when it ended.
@@ -253,9 +267,10 @@ impl Body for Returning {
 impl Drop for Returning {
     fn drop(&mut self) {
         // A body dropped before its end (the client went away) closes the
-        // connection.
+        // connection, and so does one still sending the request's body.
         if (self.ended || self.body.is_end_stream())
-            && let Some(driven) = self.driven.take()
+            && let Some(mut driven) = self.driven.take()
+            && driven.reusable()
         {
             self.home.give_back(self.addr, driven);
         }

@@ -1,8 +1,9 @@
 //! HTTP/1.1 connections to endpoints, pooled per worker thread: a free list of
 //! idle connections per endpoint, taken and put back under one uncontended lock
-//! (the worker's own), with no task or channel per connection. A connection goes
-//! back once its response body has ended; one idle for [`IDLE_TIMEOUT`], or
-//! closed by the endpoint, is dropped.
+//! (the worker's own), with no task of their own. A connection goes back once its
+//! response body has ended and it can take the next request; one idle for
+//! [`IDLE_TIMEOUT`], or found closed by the endpoint (when taken, or by the
+//! sweep), is dropped.
 
 use super::{
     super::body::ProxyBody,

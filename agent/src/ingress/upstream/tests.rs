@@ -281,3 +281,49 @@ async fn a_protocol_switch_completes_over_its_connection_left_running() {
     assert_eq!(&echoed, b"ping");
     assert_eq!(pool.idle_count(addr), 0);
 }
+
+/// Answers 401 with an empty body as soon as the request head is in, without
+/// reading the request's body, and keeps the connection open.
+async fn refuse_before_the_upload(mut stream: TcpStream) {
+    if read_head(&mut stream).await {
+        let _ = stream
+            .write_all(b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n")
+            .await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_connection_still_sending_the_upload_is_not_pooled() {
+    let (addr, accepted) = raw_server(refuse_before_the_upload).await;
+    let pool = Arc::new(Http1Pool::new(Duration::from_secs(1)));
+    // An upload whose body never ends: the client keeps sending.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<hyper::body::Frame<Bytes>, _>>(1);
+    tx.send(Ok(hyper::body::Frame::data(Bytes::from_static(b"part"))))
+        .await
+        .unwrap();
+    let upload = http_body_util::StreamBody::new(tokio_stream_of(rx));
+    let req = Request::builder()
+        .method("POST")
+        .uri("/")
+        .header(header::HOST, "a.example")
+        .header(header::TRANSFER_ENCODING, "chunked")
+        .body(upload.boxed_unsync())
+        .unwrap();
+    let Ok(resp) = pool.send(addr, req).await else {
+        panic!("no response")
+    };
+    assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+    assert!(body_of(resp).await.is_empty());
+    assert_eq!(pool.idle_count(addr), 0, "pooled while its upload went on");
+    // The next request does not wait behind the upload: a new connection.
+    let next = tokio::time::timeout(Duration::from_secs(2), pool.send(addr, get())).await;
+    assert!(matches!(next, Ok(Ok(_))), "the next request waited");
+    assert_eq!(accepted.load(Ordering::Relaxed), 2);
+    drop(tx);
+}
+
+/// The frames `rx` receives, as a stream.
+fn tokio_stream_of<T>(mut rx: tokio::sync::mpsc::Receiver<T>) -> impl futures::Stream<Item = T> {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
