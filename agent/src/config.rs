@@ -262,7 +262,8 @@ settings! {
         ingress_connect_timeout_ms: u64 => ingress_connect_timeout: Duration = |ms| {
             resolve::in_range(ms, 3000, 10..=60_000).map(Duration::from_millis)
         },
-        /// Milliseconds an upstream has to send its response headers, else 504
+        /// Milliseconds an upstream has to send its response headers, else 504, and
+        /// then each piece of an HTTP/1.1 response body, else the response is cut
         /// [default: 60000].
         #[arg(
             long = "ingress-response-timeout-ms", env = "RUNE_INGRESS_RESPONSE_TIMEOUT_MS",

@@ -39,7 +39,8 @@ use super::body::ProxyBody;
 pub struct ProxyLimits {
     /// Time to connect to an endpoint.
     pub connect_timeout: Duration,
-    /// Time for an endpoint's response headers, else 504.
+    /// Time for an endpoint's response headers, else 504; and then for each
+    /// piece of an HTTP/1.1 response body, else the response is cut.
     pub response_timeout: Duration,
     /// Largest request body, else 413: by Content-Length before anything is sent,
     /// else counted as it streams.
@@ -81,7 +82,10 @@ impl Proxy {
     pub fn new(limits: ProxyLimits, metrics: IngressMetrics) -> Proxy {
         Proxy {
             routes: Arc::default(),
-            http1: Arc::new(Http1Pool::new(limits.connect_timeout)),
+            http1: Arc::new(Http1Pool::new(
+                limits.connect_timeout,
+                limits.response_timeout,
+            )),
             h2c_client: h2c_client(limits.connect_timeout),
             access_log: Arc::new(AccessLog::new(limits.access_log_sample)),
             limits,
@@ -96,7 +100,10 @@ impl Proxy {
     pub fn for_worker(&self) -> Proxy {
         Proxy {
             routes: self.routes.clone(),
-            http1: Arc::new(Http1Pool::new(self.limits.connect_timeout)),
+            http1: Arc::new(Http1Pool::new(
+                self.limits.connect_timeout,
+                self.limits.response_timeout,
+            )),
             h2c_client: h2c_client(self.limits.connect_timeout),
             access_log: self.access_log.clone(),
             limits: self.limits.clone(),

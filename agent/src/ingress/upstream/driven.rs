@@ -16,8 +16,9 @@ use std::{
     pin::{Pin, pin},
     sync::Arc,
     task::{Context, Poll, Waker},
+    time::Duration,
 };
-use tokio::net::TcpStream;
+use tokio::{net::TcpStream, time::Sleep};
 
 /// A connection future with upgrades allowed (hyper does not name its type).
 type ConnFuture = Pin<Box<dyn Future<Output = hyper::Result<()>> + Send>>;
@@ -206,7 +207,9 @@ pub(super) trait Home: Send + Sync {
 }
 
 /// A response body that drives its connection while it streams and puts the
-/// connection back in its [`Home`] once it has ended.
+/// connection back in its [`Home`] once it has ended. An endpoint that sends
+/// nothing of it for `stall` ends it with an error (the client's response is
+/// cut): a backend hanging mid-body does not hold the client forever.
 pub(super) struct Returning {
     body: Incoming,
     /// The connection while it can still be reused.
@@ -214,6 +217,11 @@ pub(super) struct Returning {
     ended: bool,
     home: Arc<dyn Home>,
     addr: SocketAddr,
+    stall: Duration,
+    /// Armed when the body first waits, re-armed when it waits after progress.
+    timer: Option<Pin<Box<Sleep>>>,
+    /// A frame came since the timer was armed.
+    progressed: bool,
 }
 
 impl Returning {
@@ -222,6 +230,7 @@ impl Returning {
         driven: Option<Driven>,
         home: Arc<dyn Home>,
         addr: SocketAddr,
+        stall: Duration,
     ) -> Returning {
         Returning {
             body,
@@ -229,7 +238,28 @@ impl Returning {
             ended: false,
             home,
             addr,
+            stall,
+            timer: None,
+            progressed: false,
         }
+    }
+
+    /// The body waits for the endpoint: whether it has waited `stall` since the
+    /// last frame (the clock is read only when the body waits, not per frame).
+    fn stalled(&mut self, cx: &mut Context<'_>) -> bool {
+        let deadline = tokio::time::Instant::now() + self.stall;
+        let timer = match &mut self.timer {
+            Some(timer) if self.progressed => {
+                timer.as_mut().reset(deadline);
+                timer
+            }
+            Some(timer) => timer,
+            None => self
+                .timer
+                .insert(Box::pin(tokio::time::sleep_until(deadline))),
+        };
+        self.progressed = false;
+        timer.as_mut().poll(cx).is_ready()
     }
 }
 
@@ -247,10 +277,17 @@ impl Body for Returning {
             Pin::new(&mut *body).poll_frame(cx)
         });
         match &frame {
+            Poll::Ready(Some(Ok(_))) => this.progressed = true,
             Poll::Ready(None) => this.ended = true,
             // A broken body leaves the connection unusable.
             Poll::Ready(Some(Err(_))) => this.driven = None,
-            _ => {}
+            Poll::Pending => {
+                if this.stalled(cx) {
+                    tracing::debug!(addr = %this.addr, "ingress: endpoint stalled mid-body");
+                    this.driven = None;
+                    return Poll::Ready(Some(Err("the endpoint stalled mid-body".into())));
+                }
+            }
         }
         frame.map_err(Into::into)
     }

@@ -25,6 +25,8 @@ use tokio::net::TcpStream;
 pub struct Http1Pool {
     idle: Mutex<HashMap<SocketAddr, Vec<Idle>>>,
     connect_timeout: Duration,
+    /// Longest wait for the next piece of a response body.
+    stall_timeout: Duration,
 }
 
 impl std::fmt::Debug for Http1Pool {
@@ -51,11 +53,13 @@ impl Home for Http1Pool {
 }
 
 impl Http1Pool {
-    /// An empty pool whose new connections get `connect_timeout`.
-    pub fn new(connect_timeout: Duration) -> Http1Pool {
+    /// An empty pool whose new connections get `connect_timeout`, and whose
+    /// response bodies are cut after `stall_timeout` without a piece.
+    pub fn new(connect_timeout: Duration, stall_timeout: Duration) -> Http1Pool {
         Http1Pool {
             idle: Mutex::default(),
             connect_timeout,
+            stall_timeout,
         }
     }
 
@@ -144,6 +148,8 @@ impl Http1Pool {
             }
             return resp.map(|b| b.map_err(Into::into).boxed_unsync());
         }
-        resp.map(|body| Returning::new(body, driven, self.clone(), addr).boxed_unsync())
+        resp.map(|body| {
+            Returning::new(body, driven, self.clone(), addr, self.stall_timeout).boxed_unsync()
+        })
     }
 }

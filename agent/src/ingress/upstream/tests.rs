@@ -107,7 +107,10 @@ async fn body_of(resp: Response<ProxyBody>) -> Bytes {
 #[tokio::test]
 async fn a_connection_is_reused_once_its_body_was_read_and_not_before() {
     let (addr, accepted) = server().await;
-    let pool = Arc::new(Http1Pool::new(Duration::from_secs(1)));
+    let pool = Arc::new(Http1Pool::new(
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+    ));
     for _ in 0..3 {
         let Ok(resp) = pool.send(addr, get()).await else {
             panic!("no response")
@@ -131,7 +134,10 @@ async fn nothing_listening_is_a_connect_failure() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     drop(listener);
-    let pool = Arc::new(Http1Pool::new(Duration::from_secs(1)));
+    let pool = Arc::new(Http1Pool::new(
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+    ));
     assert!(matches!(
         pool.send(addr, get()).await,
         Err(Failure::Connect)
@@ -142,7 +148,10 @@ async fn nothing_listening_is_a_connect_failure() {
 /// after answering; the endpoint's count of accepted connections.
 async fn idle_closed_by_endpoint() -> (Arc<Http1Pool>, SocketAddr, Arc<AtomicUsize>) {
     let (addr, accepted) = raw_server(one_then_close).await;
-    let pool = Arc::new(Http1Pool::new(Duration::from_secs(1)));
+    let pool = Arc::new(Http1Pool::new(
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+    ));
     let Ok(resp) = pool.send(addr, get()).await else {
         panic!("no response")
     };
@@ -181,7 +190,10 @@ async fn a_connection_broken_mid_body_errs_the_body_and_is_not_reused() {
         }
     })
     .await;
-    let pool = Arc::new(Http1Pool::new(Duration::from_secs(1)));
+    let pool = Arc::new(Http1Pool::new(
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+    ));
     let Ok(resp) = pool.send(addr, get()).await else {
         panic!("no response")
     };
@@ -206,7 +218,10 @@ async fn an_unfinished_body_dropped_closes_its_connection() {
         }
     })
     .await;
-    let pool = Arc::new(Http1Pool::new(Duration::from_secs(1)));
+    let pool = Arc::new(Http1Pool::new(
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+    ));
     let Ok(resp) = pool.send(addr, get()).await else {
         panic!("no response")
     };
@@ -234,7 +249,10 @@ async fn a_send_given_up_on_closes_its_connection() {
         }
     })
     .await;
-    let pool = Arc::new(Http1Pool::new(Duration::from_secs(1)));
+    let pool = Arc::new(Http1Pool::new(
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+    ));
     let late = tokio::time::timeout(Duration::from_millis(100), pool.send(addr, get())).await;
     assert!(late.is_err());
     assert_eq!(closed_rx.recv().await, Some(true));
@@ -260,7 +278,10 @@ async fn a_protocol_switch_completes_over_its_connection_left_running() {
         }
     })
     .await;
-    let pool = Arc::new(Http1Pool::new(Duration::from_secs(1)));
+    let pool = Arc::new(Http1Pool::new(
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+    ));
     let mut req = get();
     req.headers_mut()
         .insert(header::CONNECTION, "upgrade".parse().unwrap());
@@ -296,7 +317,10 @@ async fn refuse_before_the_upload(mut stream: TcpStream) {
 #[tokio::test]
 async fn a_connection_still_sending_the_upload_is_not_pooled() {
     let (addr, accepted) = raw_server(refuse_before_the_upload).await;
-    let pool = Arc::new(Http1Pool::new(Duration::from_secs(1)));
+    let pool = Arc::new(Http1Pool::new(
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+    ));
     // An upload whose body never ends: the client keeps sending.
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<hyper::body::Frame<Bytes>, _>>(1);
     tx.send(Ok(hyper::body::Frame::data(Bytes::from_static(b"part"))))
@@ -326,4 +350,34 @@ async fn a_connection_still_sending_the_upload_is_not_pooled() {
 /// The frames `rx` receives, as a stream.
 fn tokio_stream_of<T>(mut rx: tokio::sync::mpsc::Receiver<T>) -> impl futures::Stream<Item = T> {
     futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+/// Promises 10 bytes, sends 2, then neither sends nor closes for a while.
+async fn stall_mid_body(mut stream: TcpStream) {
+    if read_head(&mut stream).await {
+        let _ = stream
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nok")
+            .await;
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_body_the_endpoint_stalls_is_cut_after_the_stall_timeout() {
+    let (addr, _) = raw_server(stall_mid_body).await;
+    let pool = Arc::new(Http1Pool::new(
+        Duration::from_secs(1),
+        Duration::from_millis(300),
+    ));
+    let Ok(resp) = pool.send(addr, get()).await else {
+        panic!("no response")
+    };
+    let started = std::time::Instant::now();
+    let read = tokio::time::timeout(Duration::from_secs(5), resp.into_body().collect()).await;
+    let Ok(Err(error)) = read else {
+        panic!("the stalled body was not cut")
+    };
+    assert!(error.to_string().contains("stalled"), "{error}");
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(pool.idle_count(addr), 0);
 }
