@@ -303,8 +303,7 @@ settings! {
         /// port) and upstream connections [default: the available CPUs].
         #[arg(long = "ingress-workers", env = "RUNE_INGRESS_WORKERS", value_name = "N")]
         ingress_workers: usize => ingress_workers: usize = |n| {
-            let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-            resolve::in_range(n, cpus, 1..=1024)
+            resolve::in_range(n, resolve::cpus(), 1..=1024)
         },
         /// Threads doing the ingress proxy's TLS handshakes, apart from the workers so
         /// a flood of new TLS clients does not slow the clients already served;
@@ -315,8 +314,7 @@ settings! {
             value_name = "N"
         )]
         ingress_handshake_threads: usize => ingress_handshake_threads: usize = |n| {
-            let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-            resolve::in_range(n, cpus, 0..=1024)
+            resolve::in_range(n, resolve::cpus(), 0..=1024)
         },
         /// The share of requests the ingress proxy writes an access-log line for
         /// (target `rune::ingress::access`), 0 (none) to 1 (every request) [default: 1].

@@ -21,6 +21,12 @@ pub(super) fn at_least_1<T: PartialOrd + From<u8>>(
     Ok(value)
 }
 
+/// The CPUs this process may run on (at least 1): the default of the thread
+/// counts.
+pub(super) fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
 /// `value` (or `default`), refused outside `range`.
 pub(super) fn in_range<T: PartialOrd + Display + Copy>(
     value: Option<T>,

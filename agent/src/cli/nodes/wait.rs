@@ -134,10 +134,7 @@ pub async fn wait_applied(
             Err(_) => return Err(give_up(&nodes, revision, timeout, last_error)),
             Ok(Err(e)) => {
                 last_error = Some(e);
-                if tokio::time::timeout_at(deadline.into(), tokio::time::sleep(REWATCH))
-                    .await
-                    .is_err()
-                {
+                if !pause(deadline).await {
                     return Err(give_up(&nodes, revision, timeout, last_error));
                 }
                 continue;
@@ -159,10 +156,7 @@ pub async fn wait_applied(
             Ok(s) => s,
             Err(e) => {
                 last_error = Some(e);
-                if tokio::time::timeout_at(deadline.into(), tokio::time::sleep(REWATCH))
-                    .await
-                    .is_err()
-                {
+                if !pause(deadline).await {
                     return Err(give_up(&nodes, revision, timeout, last_error));
                 }
                 continue;
@@ -190,13 +184,17 @@ pub async fn wait_applied(
                 return Ok(n);
             }
         }
-        if tokio::time::timeout_at(deadline.into(), tokio::time::sleep(REWATCH))
-            .await
-            .is_err()
-        {
+        if !pause(deadline).await {
             return Err(give_up(&nodes, revision, timeout, last_error));
         }
     }
+}
+
+/// Waits [`REWATCH`] before the next try: false when `deadline` comes first.
+async fn pause(deadline: Instant) -> bool {
+    tokio::time::timeout_at(deadline.into(), tokio::time::sleep(REWATCH))
+        .await
+        .is_ok()
 }
 
 /// How many Ready nodes there are, when none of them is behind `revision`.

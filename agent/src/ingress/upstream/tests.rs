@@ -81,15 +81,28 @@ async fn closed_by_peer(stream: &mut TcpStream) -> bool {
         .is_ok()
 }
 
+/// Reads one request head, writes `response`, keeps the connection open for
+/// `hold` (reading nothing more), then closes it.
+async fn answer_then_hold(mut stream: TcpStream, response: &[u8], hold: Duration) {
+    if read_head(&mut stream).await {
+        let _ = stream.write_all(response).await;
+        tokio::time::sleep(hold).await;
+    }
+}
+
 /// Answers one request (keep-alive by its headers), then closes the connection a
 /// moment later (once the client has put it back in its pool).
-async fn one_then_close(mut stream: TcpStream) {
-    if read_head(&mut stream).await {
-        let _ = stream
-            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-            .await;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+async fn one_then_close(stream: TcpStream) {
+    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+    answer_then_hold(stream, ok, Duration::from_millis(50)).await;
+}
+
+/// A pool with a 1 s connect timeout and a 5 s stall timeout.
+fn pool() -> Arc<Http1Pool> {
+    Arc::new(Http1Pool::new(
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+    ))
 }
 
 fn get() -> Request<ProxyBody> {
@@ -107,10 +120,7 @@ async fn body_of(resp: Response<ProxyBody>) -> Bytes {
 #[tokio::test]
 async fn a_connection_is_reused_once_its_body_was_read_and_not_before() {
     let (addr, accepted) = server().await;
-    let pool = Arc::new(Http1Pool::new(
-        Duration::from_secs(1),
-        Duration::from_secs(5),
-    ));
+    let pool = pool();
     for _ in 0..3 {
         let Ok(resp) = pool.send(addr, get()).await else {
             panic!("no response")
@@ -134,10 +144,7 @@ async fn nothing_listening_is_a_connect_failure() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     drop(listener);
-    let pool = Arc::new(Http1Pool::new(
-        Duration::from_secs(1),
-        Duration::from_secs(5),
-    ));
+    let pool = pool();
     assert!(matches!(
         pool.send(addr, get()).await,
         Err(Failure::Connect)
@@ -148,10 +155,7 @@ async fn nothing_listening_is_a_connect_failure() {
 /// after answering; the endpoint's count of accepted connections.
 async fn idle_closed_by_endpoint() -> (Arc<Http1Pool>, SocketAddr, Arc<AtomicUsize>) {
     let (addr, accepted) = raw_server(one_then_close).await;
-    let pool = Arc::new(Http1Pool::new(
-        Duration::from_secs(1),
-        Duration::from_secs(5),
-    ));
+    let pool = pool();
     let Ok(resp) = pool.send(addr, get()).await else {
         panic!("no response")
     };
@@ -190,10 +194,7 @@ async fn a_connection_broken_mid_body_errs_the_body_and_is_not_reused() {
         }
     })
     .await;
-    let pool = Arc::new(Http1Pool::new(
-        Duration::from_secs(1),
-        Duration::from_secs(5),
-    ));
+    let pool = pool();
     let Ok(resp) = pool.send(addr, get()).await else {
         panic!("no response")
     };
@@ -218,10 +219,7 @@ async fn an_unfinished_body_dropped_closes_its_connection() {
         }
     })
     .await;
-    let pool = Arc::new(Http1Pool::new(
-        Duration::from_secs(1),
-        Duration::from_secs(5),
-    ));
+    let pool = pool();
     let Ok(resp) = pool.send(addr, get()).await else {
         panic!("no response")
     };
@@ -249,10 +247,7 @@ async fn a_send_given_up_on_closes_its_connection() {
         }
     })
     .await;
-    let pool = Arc::new(Http1Pool::new(
-        Duration::from_secs(1),
-        Duration::from_secs(5),
-    ));
+    let pool = pool();
     let late = tokio::time::timeout(Duration::from_millis(100), pool.send(addr, get())).await;
     assert!(late.is_err());
     assert_eq!(closed_rx.recv().await, Some(true));
@@ -278,10 +273,7 @@ async fn a_protocol_switch_completes_over_its_connection_left_running() {
         }
     })
     .await;
-    let pool = Arc::new(Http1Pool::new(
-        Duration::from_secs(1),
-        Duration::from_secs(5),
-    ));
+    let pool = pool();
     let mut req = get();
     req.headers_mut()
         .insert(header::CONNECTION, "upgrade".parse().unwrap());
@@ -305,22 +297,15 @@ async fn a_protocol_switch_completes_over_its_connection_left_running() {
 
 /// Answers 401 with an empty body as soon as the request head is in, without
 /// reading the request's body, and keeps the connection open.
-async fn refuse_before_the_upload(mut stream: TcpStream) {
-    if read_head(&mut stream).await {
-        let _ = stream
-            .write_all(b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n")
-            .await;
-        tokio::time::sleep(Duration::from_secs(5)).await;
-    }
+async fn refuse_before_the_upload(stream: TcpStream) {
+    let refused = b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n";
+    answer_then_hold(stream, refused, Duration::from_secs(5)).await;
 }
 
 #[tokio::test]
 async fn a_connection_still_sending_the_upload_is_not_pooled() {
     let (addr, accepted) = raw_server(refuse_before_the_upload).await;
-    let pool = Arc::new(Http1Pool::new(
-        Duration::from_secs(1),
-        Duration::from_secs(5),
-    ));
+    let pool = pool();
     // An upload whose body never ends: the client keeps sending.
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<hyper::body::Frame<Bytes>, _>>(1);
     tx.send(Ok(hyper::body::Frame::data(Bytes::from_static(b"part"))))
@@ -353,13 +338,9 @@ fn tokio_stream_of<T>(mut rx: tokio::sync::mpsc::Receiver<T>) -> impl futures::S
 }
 
 /// Promises 10 bytes, sends 2, then neither sends nor closes for a while.
-async fn stall_mid_body(mut stream: TcpStream) {
-    if read_head(&mut stream).await {
-        let _ = stream
-            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nok")
-            .await;
-        tokio::time::sleep(Duration::from_secs(10)).await;
-    }
+async fn stall_mid_body(stream: TcpStream) {
+    let partial = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nok";
+    answer_then_hold(stream, partial, Duration::from_secs(10)).await;
 }
 
 #[tokio::test]
