@@ -247,16 +247,17 @@ impl Returning {
     /// The body waits for the endpoint: whether it has waited `stall` since the
     /// last frame (the clock is read only when the body waits, not per frame).
     fn stalled(&mut self, cx: &mut Context<'_>) -> bool {
-        let deadline = tokio::time::Instant::now() + self.stall;
+        let stall = self.stall;
+        let deadline = || tokio::time::Instant::now() + stall;
         let timer = match &mut self.timer {
             Some(timer) if self.progressed => {
-                timer.as_mut().reset(deadline);
+                timer.as_mut().reset(deadline());
                 timer
             }
             Some(timer) => timer,
             None => self
                 .timer
-                .insert(Box::pin(tokio::time::sleep_until(deadline))),
+                .insert(Box::pin(tokio::time::sleep_until(deadline()))),
         };
         self.progressed = false;
         timer.as_mut().poll(cx).is_ready()
