@@ -13,3 +13,4 @@ pub mod nginx;
 pub mod observe;
 pub mod pebble;
 pub mod vip;
+pub mod wire;
