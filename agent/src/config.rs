@@ -316,6 +316,13 @@ settings! {
         ingress_handshake_threads: usize => ingress_handshake_threads: usize = |n| {
             resolve::in_range(n, resolve::cpus(), 0..=1024)
         },
+        /// Serve every ingress request with hyper, without the HTTP/1.1 fast path
+        /// (docs/ingress.md): a fallback should the fast path misbehave.
+        #[arg(
+            long = "ingress-no-fast-path", env = "RUNE_INGRESS_NO_FAST_PATH", num_args = 0,
+            default_missing_value = "true"
+        )]
+        ingress_no_fast_path: bool => ingress_no_fast_path: bool = |off| resolve::or(off, false),
         /// The share of requests the ingress proxy writes an access-log line for
         /// (target `rune::ingress::access`), 0 (none) to 1 (every request) [default: 1].
         #[arg(

@@ -177,6 +177,7 @@ pub async fn run(config: Config) -> Result<()> {
                 max_connections: config.ingress_max_connections,
                 workers: config.ingress_workers,
                 handshake_threads: config.ingress_handshake_threads,
+                fast_path: !config.ingress_no_fast_path,
                 default_cert: config.ingress_default_cert.clone(),
                 limits: ProxyLimits {
                     connect_timeout: config.ingress_connect_timeout,

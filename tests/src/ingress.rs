@@ -13,6 +13,9 @@ use tempfile::TempDir;
 /// The dev port offset of the ingress tests' agents.
 pub const OFFSET: u16 = 10000;
 
+/// The requests the HTTP/1.1 fast path served.
+pub const FAST_PATH_REQUESTS: &str = "rune_ingress_fast_path_requests_total";
+
 /// How long the ingress tests wait for a change to take effect.
 pub const PATIENCE: Duration = Duration::from_secs(20);
 
@@ -161,4 +164,30 @@ pub fn exposed_at(name: &str, expose: &str, addrs: &[SocketAddr]) -> String {
 /// An address from its text.
 pub fn ip(s: &str) -> IpAddr {
     s.parse().unwrap()
+}
+
+/// Turns each named `fn case(ingress: &Ingress)` into two tests, `case::fast_path`
+/// and `case::hyper_only` (`--ingress-no-fast-path`), so both ways of serving
+/// HTTP/1.1 are held to the same behaviour.
+#[macro_export]
+macro_rules! on_both_paths {
+    ($($case:ident),* $(,)?) => {
+        $(
+            mod $case {
+                #[test]
+                fn fast_path() {
+                    let ingress = $crate::ingress::Ingress::start();
+                    super::$case(&ingress);
+                    assert!(ingress.metric($crate::ingress::FAST_PATH_REQUESTS) > 0.0);
+                }
+
+                #[test]
+                fn hyper_only() {
+                    let ingress = $crate::ingress::Ingress::start_with(&["--ingress-no-fast-path"]);
+                    super::$case(&ingress);
+                    assert_eq!(ingress.metric($crate::ingress::FAST_PATH_REQUESTS), 0.0);
+                }
+            }
+        )*
+    };
 }

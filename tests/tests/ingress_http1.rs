@@ -5,6 +5,7 @@
 
 use rune_agent_tests::{
     ingress::Ingress,
+    on_both_paths,
     wire::{Reply, Then, Wire, ok, scripted},
 };
 use std::{
@@ -16,10 +17,8 @@ use std::{
 /// How long the proxy gets to close a connection it should close.
 const CLOSE_WAIT: Duration = Duration::from_secs(3);
 
-#[test]
-fn fifty_keep_alive_requests_ride_one_upstream_connection() {
-    let ingress = Ingress::start();
-    let backend = scripted(&ingress, "web.test", |_| Reply::keep(ok("hello")));
+fn fifty_keep_alive_requests_ride_one_upstream_connection(ingress: &Ingress) {
+    let backend = scripted(ingress, "web.test", |_| Reply::keep(ok("hello")));
     let accepted = backend.accepted();
     let mut client = Wire::connect(ingress.http);
     for i in 0..50 {
@@ -34,10 +33,8 @@ fn fifty_keep_alive_requests_ride_one_upstream_connection() {
     assert!(backend.accepted() - accepted <= 1, "{}", backend.accepted());
 }
 
-#[test]
-fn pipelined_requests_are_answered_in_order() {
-    let ingress = Ingress::start();
-    let backend = scripted(&ingress, "web.test", |r| Reply::keep(ok(r.target())));
+fn pipelined_requests_are_answered_in_order(ingress: &Ingress) {
+    let backend = scripted(ingress, "web.test", |r| Reply::keep(ok(r.target())));
     let mut client = Wire::connect(ingress.http);
     let paths = ["/one", "/two", "/three"];
     let requests: String = paths
@@ -52,10 +49,8 @@ fn pipelined_requests_are_answered_in_order() {
     assert_eq!(backend.received().len(), 3);
 }
 
-#[test]
-fn a_head_response_has_the_length_and_no_body() {
-    let ingress = Ingress::start();
-    let _backend = scripted(&ingress, "web.test", |r| match r.method() {
+fn a_head_response_has_the_length_and_no_body(ingress: &Ingress) {
+    let _backend = scripted(ingress, "web.test", |r| match r.method() {
         "HEAD" => Reply::keep("HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n"),
         _ => Reply::keep(ok("after")),
     });
@@ -69,10 +64,8 @@ fn a_head_response_has_the_length_and_no_body() {
     assert_eq!((r.status, r.text().as_str()), (200, "after"));
 }
 
-#[test]
-fn responses_204_and_304_carry_no_body_and_the_connection_goes_on() {
-    let ingress = Ingress::start();
-    let _backend = scripted(&ingress, "web.test", |r| match r.target() {
+fn responses_204_and_304_carry_no_body_and_the_connection_goes_on(ingress: &Ingress) {
+    let _backend = scripted(ingress, "web.test", |r| match r.target() {
         "/204" => Reply::keep("HTTP/1.1 204 No Content\r\nX-App: 1\r\n\r\n"),
         "/304" => Reply::keep("HTTP/1.1 304 Not Modified\r\nETag: \"v1\"\r\n\r\n"),
         _ => Reply::keep(ok("after")),
@@ -94,10 +87,8 @@ fn responses_204_and_304_carry_no_body_and_the_connection_goes_on() {
     }
 }
 
-#[test]
-fn a_backend_closing_with_connection_close_leaves_the_client_connection_usable() {
-    let ingress = Ingress::start();
-    let backend = scripted(&ingress, "web.test", |r| match r.target() {
+fn a_backend_closing_with_connection_close_leaves_the_client_connection_usable(ingress: &Ingress) {
+    let backend = scripted(ingress, "web.test", |r| match r.target() {
         "/close" => Reply::then(
             "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nfirst",
             Then::Close,
@@ -117,10 +108,8 @@ fn a_backend_closing_with_connection_close_leaves_the_client_connection_usable()
     assert_ne!(conn(2), conn(3), "reused a closed connection: {received:?}");
 }
 
-#[test]
-fn a_backend_closing_an_idle_connection_does_not_fail_the_next_request() {
-    let ingress = Ingress::start();
-    let backend = scripted(&ingress, "web.test", |r| {
+fn a_backend_closing_an_idle_connection_does_not_fail_the_next_request(ingress: &Ingress) {
+    let backend = scripted(ingress, "web.test", |r| {
         Reply::then(ok(r.target()), Then::CloseAfter(Duration::from_millis(200)))
     });
     let mut client = Wire::connect(ingress.http);
@@ -133,10 +122,8 @@ fn a_backend_closing_an_idle_connection_does_not_fail_the_next_request() {
     assert_eq!(conns.len(), 3, "{:?}", backend.received());
 }
 
-#[test]
-fn interim_responses_before_the_final_one_keep_the_exchange_whole() {
-    let ingress = Ingress::start();
-    let _backend = scripted(&ingress, "web.test", |r| match r.target() {
+fn interim_responses_before_the_final_one_keep_the_exchange_whole(ingress: &Ingress) {
+    let _backend = scripted(ingress, "web.test", |r| match r.target() {
         "/hints" => Reply::keep(
             [
                 &b"HTTP/1.1 103 Early Hints\r\nLink: </s.css>; rel=preload\r\n\r\n"[..],
@@ -160,10 +147,8 @@ fn interim_responses_before_the_final_one_keep_the_exchange_whole() {
     }
 }
 
-#[test]
-fn a_client_connection_close_is_answered_then_closed() {
-    let ingress = Ingress::start();
-    let _backend = scripted(&ingress, "web.test", |_| Reply::keep(ok("bye")));
+fn a_client_connection_close_is_answered_then_closed(ingress: &Ingress) {
+    let _backend = scripted(ingress, "web.test", |_| Reply::keep(ok("bye")));
     let mut client = Wire::connect(ingress.http);
     client.send(b"GET / HTTP/1.1\r\nHost: web.test\r\nConnection: close\r\n\r\n");
     let r = client.response(false).expect("the response");
@@ -171,10 +156,8 @@ fn a_client_connection_close_is_answered_then_closed() {
     assert!(client.closes_within(CLOSE_WAIT), "left open");
 }
 
-#[test]
-fn an_http10_request_is_answered_in_full_then_closed() {
-    let ingress = Ingress::start();
-    let _backend = scripted(&ingress, "web.test", |r| Reply::keep(ok(r.target())));
+fn an_http10_request_is_answered_in_full_then_closed(ingress: &Ingress) {
+    let _backend = scripted(ingress, "web.test", |r| Reply::keep(ok(r.target())));
     let mut client = Wire::connect(ingress.http);
     client.send(b"GET /old HTTP/1.0\r\nHost: web.test\r\n\r\n");
     let r = client.response(false).expect("the response");
@@ -184,12 +167,10 @@ fn an_http10_request_is_answered_in_full_then_closed() {
     assert!(client.closes_within(CLOSE_WAIT), "left open");
 }
 
-#[test]
-fn a_backend_stalling_mid_body_gets_the_client_connection_cut() {
+fn a_backend_stalling_mid_body_gets_the_client_connection_cut(ingress: &Ingress) {
     // The harness's response timeout (tests/src/ingress.rs).
     let timeout = Duration::from_millis(1500);
-    let ingress = Ingress::start();
-    let _backend = scripted(&ingress, "web.test", |_| {
+    let _backend = scripted(ingress, "web.test", |_| {
         let half = format!(
             "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{}",
             "x".repeat(50)
@@ -212,3 +193,16 @@ fn a_backend_stalling_mid_body_gets_the_client_connection_cut() {
     );
     assert!(took < timeout + CLOSE_WAIT, "cut late: {took:?}");
 }
+
+on_both_paths!(
+    fifty_keep_alive_requests_ride_one_upstream_connection,
+    pipelined_requests_are_answered_in_order,
+    a_head_response_has_the_length_and_no_body,
+    responses_204_and_304_carry_no_body_and_the_connection_goes_on,
+    a_backend_closing_with_connection_close_leaves_the_client_connection_usable,
+    a_backend_closing_an_idle_connection_does_not_fail_the_next_request,
+    interim_responses_before_the_final_one_keep_the_exchange_whole,
+    a_client_connection_close_is_answered_then_closed,
+    an_http10_request_is_answered_in_full_then_closed,
+    a_backend_stalling_mid_body_gets_the_client_connection_cut,
+);

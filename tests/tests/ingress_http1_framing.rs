@@ -4,6 +4,7 @@
 
 use rune_agent_tests::{
     ingress::Ingress,
+    on_both_paths,
     wire::{Reply, Then, Wire, ok, scripted},
 };
 use std::{sync::Arc, time::Duration};
@@ -25,10 +26,8 @@ fn chunked(body: &[u8], piece: usize) -> Vec<u8> {
     out
 }
 
-#[test]
-fn a_chunked_response_with_an_extension_and_a_trailer_arrives_decoded() {
-    let ingress = Ingress::start();
-    let _backend = scripted(&ingress, "web.test", |r| match r.target() {
+fn a_chunked_response_with_an_extension_and_a_trailer_arrives_decoded(ingress: &Ingress) {
+    let _backend = scripted(ingress, "web.test", |r| match r.target() {
         "/chunked" => Reply::keep(
             "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Sum\r\n\r\n\
              5;x=y\r\nhello\r\n6\r\n world\r\n0\r\nX-Sum: 42\r\n\r\n",
@@ -44,12 +43,10 @@ fn a_chunked_response_with_an_extension_and_a_trailer_arrives_decoded() {
     }
 }
 
-#[test]
-fn a_close_delimited_response_arrives_whole() {
-    let ingress = Ingress::start();
+fn a_close_delimited_response_arrives_whole(ingress: &Ingress) {
     let body = Arc::new(pattern(100_000));
     let sent = body.clone();
-    let _backend = scripted(&ingress, "web.test", move |_| {
+    let _backend = scripted(ingress, "web.test", move |_| {
         let head = &b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n\r\n"[..];
         Reply::then([head, &sent].concat(), Then::Close)
     });
@@ -59,10 +56,8 @@ fn a_close_delimited_response_arrives_whole() {
     assert!(r.body == *body, "{} bytes of {}", r.body.len(), body.len());
 }
 
-#[test]
-fn a_post_body_reaches_the_backend_exactly_whether_sent_with_the_head_or_after() {
-    let ingress = Ingress::start();
-    let backend = scripted(&ingress, "web.test", |r| {
+fn a_post_body_reaches_the_backend_exactly_whether_sent_with_the_head_or_after(ingress: &Ingress) {
+    let backend = scripted(ingress, "web.test", |r| {
         Reply::keep(ok(r.body.len().to_string()))
     });
     let mut client = Wire::connect(ingress.http);
@@ -83,10 +78,8 @@ fn a_post_body_reaches_the_backend_exactly_whether_sent_with_the_head_or_after()
     }
 }
 
-#[test]
-fn forwarded_headers_are_set_and_hop_by_hop_ones_dropped_both_ways() {
-    let ingress = Ingress::start();
-    let backend = scripted(&ingress, "web.test", |_| {
+fn forwarded_headers_are_set_and_hop_by_hop_ones_dropped_both_ways(ingress: &Ingress) {
+    let backend = scripted(ingress, "web.test", |_| {
         Reply::keep(
             "HTTP/1.1 200 OK\r\nConnection: X-Internal\r\nX-Internal: 1\r\n\
              Keep-Alive: timeout=9\r\nX-App: 1\r\nContent-Length: 2\r\n\r\nok",
@@ -124,10 +117,8 @@ fn forwarded_headers_are_set_and_hop_by_hop_ones_dropped_both_ways() {
     assert_eq!(r.status, 200, "{r:?}");
 }
 
-#[test]
-fn a_garbage_or_missing_backend_response_gets_502() {
-    let ingress = Ingress::start();
-    let _backend = scripted(&ingress, "web.test", |r| match r.target() {
+fn a_garbage_or_missing_backend_response_gets_502(ingress: &Ingress) {
+    let _backend = scripted(ingress, "web.test", |r| match r.target() {
         "/garbage" => Reply::then("HELLO\r\n\r\n", Then::Close),
         "/silent" => Reply::then(Vec::new(), Then::Close),
         _ => Reply::keep(ok("after")),
@@ -139,12 +130,10 @@ fn a_garbage_or_missing_backend_response_gets_502() {
     }
 }
 
-#[test]
-fn large_bodies_both_ways_arrive_intact() {
-    let ingress = Ingress::start();
+fn large_bodies_both_ways_arrive_intact(ingress: &Ingress) {
     let big = Arc::new(pattern(4 << 20));
     let sent = big.clone();
-    let backend = scripted(&ingress, "web.test", move |r| match r.target() {
+    let backend = scripted(ingress, "web.test", move |r| match r.target() {
         "/big" => Reply::keep(ok(&sent[..])),
         "/big-chunked" => {
             let head = &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"[..];
@@ -184,10 +173,8 @@ fn large_bodies_both_ways_arrive_intact() {
     }
 }
 
-#[test]
-fn the_request_target_with_a_query_is_forwarded_verbatim() {
-    let ingress = Ingress::start();
-    let backend = scripted(&ingress, "web.test", |r| Reply::keep(ok(r.target())));
+fn the_request_target_with_a_query_is_forwarded_verbatim(ingress: &Ingress) {
+    let backend = scripted(ingress, "web.test", |r| Reply::keep(ok(r.target())));
     let mut client = Wire::connect(ingress.http);
     let target = "/a/b?x=1&y=%20";
     let r = client.get("web.test", target);
@@ -195,3 +182,13 @@ fn the_request_target_with_a_query_is_forwarded_verbatim() {
     let got = backend.received().pop().expect("the request");
     assert_eq!(got.target(), target, "{got:?}");
 }
+
+on_both_paths!(
+    a_chunked_response_with_an_extension_and_a_trailer_arrives_decoded,
+    a_close_delimited_response_arrives_whole,
+    a_post_body_reaches_the_backend_exactly_whether_sent_with_the_head_or_after,
+    forwarded_headers_are_set_and_hop_by_hop_ones_dropped_both_ways,
+    a_garbage_or_missing_backend_response_gets_502,
+    large_bodies_both_ways_arrive_intact,
+    the_request_target_with_a_query_is_forwarded_verbatim,
+);

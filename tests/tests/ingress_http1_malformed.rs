@@ -4,6 +4,7 @@
 
 use rune_agent_tests::{
     ingress::Ingress,
+    on_both_paths,
     wire::{Reply, Wire, ok, scripted},
 };
 use std::{io::ErrorKind, time::Duration};
@@ -23,10 +24,8 @@ fn refused(client: &mut Wire, what: &str) {
     }
 }
 
-#[test]
-fn malformed_requests_are_refused_before_the_backend() {
-    let ingress = Ingress::start();
-    let backend = scripted(&ingress, "web.test", |_| Reply::keep(ok("served")));
+fn malformed_requests_are_refused_before_the_backend(ingress: &Ingress) {
+    let backend = scripted(ingress, "web.test", |_| Reply::keep(ok("served")));
     let h = "Host: web.test\r\n";
     let cases = [
         ("a garbage request line", format!("HELLO THERE\r\n{h}\r\n")),
@@ -62,10 +61,10 @@ fn malformed_requests_are_refused_before_the_backend() {
     assert!(backend.received().is_empty(), "{:?}", backend.received());
 }
 
-#[test]
-fn a_request_with_both_length_and_chunked_is_refused_or_forwarded_chunked_then_closed() {
-    let ingress = Ingress::start();
-    let backend = scripted(&ingress, "web.test", |r| Reply::keep(ok(&r.body)));
+fn a_request_with_both_length_and_chunked_is_refused_or_forwarded_chunked_then_closed(
+    ingress: &Ingress,
+) {
+    let backend = scripted(ingress, "web.test", |r| Reply::keep(ok(&r.body)));
     let mut client = Wire::connect(ingress.http);
     client.send(
         b"POST / HTTP/1.1\r\nHost: web.test\r\nContent-Length: 3\r\n\
@@ -87,10 +86,8 @@ fn a_request_with_both_length_and_chunked_is_refused_or_forwarded_chunked_then_c
     assert!(client.closes_within(CLOSE_WAIT), "left open");
 }
 
-#[test]
-fn an_obs_folded_header_is_refused_or_unfolded() {
-    let ingress = Ingress::start();
-    let backend = scripted(&ingress, "web.test", |_| Reply::keep(ok("served")));
+fn an_obs_folded_header_is_refused_or_unfolded(ingress: &Ingress) {
+    let backend = scripted(ingress, "web.test", |_| Reply::keep(ok("served")));
     let mut client = Wire::connect(ingress.http);
     client.send(b"GET / HTTP/1.1\r\nHost: web.test\r\nX-Fold: a\r\n b\r\n\r\n");
     let r = client.response(false).expect("an answer");
@@ -101,11 +98,8 @@ fn an_obs_folded_header_is_refused_or_unfolded() {
     }
 }
 
-#[test]
-#[ignore = "accepted and routed by the first Host (RFC 9112 3.2 requires 400): the agent's bug"]
-fn two_different_host_headers_get_400_before_the_backend() {
-    let ingress = Ingress::start();
-    let backend = scripted(&ingress, "web.test", |_| Reply::keep(ok("served")));
+fn two_different_host_headers_get_400_before_the_backend(ingress: &Ingress) {
+    let backend = scripted(ingress, "web.test", |_| Reply::keep(ok("served")));
     let mut client = Wire::connect(ingress.http);
     client.send(b"GET / HTTP/1.1\r\nHost: web.test\r\nHost: other.test\r\n\r\n");
     let r = client.response(false).expect("an answer");
@@ -113,14 +107,19 @@ fn two_different_host_headers_get_400_before_the_backend() {
     assert!(backend.received().is_empty(), "{:?}", backend.received());
 }
 
-#[test]
-#[ignore = "answered 404 no route (RFC 9112 3.2 requires 400): the agent's bug"]
-fn an_http11_request_without_host_gets_400() {
-    let ingress = Ingress::start();
-    let backend = scripted(&ingress, "web.test", |_| Reply::keep(ok("served")));
+fn an_http11_request_without_host_gets_400(ingress: &Ingress) {
+    let backend = scripted(ingress, "web.test", |_| Reply::keep(ok("served")));
     let mut client = Wire::connect(ingress.http);
     client.send(b"GET / HTTP/1.1\r\n\r\n");
     let r = client.response(false).expect("an answer");
     assert_eq!(r.status, 400, "{r:?}");
     assert!(backend.received().is_empty(), "{:?}", backend.received());
 }
+
+on_both_paths!(
+    malformed_requests_are_refused_before_the_backend,
+    a_request_with_both_length_and_chunked_is_refused_or_forwarded_chunked_then_closed,
+    an_obs_folded_header_is_refused_or_unfolded,
+    two_different_host_headers_get_400_before_the_backend,
+    an_http11_request_without_host_gets_400,
+);

@@ -52,6 +52,11 @@ impl Activity {
         self.in_flight.load(Ordering::Relaxed) == 0 && self.served.load(Ordering::Relaxed) > 0
     }
 
+    /// Whether a request is in flight.
+    pub fn busy(&self) -> bool {
+        self.in_flight.load(Ordering::Relaxed) > 0
+    }
+
     /// How long no request has been in flight (zero while one is).
     pub fn idle_for(&self) -> Duration {
         if self.in_flight.load(Ordering::Relaxed) > 0 {

@@ -43,6 +43,8 @@ pub struct TlsSession {
     /// requested). The handshake proved the client holds the leaf's key; the chain
     /// itself is verified per request, against the CA of the request's route.
     pub chain: Vec<CertificateDer<'static>>,
+    /// The client chose HTTP/2 (ALPN `h2`).
+    pub h2: bool,
 }
 
 /// A route's client-certificate CA: verifies a presented chain. A route whose CA
@@ -250,7 +252,8 @@ impl TlsConfigs {
             .peer_certificates()
             .map(|c| c.iter().map(|c| c.clone().into_owned()).collect())
             .unwrap_or_default();
-        Ok((stream, TlsSession { sni, chain }))
+        let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+        Ok((stream, TlsSession { sni, chain, h2 }))
     }
 }
 

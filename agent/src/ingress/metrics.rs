@@ -84,6 +84,9 @@ pub struct IngressMetrics {
     pub requests: Family<RequestLabels, Counter>,
     /// `rune_ingress_request_duration_seconds`: request received to response headers sent.
     pub duration: Histogram,
+    /// `rune_ingress_fast_path_requests_total`: of those, the ones the HTTP/1.1
+    /// fast path served.
+    pub fast_path_requests: Counter,
     /// `rune_ingress_upstream_errors_total{reason}`.
     pub upstream_errors: Family<ReasonLabels, Counter>,
     /// `rune_ingress_tls_handshake_errors_total{reason}`.
@@ -100,6 +103,7 @@ impl IngressMetrics {
             requests: Family::default(),
             // 100 µs to about 100 s.
             duration: Histogram::new(exponential_buckets(0.000_1, 4.0, 11)),
+            fast_path_requests: Counter::default(),
             upstream_errors: Family::default(),
             tls_handshake_errors: Family::default(),
             certificate_expiry: Family::default(),
@@ -113,6 +117,11 @@ impl IngressMetrics {
             "ingress_request_duration_seconds",
             "Time from a request's headers to its response's headers at the ingress proxy",
             m.duration.clone(),
+        );
+        registry.register(
+            "ingress_fast_path_requests",
+            "Requests the ingress proxy served on its HTTP/1.1 fast path (the others through hyper)",
+            m.fast_path_requests.clone(),
         );
         registry.register(
             "ingress_upstream_errors",

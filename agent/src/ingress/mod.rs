@@ -3,9 +3,10 @@
 //!
 //! Routes ([`routes`]) and certificates ([`tls`]) are rebuilt from the endpoint
 //! cache on every change and swapped in whole, so requests never take a lock.
-//! Connections are served by hyper (HTTP/1.1 and h2, on both listeners) on the
-//! [`workers`] threads, each with its own listeners and upstream connections
-//! ([`serve`]), and TLS handshakes on threads of their own ([`handshakes`]); each
+//! Connections are served on the [`workers`] threads, each with its own listeners
+//! and upstream connections ([`serve`]): plain proxied HTTP/1.1 requests on the
+//! [`fastpath`], everything else by hyper (HTTP/1.1 and h2, on both listeners);
+//! TLS handshakes run on threads of their own ([`handshakes`]); each
 //! request goes to the least loaded ready endpoint of its route ([`proxy`]);
 //! `Upgrade` requests (WebSocket) are spliced through once the endpoint agrees
 //! ([`upgrade`]). Routes with `tls.mode: acme` get their certificates from
@@ -19,6 +20,7 @@ mod body;
 mod body_limit;
 mod client_cert;
 mod conn_cap;
+mod fastpath;
 mod handshakes;
 mod headers;
 mod metrics;
@@ -77,6 +79,8 @@ pub struct IngressConfig {
     pub workers: usize,
     /// Threads doing TLS handshakes for the workers (0: each worker its own).
     pub handshake_threads: usize,
+    /// Plain HTTP/1.1 requests on the fast path ([`fastpath`]), else all on hyper.
+    pub fast_path: bool,
     /// The Secret whose certificate answers names no route has (else refused).
     pub default_cert: Option<ServiceKey>,
     /// Upstream limits and forwarding rules.

@@ -7,6 +7,7 @@ use super::{
     answers::{acme_answer, answer, empty, redirect},
     body_limit,
     client_cert::{self, TlsSession},
+    fastpath::Origins,
     headers::{forwarded_headers, keep_te_trailers, strip_hop_by_hop},
     metrics::{IngressMetrics, ReasonLabels, RequestLabels},
     routes::{Backend, Route, RouteTable, path_is_normal, request_host},
@@ -65,14 +66,16 @@ pub struct Proxy {
     pub routes: Arc<ArcSwap<RouteTable>>,
     /// HTTP/1.1 to endpoints, pooled (this worker's connections).
     http1: Arc<Http1Pool>,
+    /// The fast path's raw HTTP/1.1 connections to endpoints (this worker's).
+    pub(super) origins: Origins,
     /// HTTP/2 with prior knowledge (h2c) to endpoints of routes whose port says so,
     /// one multiplexed connection per endpoint.
     h2c_client: Client<HttpConnector, ProxyBody>,
-    limits: ProxyLimits,
-    metrics: IngressMetrics,
-    access_log: Arc<AccessLog>,
+    pub(super) limits: ProxyLimits,
+    pub(super) metrics: IngressMetrics,
+    pub(super) access_log: Arc<AccessLog>,
     /// Rotates the starting point of the least-outstanding choice.
-    turn: AtomicUsize,
+    pub(super) turn: AtomicUsize,
     /// Pending ACME HTTP-01 tokens, answered on the plain listener before routing.
     pub challenges: Arc<Challenges>,
 }
@@ -86,6 +89,7 @@ impl Proxy {
                 limits.connect_timeout,
                 limits.response_timeout,
             )),
+            origins: Origins::new(limits.connect_timeout),
             h2c_client: h2c_client(limits.connect_timeout),
             access_log: Arc::new(AccessLog::new(limits.access_log_sample)),
             limits,
@@ -104,6 +108,7 @@ impl Proxy {
                 self.limits.connect_timeout,
                 self.limits.response_timeout,
             )),
+            origins: Origins::new(self.limits.connect_timeout),
             h2c_client: h2c_client(self.limits.connect_timeout),
             access_log: self.access_log.clone(),
             limits: self.limits.clone(),
@@ -117,6 +122,34 @@ impl Proxy {
     /// endpoint).
     pub fn sweep_idle(&self) {
         self.http1.sweep();
+        self.origins.sweep();
+    }
+
+    /// Counts a request answered with `code` (on `route`, if it had one) whose
+    /// response head took `duration`.
+    pub(super) fn count(&self, route: Option<&Route>, code: u16, duration: Duration) {
+        if let Some(r) = route {
+            r.requests
+                .inc(&self.metrics.requests, &r.host, &r.service, code);
+        } else {
+            let labels = RequestLabels {
+                host: String::new(),
+                service: String::new(),
+                code,
+            };
+            self.metrics.requests.get_or_create(&labels).inc();
+        }
+        self.metrics.duration.observe(duration.as_secs_f64());
+    }
+
+    /// Counts an upstream failure of the endpoint at `addr`.
+    pub(super) fn upstream_failed(&self, addr: SocketAddr, failure: &Failure) {
+        let reason = failure.reason();
+        self.metrics
+            .upstream_errors
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
+        tracing::debug!(backend = %addr, reason, "ingress: upstream failed");
     }
 
     /// Answers one request from `peer`, received over TLS when `tls` (the
@@ -141,18 +174,20 @@ impl Proxy {
             )
         });
         let routes = self.routes.load();
-        let host = request_host(
-            req.uri().authority().map(|a| a.as_str()),
-            req.headers()
-                .get(header::HOST)
-                .map(|h| h.to_str().unwrap_or("\u{0}")),
-        );
+        let authority = req.uri().authority().map(|a| a.as_str());
+        let mut hosts = req.headers().get_all(header::HOST).iter();
+        let host = match (hosts.next(), hosts.next()) {
+            // RFC 9112 §3.2: one Host, and an HTTP/1.1 request without one is refused.
+            (_, Some(_)) => None,
+            (None, None) if authority.is_none() && req.version() == hyper::Version::HTTP_11 => None,
+            (first, None) => request_host(authority, first.map(|h| h.to_str().unwrap_or("\u{0}"))),
+        };
         let (route, response) = match &host {
             None => (
                 None,
                 answer(
                     StatusCode::BAD_REQUEST,
-                    "the Host header names another host than the request target\n",
+                    "the Host header is missing, repeated, or names another host than the request target\n",
                 ),
             ),
             Some(_) if !path_is_normal(req.uri().path()) => (
@@ -171,20 +206,8 @@ impl Proxy {
                 (route, response)
             }
         };
-        let code = response.status().as_u16();
-        if let Some(r) = &route {
-            r.requests
-                .inc(&self.metrics.requests, &r.host, &r.service, code);
-        } else {
-            let labels = RequestLabels {
-                host: String::new(),
-                service: String::new(),
-                code,
-            };
-            self.metrics.requests.get_or_create(&labels).inc();
-        }
         let duration = start.elapsed();
-        self.metrics.duration.observe(duration.as_secs_f64());
+        self.count(route.as_deref(), response.status().as_u16(), duration);
         if let Some((method, path, version)) = logged {
             AccessLog::record(&access_log::Entry {
                 client: peer,
@@ -366,11 +389,7 @@ impl Proxy {
                 Ok(Err(failure)) => failure,
                 Err(_) => Failure::Timeout,
             };
-            let reason = match failure {
-                Failure::Connect => "connect",
-                Failure::Timeout => "timeout",
-                Failure::Protocol => "protocol",
-            };
+            let reason = failure.reason();
             errors.get_or_create(&ReasonLabels { reason }).inc();
             tracing::debug!(backend = %backend.addr, reason, "ingress: upstream failed");
             Err(failure)

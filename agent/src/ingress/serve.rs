@@ -7,12 +7,17 @@ use super::{
     activity::Activity,
     client_cert::TlsSession,
     conn_cap::ConnCap,
+    fastpath::{self, Ended, Rewind},
     handshakes::{HandshakeError, Handshakes},
     metrics::ReasonLabels,
     proxy::Proxy,
     upstream::IDLE_TIMEOUT,
 };
-use hyper::{Request, body::Incoming, service::service_fn};
+use hyper::{
+    Request,
+    body::{Bytes, Incoming},
+    service::service_fn,
+};
 use hyper_util::{
     rt::{TokioExecutor, TokioIo, TokioTimer},
     server::conn::auto,
@@ -134,9 +139,34 @@ impl Serve {
             .inc();
     }
 
-    /// Serves one client connection (HTTP/1.1 or h2) until it ends, idles out or
-    /// the subsystem stops (then gracefully).
+    /// Serves one client connection: HTTP/1.1 on the fast path while its requests
+    /// are the fast path's, else (and h2 always) hyper.
     async fn connection<S>(&self, stream: S, peer: SocketAddr, tls: Option<Arc<TlsSession>>)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let stream = if !self.config.fast_path || tls.as_ref().is_some_and(|t| t.h2) {
+            Rewind::new(stream, Bytes::new())
+        } else {
+            let settings = fastpath::Settings {
+                proxy: &self.proxy,
+                header_timeout: self.config.header_timeout,
+                idle_timeout: self.config.idle_timeout,
+                max_header_bytes: self.config.max_header_bytes,
+                cancel: &self.cancel,
+                cap: &self.cap,
+            };
+            match fastpath::serve(&settings, stream, peer, tls.as_deref()).await {
+                Ended::Closed => return,
+                Ended::HandOver(stream, read) => Rewind::new(stream, read),
+            }
+        };
+        self.hyper(stream, peer, tls).await;
+    }
+
+    /// Serves one client connection with hyper (HTTP/1.1 or h2) until it ends,
+    /// idles out or the subsystem stops (then gracefully).
+    async fn hyper<S>(&self, stream: S, peer: SocketAddr, tls: Option<Arc<TlsSession>>)
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {

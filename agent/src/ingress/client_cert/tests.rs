@@ -22,6 +22,7 @@ fn client(issuer: &Issuer<'static, KeyPair>, usage: ExtendedKeyUsagePurpose) -> 
     TlsSession {
         sni: Some("mtls.test".to_owned()),
         chain: vec![cert.der().clone()],
+        h2: false,
     }
 }
 
@@ -48,6 +49,7 @@ fn each_request_needs_a_chain_the_routes_ca_verifies() {
     let other_sni = TlsSession {
         sni: Some("other.test".to_owned()),
         chain: good.chain.clone(),
+        h2: false,
     };
     assert_eq!(status(check(&route_ca, Some(&other_sni), "mtls.test")), 200);
 
@@ -61,12 +63,14 @@ fn each_request_needs_a_chain_the_routes_ca_verifies() {
     let none = TlsSession {
         sni: Some("mtls.test".to_owned()),
         chain: Vec::new(),
+        h2: false,
     };
     assert_eq!(status(check(&route_ca, Some(&none), "mtls.test")), 403);
     // No certificate on a connection opened for another host: 421.
     let elsewhere = TlsSession {
         sni: Some("other.test".to_owned()),
         chain: Vec::new(),
+        h2: false,
     };
     assert_eq!(status(check(&route_ca, Some(&elsewhere), "mtls.test")), 421);
     // Plain HTTP: refused, not redirected.

@@ -27,6 +27,17 @@ pub enum Failure {
     Protocol,
 }
 
+impl Failure {
+    /// The `reason` label of `rune_ingress_upstream_errors_total`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Failure::Connect => "connect",
+            Failure::Timeout => "timeout",
+            Failure::Protocol => "protocol",
+        }
+    }
+}
+
 /// The pooled h2c client to endpoints (one multiplexed connection each), each
 /// connected within `connect_timeout`.
 pub fn h2c_client(connect_timeout: Duration) -> Client<HttpConnector, ProxyBody> {
