@@ -255,4 +255,4 @@ pub fn path_is_normal(path: &str) -> bool {
 }
 
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;

@@ -21,6 +21,8 @@ mod origin;
 mod request;
 mod response;
 mod rewind;
+#[cfg(test)]
+mod tests;
 
 pub use origin::Origins;
 pub use rewind::Rewind;

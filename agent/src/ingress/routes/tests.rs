@@ -3,12 +3,23 @@ use crate::model::{Object, parse_documents};
 
 /// Views of services `(name, host, path)`, each with one ready endpoint.
 fn views(routes: &[(&str, &str, &str)]) -> Vec<ServiceView> {
+    let exposes: Vec<(&str, String)> = routes
+        .iter()
+        .map(|(name, host, path)| (*name, format!("host: '{host}', path: '{path}'")))
+        .collect();
+    let exposes: Vec<(&str, &str)> = exposes.iter().map(|(n, e)| (*n, e.as_str())).collect();
+    exposed_views(&exposes)
+}
+
+/// Views of services `(name, expose)` (the fields of `spec.expose` in YAML flow
+/// form), the `i`th with one ready endpoint at 198.18.0.`i+1`:8080.
+pub(crate) fn exposed_views(routes: &[(&str, &str)]) -> Vec<ServiceView> {
     let mut out = Vec::new();
-    for (i, (name, host, path)) in routes.iter().enumerate() {
+    for (i, (name, expose)) in routes.iter().enumerate() {
         let text = format!(
             "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: {name}}}\n\
              spec: {{ports: [{{port: 80, targetPort: 8080}}], \
-             expose: {{host: '{host}', path: '{path}'}}}}\n---\n\
+             expose: {{{expose}}}}}\n---\n\
              apiVersion: rune/v1\nkind: Endpoints\nmetadata: {{name: {name}}}\n\
              spec: {{endpoints: [{{address: 198.18.0.{}, ready: true}}]}}\n",
             i + 1
