@@ -98,6 +98,46 @@ fn an_obs_folded_header_is_refused_or_unfolded(ingress: &Ingress) {
     }
 }
 
+/// A body whose `Content-Length` the client's `Connection` names as hop-by-hop:
+/// the endpoint must still get the body framed, never as a second request.
+fn a_length_named_by_connection_cannot_smuggle_a_request(ingress: &Ingress) {
+    let backend = scripted(ingress, "web.test", |r| Reply::keep(ok(&r.body)));
+    let smuggled = "GET /admin HTTP/1.1\r\nHost: web.test\r\nX-Forwarded-For: 10.0.0.1\r\n\r\n";
+    let mut client = Wire::connect(ingress.http);
+    client.send(
+        format!(
+            "POST / HTTP/1.1\r\nHost: web.test\r\nConnection: content-length\r\n\
+             Content-Length: {}\r\n\r\n{smuggled}",
+            smuggled.len()
+        )
+        .as_bytes(),
+    );
+    let r = client.response(false).expect("an answer");
+    assert_eq!((r.status, r.text()), (200, smuggled.to_owned()), "{r:?}");
+    // The next client request gets its own answer, not the smuggled one's.
+    let next = client.get("web.test", "/next");
+    assert_eq!(next.status, 200, "{next:?}");
+    std::thread::sleep(Duration::from_millis(200));
+    let received = backend.received();
+    let targets: Vec<&str> = received.iter().map(|r| r.target()).collect();
+    assert_eq!(targets, ["/", "/next"], "{received:?}");
+}
+
+/// A response whose `Content-Length` the endpoint's `Connection` names: the
+/// client still gets it framed, and its connection goes on.
+fn a_response_length_named_by_connection_still_frames_the_body(ingress: &Ingress) {
+    let _backend = scripted(ingress, "web.test", |_| {
+        Reply::keep(
+            "HTTP/1.1 200 OK\r\nConnection: content-length\r\nContent-Length: 5\r\n\r\nhello",
+        )
+    });
+    let mut client = Wire::connect(ingress.http);
+    for _ in 0..2 {
+        let r = client.get("web.test", "/");
+        assert_eq!((r.status, r.text().as_str()), (200, "hello"), "{r:?}");
+    }
+}
+
 fn two_different_host_headers_get_400_before_the_backend(ingress: &Ingress) {
     let backend = scripted(ingress, "web.test", |_| Reply::keep(ok("served")));
     let mut client = Wire::connect(ingress.http);
@@ -120,6 +160,8 @@ on_both_paths!(
     malformed_requests_are_refused_before_the_backend,
     a_request_with_both_length_and_chunked_is_refused_or_forwarded_chunked_then_closed,
     an_obs_folded_header_is_refused_or_unfolded,
+    a_length_named_by_connection_cannot_smuggle_a_request,
+    a_response_length_named_by_connection_still_frames_the_body,
     two_different_host_headers_get_400_before_the_backend,
     an_http11_request_without_host_gets_400,
 );

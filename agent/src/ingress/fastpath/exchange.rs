@@ -5,7 +5,7 @@
 
 use super::{
     chunks::Chunks,
-    io::{Deadline, TimedOut, read_more},
+    io::{Deadline, TimedOut, read_more, write_all_within},
     origin::{Origin, room},
     request::Plan,
     response::{self, Framing, Head},
@@ -22,10 +22,10 @@ use std::{
     net::SocketAddr,
     pin::Pin,
     sync::{Arc, atomic::Ordering},
-    time::Instant,
+    time::{Duration, Instant},
 };
 use tokio::{
-    io::{AsyncRead, AsyncWrite, AsyncWriteExt},
+    io::{AsyncRead, AsyncWrite},
     time::Sleep,
 };
 
@@ -94,10 +94,10 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
                         (502, "Bad Gateway", "upstream error\n")
                     }
                 };
-                self.log(plan, status, start, None);
+                self.log(plan, status, start, Some(backend.addr));
                 answer(self.out, status, reason, text, plan.close);
-                let written = self.client.write_all(self.out).await.is_ok()
-                    && self.client.flush().await.is_ok();
+                let stall = self.proxy.limits.response_timeout;
+                let written = self.to_client(None, stall).await.is_ok();
                 if plan.close || !written {
                     After::Close
                 } else {
@@ -152,9 +152,7 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
     ) -> Result<(Origin, Head), Failure> {
         let origins = &self.proxy.origins;
         let mut deadline = Deadline::after(self.proxy.limits.response_timeout);
-        // Only a request that can be resent may meet a pooled connection the
-        // endpoint closed meanwhile (checking costs a read).
-        let mut pooled = origins.take(addr, !plan.retryable);
+        let mut pooled = origins.take(addr);
         loop {
             let reused = pooled.is_some();
             let mut origin = match pooled.take() {
@@ -177,8 +175,10 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
         plan: &Plan,
         deadline: &mut Deadline,
     ) -> Result<Head, Miss> {
-        if origin.stream.write_all(self.out).await.is_err() {
-            return Err(Miss::Unanswered);
+        match write_all_within(&mut origin.stream, self.out, self.timer.as_mut(), deadline).await {
+            Ok(()) => {}
+            Err(TimedOut::No) => return Err(Miss::Unanswered),
+            Err(TimedOut::Yes) => return Err(Miss::Failed(Failure::Timeout)),
         }
         let mut heard = false;
         loop {
@@ -240,15 +240,12 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
             };
             if first && take <= SMALL_BODY {
                 self.out.extend_from_slice(&origin.buf[..take]);
-                self.client.write_all(self.out).await.map_err(|_| ())?;
+                self.to_client(None, stall).await?;
             } else {
                 if first {
-                    self.client.write_all(self.out).await.map_err(|_| ())?;
+                    self.to_client(None, stall).await?;
                 }
-                self.client
-                    .write_all(&origin.buf[..take])
-                    .await
-                    .map_err(|_| ())?;
+                self.to_client(Some(&origin.buf[..take]), stall).await?;
             }
             first = false;
             origin.buf.advance(take);
@@ -260,7 +257,6 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
                 Framing::UntilClose => false,
             };
             if done {
-                self.client.flush().await.map_err(|_| ())?;
                 return Ok(head.keeps && origin.buf.is_empty());
             }
             room(&mut origin.buf);
@@ -273,10 +269,7 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
             )
             .await
             {
-                Ok(0) if head.framing == Framing::UntilClose => {
-                    self.client.flush().await.map_err(|_| ())?;
-                    return Ok(false);
-                }
+                Ok(0) if head.framing == Framing::UntilClose => return Ok(false),
                 Ok(0) | Err(_) => {
                     tracing::debug!("ingress: the endpoint's response body ended early or stalled");
                     return Err(());
@@ -284,6 +277,18 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
                 Ok(_) => {}
             }
         }
+    }
+}
+
+impl<C: AsyncWrite + Unpin> Forward<'_, C> {
+    /// Writes `bytes` (else the output buffer) to the client, flushed; a client
+    /// that takes none of it for `stall` is given up on.
+    async fn to_client(&mut self, bytes: Option<&[u8]>, stall: Duration) -> Result<(), ()> {
+        let bytes = bytes.unwrap_or(self.out);
+        let mut deadline = Deadline::after(stall);
+        write_all_within(self.client, bytes, self.timer.as_mut(), &mut deadline)
+            .await
+            .map_err(|_| tracing::debug!("ingress: the client stopped taking its response"))
     }
 }
 

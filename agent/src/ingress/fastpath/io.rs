@@ -1,6 +1,6 @@
-//! Reads that give up at a deadline, sharing one timer per client connection: the
-//! timer is armed only when a read has to wait, so a read answered at once costs
-//! no timer and no clock.
+//! Reads and writes that give up at a deadline, sharing one timer per client
+//! connection: the timer is armed only when a read or write has to wait, so one
+//! done at once costs no timer and no clock.
 
 use bytes::BytesMut;
 use std::{
@@ -10,7 +10,7 @@ use std::{
     time::Duration,
 };
 use tokio::{
-    io::AsyncRead,
+    io::{AsyncRead, AsyncWrite},
     time::{Instant, Sleep},
 };
 
@@ -78,4 +78,82 @@ pub async fn read_more<R: AsyncRead + Unpin>(
         timer.as_mut().poll(cx).map(|()| Err(TimedOut::Yes))
     })
     .await
+}
+
+/// Writes all of `bytes` to `w` and flushes it, waiting until `deadline` at most
+/// on `timer`: a peer that stops reading holds nothing forever.
+pub async fn write_all_within<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    mut bytes: &[u8],
+    mut timer: Pin<&mut Sleep>,
+    deadline: &mut Deadline,
+) -> Result<(), TimedOut> {
+    let mut armed = false;
+    poll_fn(|cx| {
+        loop {
+            let progress = if bytes.is_empty() {
+                Pin::new(&mut *w).poll_flush(cx).map_ok(|()| None)
+            } else {
+                Pin::new(&mut *w).poll_write(cx, bytes).map_ok(Some)
+            };
+            match progress {
+                Poll::Ready(Ok(None)) => return Poll::Ready(Ok(())),
+                Poll::Ready(Ok(Some(0))) | Poll::Ready(Err(_)) => {
+                    return Poll::Ready(Err(TimedOut::No));
+                }
+                Poll::Ready(Ok(Some(n))) => bytes = &bytes[n..],
+                Poll::Pending => break,
+            }
+        }
+        let Some(at) = deadline.at() else {
+            return Poll::Pending;
+        };
+        if !armed {
+            timer.as_mut().reset(at);
+            armed = true;
+        }
+        timer.as_mut().poll(cx).map(|()| Err(TimedOut::Yes))
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    fn timer() -> Pin<Box<Sleep>> {
+        Box::pin(tokio::time::sleep(Duration::ZERO))
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_stops_reading_or_sending_is_given_up_at_the_deadline() {
+        let (mut near, mut far) = tokio::io::duplex(16);
+        let mut t = timer();
+        let mut deadline = Deadline::after(Duration::from_millis(50));
+        let r = write_all_within(&mut near, &[0; 64], t.as_mut(), &mut deadline).await;
+        assert!(matches!(r, Err(TimedOut::Yes)), "{r:?}");
+
+        let mut buf = BytesMut::with_capacity(64);
+        let mut deadline = Deadline::after(Duration::from_millis(50));
+        far.write_all(b"x").await.unwrap();
+        let n = read_more(&mut near, &mut buf, t.as_mut(), &mut deadline).await;
+        assert!(matches!(n, Ok(1)), "{n:?}");
+        let r = read_more(&mut near, &mut buf, t.as_mut(), &mut deadline).await;
+        assert!(matches!(r, Err(TimedOut::Yes)), "{r:?}");
+    }
+
+    #[tokio::test]
+    async fn without_a_deadline_a_read_waits_for_the_peer() {
+        let (mut near, mut far) = tokio::io::duplex(16);
+        let mut buf = BytesMut::with_capacity(64);
+        let (mut t, mut never) = (timer(), Deadline::never());
+        let read = read_more(&mut near, &mut buf, t.as_mut(), &mut never);
+        let late = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            far.write_all(b"late").await.unwrap();
+        };
+        let (n, ()) = tokio::join!(read, late);
+        assert!(matches!(n, Ok(4)), "{n:?}");
+    }
 }

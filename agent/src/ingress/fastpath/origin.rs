@@ -55,15 +55,16 @@ impl Origins {
         }
     }
 
-    /// The most recently used idle connection to `addr` not idle too long; when
-    /// `checked`, also not closed by the endpoint meanwhile (a request that cannot
-    /// be resent must not meet a connection that will not take it).
-    pub fn take(&self, addr: SocketAddr, checked: bool) -> Option<Origin> {
+    /// The most recently used idle connection to `addr` not idle too long nor
+    /// closed by the endpoint meanwhile, nor holding bytes it was not asked for
+    /// (a read that does not wait; tokio answers it from the readiness it knows
+    /// without a system call when nothing came).
+    pub fn take(&self, addr: SocketAddr) -> Option<Origin> {
         let now = Instant::now();
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         let list = idle.get_mut(&addr)?;
         while let Some((origin, since)) = list.pop() {
-            if now.duration_since(since) < IDLE_TIMEOUT && !(checked && origin.closed()) {
+            if now.duration_since(since) < IDLE_TIMEOUT && !origin.closed() {
                 return Some(origin);
             }
         }

@@ -24,7 +24,7 @@ pub const MAX_HEADERS: usize = 100;
 const MAX_NAMED: usize = 8;
 
 /// Headers never forwarded, or replaced by the proxy's own.
-const DROPPED: [&str; 12] = [
+const DROPPED: [&str; 13] = [
     "connection",
     "keep-alive",
     "proxy-connection",
@@ -37,6 +37,9 @@ const DROPPED: [&str; 12] = [
     "x-forwarded-host",
     "x-forwarded-proto",
     "forwarded",
+    // Written by the proxy from the length it checked, whatever the client's
+    // `Connection` names: the endpoint must frame the body as the proxy did.
+    "content-length",
 ];
 
 /// What the fast path does with the bytes at the front of a connection's buffer.
@@ -169,10 +172,7 @@ pub fn parse(buf: &[u8], cx: &Context<'_>, out: &mut Vec<u8>) -> Parsed {
     let (Some(method), Some(target), Some(1)) = (req.method, req.path, req.version) else {
         return Parsed::HandOver;
     };
-    // Origin form only, in the characters hyper's URI parser takes.
-    let plain_target =
-        target.starts_with('/') && target.bytes().all(|b| b.is_ascii_graphic() && b != b'#');
-    if method == "CONNECT" || !plain_target {
+    if method == "CONNECT" || !origin_form(target) {
         return Parsed::HandOver;
     }
     let mut seen = Seen::default();
@@ -244,6 +244,10 @@ fn write_head(
     for h in req.headers.iter().filter(|h| seen.forwards(h.name)) {
         line(out, h.name.as_bytes(), h.value);
     }
+    if let Some(n) = seen.content_length {
+        // Writing to a Vec cannot fail.
+        let _ = write!(out, "content-length: {n}\r\n");
+    }
     line(out, b"host", host.as_bytes());
     line(out, b"x-forwarded-host", host.as_bytes());
     let client = match cx.peer.ip() {
@@ -272,6 +276,19 @@ fn write_head(
     let _ = write!(out, ";proto={proto};host=\"");
     out.extend(host.bytes().filter(|c| !matches!(c, b'"' | b'\\')));
     out.extend_from_slice(b"\"\r\n\r\n");
+}
+
+/// Whether `target` is an origin-form request target hyper's URI parser takes
+/// (the `http` crate's rules), so the fast path serves no target hyper would
+/// refuse: a path and an optional query, no fragment, under 65535 bytes.
+fn origin_form(target: &str) -> bool {
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    let in_path = |b: u8| matches!(b, 0x21 | 0x24..=0x3B | 0x3D | 0x40..=0x5F | 0x61..=0x7A | 0x7C | 0x7E | b'"' | b'{' | b'}');
+    let in_query = |b: u8| matches!(b, 0x21 | 0x24..=0x3B | 0x3D | 0x3F..=0x7E);
+    target.len() < usize::from(u16::MAX)
+        && path.starts_with('/')
+        && path.bytes().all(in_path)
+        && query.bytes().all(in_query)
 }
 
 /// Methods whose request may be sent twice (RFC 9110 §9.2.2).

@@ -104,7 +104,8 @@ pub fn parse(buf: &[u8], head: bool, close: bool, out: &mut Vec<u8>) -> Parsed {
                     endpoint_closes = true;
                 } else if token.eq_ignore_ascii_case(b"keep-alive") && version == 0 {
                     endpoint_closes = false;
-                } else if !token.is_empty() {
+                } else if !token.is_empty() && !token.eq_ignore_ascii_case(b"content-length") {
+                    // The body's length stays declared whatever `Connection` names.
                     named.push(token);
                 }
             }
@@ -148,7 +149,10 @@ pub fn parse(buf: &[u8], head: bool, close: bool, out: &mut Vec<u8>) -> Parsed {
         len,
         status,
         framing,
-        keeps: !endpoint_closes && framing != Framing::UntilClose,
+        // Both a length and chunked: a sign of smuggling (RFC 9112 §6.1), not kept.
+        keeps: !endpoint_closes
+            && framing != Framing::UntilClose
+            && !(chunked.is_some() && length.is_some()),
         closes,
     })
 }
