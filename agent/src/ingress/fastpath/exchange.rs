@@ -97,7 +97,7 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
                 self.log(plan, status, start, Some(backend.addr));
                 answer(self.out, status, reason, text, plan.close);
                 let stall = self.proxy.limits.response_timeout;
-                let written = self.to_client(None, stall).await.is_ok();
+                let written = self.send_client(None, stall).await.is_ok();
                 if plan.close || !written {
                     After::Close
                 } else {
@@ -240,12 +240,12 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
             };
             if first && take <= SMALL_BODY {
                 self.out.extend_from_slice(&origin.buf[..take]);
-                self.to_client(None, stall).await?;
+                self.send_client(None, stall).await?;
             } else {
                 if first {
-                    self.to_client(None, stall).await?;
+                    self.send_client(None, stall).await?;
                 }
-                self.to_client(Some(&origin.buf[..take]), stall).await?;
+                self.send_client(Some(&origin.buf[..take]), stall).await?;
             }
             first = false;
             origin.buf.advance(take);
@@ -283,7 +283,7 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
 impl<C: AsyncWrite + Unpin> Forward<'_, C> {
     /// Writes `bytes` (else the output buffer) to the client, flushed; a client
     /// that takes none of it for `stall` is given up on.
-    async fn to_client(&mut self, bytes: Option<&[u8]>, stall: Duration) -> Result<(), ()> {
+    async fn send_client(&mut self, bytes: Option<&[u8]>, stall: Duration) -> Result<(), ()> {
         let bytes = bytes.unwrap_or(self.out);
         let mut deadline = Deadline::after(stall);
         write_all_within(self.client, bytes, self.timer.as_mut(), &mut deadline)
