@@ -6,7 +6,7 @@ use bytes::BytesMut;
 use std::{
     future::{Future, poll_fn},
     pin::Pin,
-    task::Poll,
+    task::{Context, Poll},
     time::Duration,
 };
 use tokio::{
@@ -53,6 +53,24 @@ pub enum TimedOut {
     No,
 }
 
+/// After a read or write found nothing to do: ready once `deadline` has passed,
+/// arming `timer` for it the first time (`armed`); pending forever without one.
+fn expiry(
+    mut timer: Pin<&mut Sleep>,
+    cx: &mut Context<'_>,
+    deadline: &mut Deadline,
+    armed: &mut bool,
+) -> Poll<TimedOut> {
+    let Some(at) = deadline.at() else {
+        return Poll::Pending;
+    };
+    if !*armed {
+        timer.as_mut().reset(at);
+        *armed = true;
+    }
+    timer.as_mut().poll(cx).map(|()| TimedOut::Yes)
+}
+
 /// Reads what `r` has into `buf` (0 at its end), waiting until `deadline` at most
 /// on `timer`.
 pub async fn read_more<R: AsyncRead + Unpin>(
@@ -68,14 +86,7 @@ pub async fn read_more<R: AsyncRead + Unpin>(
             Poll::Ready(Err(_)) => return Poll::Ready(Err(TimedOut::No)),
             Poll::Pending => {}
         }
-        let Some(at) = deadline.at() else {
-            return Poll::Pending;
-        };
-        if !armed {
-            timer.as_mut().reset(at);
-            armed = true;
-        }
-        timer.as_mut().poll(cx).map(|()| Err(TimedOut::Yes))
+        expiry(timer.as_mut(), cx, deadline, &mut armed).map(Err)
     })
     .await
 }
@@ -105,14 +116,7 @@ pub async fn write_all_within<W: AsyncWrite + Unpin>(
                 Poll::Pending => break,
             }
         }
-        let Some(at) = deadline.at() else {
-            return Poll::Pending;
-        };
-        if !armed {
-            timer.as_mut().reset(at);
-            armed = true;
-        }
-        timer.as_mut().poll(cx).map(|()| Err(TimedOut::Yes))
+        expiry(timer.as_mut(), cx, deadline, &mut armed).map(Err)
     })
     .await
 }

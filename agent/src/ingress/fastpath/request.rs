@@ -23,8 +23,8 @@ pub const MAX_HEADERS: usize = 100;
 /// Most headers the `Connection` header may name on the fast path.
 const MAX_NAMED: usize = 8;
 
-/// Headers never forwarded, or replaced by the proxy's own.
-const DROPPED: [&str; 13] = [
+/// Hop-by-hop headers: never forwarded either way.
+pub const HOP_BY_HOP: [&str; 7] = [
     "connection",
     "keep-alive",
     "proxy-connection",
@@ -32,15 +32,24 @@ const DROPPED: [&str; 13] = [
     "trailer",
     "transfer-encoding",
     "upgrade",
+];
+
+/// Request headers the proxy writes itself in place of the client's.
+const REPLACED: [&str; 6] = [
     "host",
     "x-forwarded-for",
     "x-forwarded-host",
     "x-forwarded-proto",
     "forwarded",
-    // Written by the proxy from the length it checked, whatever the client's
-    // `Connection` names: the endpoint must frame the body as the proxy did.
+    // From the length it checked, whatever the client's `Connection` names: the
+    // endpoint must frame the body as the proxy did.
     "content-length",
 ];
+
+/// The comma-separated tokens of a `Connection` header value.
+pub fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+    value.split(|&b| b == b',').map(<[u8]>::trim_ascii)
+}
 
 /// What the fast path does with the bytes at the front of a connection's buffer.
 pub enum Parsed {
@@ -114,7 +123,7 @@ impl<'b> Seen<'b> {
         } else if is("transfer-encoding") || is("upgrade") || is("expect") {
             self.unusual = true;
         } else if is("connection") {
-            for token in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+            for token in tokens(value) {
                 if token.eq_ignore_ascii_case(b"close") {
                     self.close = true;
                 } else if !token.is_empty() && !token.eq_ignore_ascii_case(b"keep-alive") {
@@ -133,7 +142,10 @@ impl<'b> Seen<'b> {
 
     /// Whether a header of `name` goes to the endpoint as the client sent it.
     fn forwards(&self, name: &str) -> bool {
-        !DROPPED.iter().any(|d| name.eq_ignore_ascii_case(d))
+        !HOP_BY_HOP
+            .iter()
+            .chain(&REPLACED)
+            .any(|d| name.eq_ignore_ascii_case(d))
             && !self
                 .named
                 .iter()

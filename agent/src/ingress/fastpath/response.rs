@@ -2,19 +2,8 @@
 //! head written from it: hop-by-hop headers removed, the body's framing
 //! (RFC 9112 §6.3) decided so it can be relayed as it comes.
 
-use super::request::{MAX_HEADERS, parse_length};
+use super::request::{HOP_BY_HOP, MAX_HEADERS, parse_length, tokens};
 use std::io::Write as _;
-
-/// Response headers never forwarded to the client (hop-by-hop).
-const HOP_BY_HOP: [&str; 7] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
 
 /// How the response body is delimited.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,7 +88,7 @@ pub fn parse(buf: &[u8], head: bool, close: bool, out: &mut Vec<u8>) -> Parsed {
             }
             chunked = Some(());
         } else if is("connection") {
-            for token in h.value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+            for token in tokens(h.value) {
                 if token.eq_ignore_ascii_case(b"close") {
                     endpoint_closes = true;
                 } else if token.eq_ignore_ascii_case(b"keep-alive") && version == 0 {
