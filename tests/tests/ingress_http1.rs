@@ -49,6 +49,31 @@ fn pipelined_requests_are_answered_in_order(ingress: &Ingress) {
     assert_eq!(backend.received().len(), 3);
 }
 
+/// Pipelined requests of which one the proxy answers itself (no route): the fast
+/// path hands the connection, with the requests it has read, to hyper, which
+/// answers them all in order.
+fn a_pipeline_handed_over_midway_is_answered_whole_and_in_order(ingress: &Ingress) {
+    let backend = scripted(ingress, "web.test", |r| Reply::keep(ok(r.target())));
+    let mut client = Wire::connect(ingress.http);
+    let requests = "GET /one HTTP/1.1\r\nHost: web.test\r\n\r\n\
+                    GET /lost HTTP/1.1\r\nHost: nowhere.test\r\n\r\n\
+                    GET /two HTTP/1.1\r\nHost: web.test\r\n\r\n";
+    client.send(requests.as_bytes());
+    for (status, body) in [(200, "/one"), (404, "no route\n"), (200, "/two")] {
+        let r = client.response(false).expect("a pipelined response");
+        assert_eq!((r.status, r.text().as_str()), (status, body), "{r:?}");
+    }
+    let targets: Vec<String> = backend
+        .received()
+        .iter()
+        .map(|r| r.target().to_owned())
+        .collect();
+    assert_eq!(targets, ["/one", "/two"]);
+    // The connection goes on after the hand-over.
+    let r = client.get("web.test", "/three");
+    assert_eq!((r.status, r.text().as_str()), (200, "/three"), "{r:?}");
+}
+
 fn a_head_response_has_the_length_and_no_body(ingress: &Ingress) {
     let _backend = scripted(ingress, "web.test", |r| match r.method() {
         "HEAD" => Reply::keep("HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n"),
@@ -197,6 +222,7 @@ fn a_backend_stalling_mid_body_gets_the_client_connection_cut(ingress: &Ingress)
 on_both_paths!(
     fifty_keep_alive_requests_ride_one_upstream_connection,
     pipelined_requests_are_answered_in_order,
+    a_pipeline_handed_over_midway_is_answered_whole_and_in_order,
     a_head_response_has_the_length_and_no_body,
     responses_204_and_304_carry_no_body_and_the_connection_goes_on,
     a_backend_closing_with_connection_close_leaves_the_client_connection_usable,

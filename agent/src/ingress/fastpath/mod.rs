@@ -134,7 +134,7 @@ where
                     max_head_bytes: settings.max_header_bytes,
                     max_body_bytes: proxy.limits.max_body_bytes,
                     trusted_proxies: &proxy.limits.trusted_proxies,
-                    log: proxy.access_log.wanted(),
+                    access_log: &proxy.access_log,
                 };
                 match request::parse(&buf, &cx, &mut out) {
                     Parsed::Partial if buf.len() >= settings.max_header_bytes => {

@@ -6,6 +6,7 @@
 //! itself) is handed to hyper untouched.
 
 use super::super::{
+    access_log::AccessLog,
     acme::CHALLENGE_PATH,
     client_cert::TlsSession,
     routes::{Route, RouteTable, normalize_host, path_is_normal},
@@ -73,7 +74,7 @@ pub struct Plan {
     pub retryable: bool,
     /// A `HEAD` request: its response has no body whatever it announces.
     pub head: bool,
-    /// The method and path, when the access log wants this request.
+    /// The method, path and host, when the access log wants this request.
     pub logged: Option<(String, String, String)>,
 }
 
@@ -86,8 +87,8 @@ pub struct Context<'a> {
     pub max_head_bytes: usize,
     pub max_body_bytes: u64,
     pub trusted_proxies: &'a [IpNet],
-    /// Whether the access log wants this request.
-    pub log: bool,
+    /// Asked, for a request the fast path forwards, whether it gets a line.
+    pub access_log: &'a AccessLog,
 }
 
 /// The request head's headers the plan needs, found in one pass.
@@ -227,7 +228,8 @@ pub fn parse(buf: &[u8], cx: &Context<'_>, out: &mut Vec<u8>) -> Parsed {
         retryable: body_len == 0 && is_idempotent(method),
         head: method == "HEAD",
         logged: cx
-            .log
+            .access_log
+            .wanted()
             .then(|| (method.to_owned(), path.to_owned(), host.clone())),
     })
 }

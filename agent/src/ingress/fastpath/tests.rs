@@ -5,7 +5,10 @@ use super::{
     request::{self, Context, Parsed},
     response::{self, Framing},
 };
-use crate::ingress::routes::{RouteTable, tests::exposed_views};
+use crate::ingress::{
+    access_log::AccessLog,
+    routes::{RouteTable, tests::exposed_views},
+};
 use std::collections::BTreeMap;
 
 /// One plain route (`web.test`), one TLS-only route, one allowing only 10.0.0.0/8.
@@ -18,6 +21,9 @@ fn table() -> RouteTable {
     RouteTable::build(&views, &BTreeMap::new())
 }
 
+/// Logs nothing.
+static NO_LOG: std::sync::LazyLock<AccessLog> = std::sync::LazyLock::new(|| AccessLog::new(0.0));
+
 fn cx<'a>(routes: &'a RouteTable, trusted: &'a [ipnet::IpNet]) -> Context<'a> {
     Context {
         routes,
@@ -26,7 +32,7 @@ fn cx<'a>(routes: &'a RouteTable, trusted: &'a [ipnet::IpNet]) -> Context<'a> {
         max_head_bytes: 8192,
         max_body_bytes: 100,
         trusted_proxies: trusted,
-        log: false,
+        access_log: &NO_LOG,
     }
 }
 
