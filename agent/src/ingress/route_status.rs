@@ -1,9 +1,13 @@
 //! Each ingress route as `status` shows it: where it sends requests, how it is
 //! secured, and what keeps it from serving as declared.
 
-use super::{routes::RouteTable, tls::CertMap};
+use super::{
+    acme::{unix, utc},
+    routes::RouteTable,
+    tls::CertMap,
+};
 use serde::{Deserialize, Serialize};
-use std::fmt;
+use std::{fmt, time::SystemTime};
 
 /// One route.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -23,6 +27,9 @@ pub struct RouteStatus {
     /// Where its certificate comes from: `secret NS/NAME` or `acme`; none: no TLS.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<String>,
+    /// When the certificate served for it expires (RFC 3339 UTC).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires: Option<String>,
     /// Every request needs a client certificate.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub client_cert: bool,
@@ -50,6 +57,9 @@ impl fmt::Display for RouteStatus {
         }
         if let Some(tls) = &self.tls {
             write!(f, ", tls {tls}")?;
+            if let Some(expires) = &self.expires {
+                write!(f, " (expires {expires})")?;
+            }
         }
         if self.client_cert {
             f.write_str(", client certificates")?;
@@ -66,6 +76,11 @@ impl fmt::Display for RouteStatus {
 
 /// Every route of `table`, by host and path, with what `certs` serves.
 pub fn routes(table: &RouteTable, certs: &CertMap) -> Vec<RouteStatus> {
+    routes_at(table, certs, unix(SystemTime::now()))
+}
+
+/// [`routes`] at `now` (Unix seconds), when expired certificates are a problem.
+fn routes_at(table: &RouteTable, certs: &CertMap, now: i64) -> Vec<RouteStatus> {
     let mut out: Vec<RouteStatus> = table
         .routes()
         .map(|r| {
@@ -87,6 +102,13 @@ pub fn routes(table: &RouteTable, certs: &CertMap) -> Vec<RouteStatus> {
                     format!("{tls} missing or unusable: {meanwhile}")
                 });
             }
+            let expiry = r.tls_from.as_ref().and_then(|_| certs.expiry(&r.host));
+            if let Some(at) = expiry.filter(|at| *at <= now) {
+                problems.push(format!(
+                    "certificate expired {}: clients refuse it",
+                    utc(at)
+                ));
+            }
             if r.allow.as_ref().is_some_and(Vec::is_empty) {
                 problems.push("allowCidrs unusable: every client gets 403".to_owned());
             }
@@ -100,6 +122,7 @@ pub fn routes(table: &RouteTable, certs: &CertMap) -> Vec<RouteStatus> {
                 endpoints: r.backends.len(),
                 h2c: r.h2c,
                 tls: r.tls_from.clone(),
+                expires: expiry.map(utc),
                 client_cert: r.client_ca.is_some(),
                 allow_networks: r.allow.as_ref().map(Vec::len),
                 problems,
@@ -115,9 +138,12 @@ mod tests {
     use super::*;
     use crate::{
         endpoints::ServiceView,
-        model::{Object, parse_documents},
+        model::{Object, ServiceKey, parse_documents},
     };
-    use std::{collections::BTreeMap, sync::Arc};
+    use std::{
+        collections::{BTreeMap, HashMap},
+        sync::Arc,
+    };
 
     #[test]
     fn a_route_without_endpoints_certificate_or_ca_names_each_problem() {
@@ -145,6 +171,46 @@ mod tests {
     }
 
     #[test]
+    fn a_route_shows_when_its_certificate_expires_and_once_expired_a_problem() {
+        let cert = rcgen::generate_simple_self_signed(vec!["a.test".to_owned()]).unwrap();
+        let text = format!(
+            "apiVersion: rune/v1\nkind: Service\nmetadata: {{name: web}}\n\
+             spec: {{ports: [{{port: 80}}], expose: {{host: a.test, tls: {{secret: cert}}}}}}\n\
+             ---\napiVersion: rune/v1\nkind: Secret\nmetadata: {{name: cert}}\n\
+             data: {{tls.crt: {:?}, tls.key: {:?}}}\n",
+            cert.cert.pem(),
+            cert.signing_key.serialize_pem()
+        );
+        let mut objects = parse_documents(&text).unwrap().into_iter();
+        let (Some(Object::Service(s)), Some(Object::Secret(secret))) =
+            (objects.next(), objects.next())
+        else {
+            panic!("a service and its secret")
+        };
+        let views = [ServiceView {
+            service: Arc::new(s),
+            endpoints: None,
+        }];
+        let secrets = BTreeMap::from([(ServiceKey::new("default", "cert"), Arc::new(secret))]);
+        let table = RouteTable::build(&views, &secrets);
+        let certs = CertMap::build(&views, &secrets, None, &HashMap::new());
+        let expiry = certs.expiry("a.test").expect("the certificate's expiry");
+
+        let now = routes_at(&table, &certs, expiry - 1);
+        assert_eq!(now[0].expires, Some(utc(expiry)));
+        assert!(!now[0].to_string().contains("expired"), "{}", now[0]);
+        let later = routes_at(&table, &certs, expiry + 1);
+        let line = later[0].to_string();
+        assert!(
+            line.contains(&format!(
+                "; certificate expired {}: clients refuse it",
+                utc(expiry)
+            )),
+            "{line}"
+        );
+    }
+
+    #[test]
     fn a_route_reads_as_one_line_with_its_problems_last() {
         let r = RouteStatus {
             host: "a.test".to_owned(),
@@ -152,6 +218,7 @@ mod tests {
             service: "default/web".to_owned(),
             endpoints: 0,
             tls: Some("secret default/cert".to_owned()),
+            expires: Some("2027-01-01T00:00:00Z".to_owned()),
             client_cert: true,
             allow_networks: Some(1),
             problems: vec!["no ready endpoint: 503".to_owned()],
@@ -159,7 +226,7 @@ mod tests {
         };
         assert_eq!(
             r.to_string(),
-            "a.test/api -> default/web, 0 endpoints, tls secret default/cert, client certificates, allow 1 network; no ready endpoint: 503"
+            "a.test/api -> default/web, 0 endpoints, tls secret default/cert (expires 2027-01-01T00:00:00Z), client certificates, allow 1 network; no ready endpoint: 503"
         );
     }
 }

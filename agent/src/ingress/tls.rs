@@ -109,6 +109,16 @@ impl CertMap {
         }
     }
 
+    /// When the certificate served for a route of `host` (as exposed) expires,
+    /// Unix seconds: its own, or for an exact host the wildcard route's covering it.
+    pub fn expiry(&self, host: &str) -> Option<i64> {
+        let of = |h: &str| self.expiries.iter().find(|(e, _)| e == h).map(|(_, t)| *t);
+        of(host).or_else(|| {
+            let (_, parent) = host.split_once('.').filter(|_| !host.starts_with("*."))?;
+            of(&format!("*.{parent}"))
+        })
+    }
+
     /// Whether a default certificate answers names no route has a certificate for.
     pub fn has_default(&self) -> bool {
         self.default.is_some()

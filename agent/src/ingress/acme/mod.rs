@@ -348,13 +348,13 @@ impl Acme {
 }
 
 /// `t` in whole seconds since the Unix epoch (0 before it).
-fn unix(t: SystemTime) -> i64 {
+pub(in crate::ingress) fn unix(t: SystemTime) -> i64 {
     t.duration_since(UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
 /// A Unix time as `status` shows times (RFC 3339 UTC).
-fn utc(unix_seconds: i64) -> String {
+pub(in crate::ingress) fn utc(unix_seconds: i64) -> String {
     Timestamp(u64::try_from(unix_seconds).unwrap_or(0)).to_string()
 }
 
