@@ -238,6 +238,27 @@ impl Wire {
             .unwrap_or_else(|e| panic!("GET {host}{path}: {e}"))
     }
 
+    /// How many bytes (those already read included) come before the peer closes
+    /// (end of stream or reset) or `wait` passes.
+    pub fn bytes_within(&mut self, wait: Duration) -> usize {
+        let deadline = std::time::Instant::now() + wait;
+        let mut total = std::mem::take(&mut self.buf).len();
+        let mut chunk = [0u8; 65536];
+        while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
+            self.stream
+                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                .unwrap();
+            match self.stream.read(&mut chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => total += n,
+            }
+        }
+        self.stream
+            .set_read_timeout(Some(CLIENT_READ_TIMEOUT))
+            .unwrap();
+        total
+    }
+
     /// Whether the peer closes (end of stream or reset) within `wait`, with no
     /// byte before; panics on a byte.
     pub fn closes_within(&mut self, wait: Duration) -> bool {

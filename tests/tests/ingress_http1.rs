@@ -11,6 +11,7 @@ use rune_agent_tests::{
 use std::{
     collections::BTreeSet,
     io::ErrorKind,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -232,3 +233,39 @@ on_both_paths!(
     an_http10_request_is_answered_in_full_then_closed,
     a_backend_stalling_mid_body_gets_the_client_connection_cut,
 );
+
+/// A client that asks for a large response and stops reading it: the proxy
+/// gives the connection up (fast path: no byte taken for the stall timeout;
+/// hyper: once idle, no byte moved for the idle timeout) rather than holding it,
+/// its cap place and its endpoint connection for as long as the client lives.
+fn a_client_that_stops_reading_is_given_up(flags: &[&str]) {
+    const SIZE: usize = 64 << 20;
+    let mut all = vec!["--ingress-idle-timeout-seconds", "1"];
+    all.extend_from_slice(flags);
+    let ingress = Ingress::start_with(&all);
+    let response = Arc::new(ok(vec![b'x'; SIZE]));
+    let _backend = scripted(&ingress, "web.test", move |_| {
+        Reply::then(response.as_slice(), Then::Close)
+    });
+    let mut client = Wire::connect(ingress.http);
+    client.send(b"GET /big HTTP/1.1\r\nHost: web.test\r\n\r\n");
+    let head = client.head().unwrap().expect("the response head");
+    assert!(head.start.starts_with("HTTP/1.1 200"), "{head:?}");
+    std::thread::sleep(Duration::from_secs(5));
+    // What the kernel buffers held, then the end: far less than the body.
+    let got = client.bytes_within(Duration::from_secs(10));
+    assert!(
+        got < SIZE / 2,
+        "{got} of {SIZE} bytes: the connection was kept"
+    );
+}
+
+#[test]
+fn a_client_that_stops_reading_is_given_up_on_the_fast_path() {
+    a_client_that_stops_reading_is_given_up(&[]);
+}
+
+#[test]
+fn a_client_that_stops_reading_is_given_up_by_hyper() {
+    a_client_that_stops_reading_is_given_up(&["--ingress-no-fast-path"]);
+}

@@ -4,7 +4,7 @@
 
 use super::{
     IngressConfig, IngressMetrics,
-    activity::Activity,
+    activity::{Activity, Watched},
     client_cert::TlsSession,
     conn_cap::ConnCap,
     fastpath::{self, Ended, Rewind},
@@ -193,6 +193,7 @@ impl Serve {
             .http2()
             .timer(TokioTimer::new())
             .max_header_list_size(u32::try_from(self.config.max_header_bytes).unwrap_or(u32::MAX));
+        let stream = Watched::new(stream, activity.clone());
         let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
         tokio::pin!(conn);
         let idle = self.config.idle_timeout;
@@ -211,12 +212,21 @@ impl Serve {
             }
         };
         // Responses under way finish (a body still streaming after an idle tick
-        // too); the agent's stop waits for them a bounded time only.
+        // too), as long as their bytes move; the agent's stop waits for them a
+        // bounded time only.
         conn.as_mut().graceful_shutdown();
         if stopping {
             let _ = tokio::time::timeout(self.config.header_timeout, conn).await;
-        } else {
-            let _ = conn.await;
+            return;
+        }
+        loop {
+            tokio::select! {
+                _ = conn.as_mut() => return,
+                _ = tick.tick() => if activity.io_idle_for() >= idle {
+                    tracing::debug!(%peer, "ingress: closing a connection whose client stopped reading");
+                    return;
+                },
+            }
         }
     }
 }
