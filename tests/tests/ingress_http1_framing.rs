@@ -128,6 +128,17 @@ fn a_garbage_or_missing_backend_response_gets_502(ingress: &Ingress) {
         let r = client.get("web.test", path);
         assert_eq!(r.status, 502, "{path}: {r:?}");
     }
+    // To a HEAD: the 502 has no body, and the connection's next response is whole.
+    let mut client = Wire::connect(ingress.http);
+    client.send(b"HEAD /garbage HTTP/1.1\r\nHost: web.test\r\n\r\n");
+    let r = client.response(true).expect("the HEAD's answer");
+    assert_eq!(r.status, 502, "{r:?}");
+    let next = client.get("web.test", "/after");
+    assert_eq!(
+        (next.status, next.text().as_str()),
+        (200, "after"),
+        "{next:?}"
+    );
 }
 
 fn large_bodies_both_ways_arrive_intact(ingress: &Ingress) {

@@ -381,9 +381,9 @@ impl Proxy {
         let timeout = self.limits.response_timeout;
         let errors = self.metrics.upstream_errors.clone();
         async move {
-            backend.outstanding.fetch_add(1, Ordering::Relaxed);
+            let in_flight = backend.in_flight();
             let r = tokio::time::timeout(timeout, fut).await;
-            backend.outstanding.fetch_sub(1, Ordering::Relaxed);
+            drop(in_flight);
             let failure = match r {
                 Ok(Ok(resp)) => return Ok(resp),
                 Ok(Err(failure)) => failure,

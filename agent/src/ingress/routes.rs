@@ -41,6 +41,24 @@ impl Backend {
     }
 }
 
+/// A request in flight to a [`Backend`], counted until dropped (also when the
+/// request's future is dropped midway).
+pub struct InFlight<'a>(&'a AtomicUsize);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Backend {
+    /// Counts a request in flight to it until the guard drops.
+    pub fn in_flight(&self) -> InFlight<'_> {
+        self.outstanding.fetch_add(1, Ordering::Relaxed);
+        InFlight(&self.outstanding)
+    }
+}
+
 /// One exposed service.
 #[derive(Debug)]
 pub struct Route {

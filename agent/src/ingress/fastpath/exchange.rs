@@ -21,7 +21,6 @@ use std::{
     io::Write as _,
     net::SocketAddr,
     pin::Pin,
-    sync::{Arc, atomic::Ordering},
     time::{Duration, Instant},
 };
 use tokio::{
@@ -61,15 +60,15 @@ pub struct Forward<'a, C> {
 }
 
 impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
-    /// Forwards `plan` to `first` (or another endpoint of its route) and relays
-    /// the answer to the client.
-    pub async fn run(mut self, plan: &Plan, first: Arc<Backend>, turn: usize) -> After {
+    /// Forwards `plan` to its endpoint (or another of its route) and relays the
+    /// answer to the client.
+    pub async fn run(mut self, plan: &Plan) -> After {
         let start = Instant::now();
-        let mut backend = first;
+        let mut backend = plan.backend.clone();
         let mut result = self.exchange(plan, &backend).await;
         if let Err(Failure::Connect) = result
             && plan.retryable
-            && let Some(second) = plan.route.pick(turn, Some(&backend))
+            && let Some(second) = plan.route.pick(plan.turn, Some(&backend))
         {
             backend = second;
             result = self.exchange(plan, &backend).await;
@@ -95,7 +94,7 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
                     }
                 };
                 self.log(plan, status, start, Some(backend.addr));
-                answer(self.out, status, reason, text, plan.close);
+                answer(self.out, status, reason, text, plan.close, plan.head);
                 let stall = self.proxy.limits.response_timeout;
                 let written = self.send_client(None, stall).await.is_ok();
                 if plan.close || !written {
@@ -136,9 +135,9 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
         plan: &Plan,
         backend: &Backend,
     ) -> Result<(Origin, Head), Failure> {
-        backend.outstanding.fetch_add(1, Ordering::Relaxed);
+        let in_flight = backend.in_flight();
         let result = self.exchange_on(plan, backend.addr).await;
-        backend.outstanding.fetch_sub(1, Ordering::Relaxed);
+        drop(in_flight);
         if let Err(failure) = &result {
             self.proxy.upstream_failed(backend.addr, failure);
         }
@@ -292,15 +291,17 @@ impl<C: AsyncWrite + Unpin> Forward<'_, C> {
     }
 }
 
-/// The proxy's own short answer: `status` with `text`.
-pub fn answer(out: &mut Vec<u8>, status: u16, reason: &str, text: &str, close: bool) {
+/// The proxy's own short answer: `status` with `text` (its length only, to a
+/// `HEAD` request when `head`).
+pub fn answer(out: &mut Vec<u8>, status: u16, reason: &str, text: &str, close: bool, head: bool) {
     out.clear();
     let date = httpdate::fmt_http_date(std::time::SystemTime::now());
     // Writing to a Vec cannot fail.
     let _ = write!(
         out,
-        "HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\ndate: {date}\r\n{}\r\n{text}",
+        "HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\ndate: {date}\r\n{}\r\n{}",
         text.len(),
         if close { "connection: close\r\n" } else { "" },
+        if head { "" } else { text },
     );
 }

@@ -35,7 +35,6 @@ use request::{Context, Parsed};
 use std::{
     net::SocketAddr,
     pin::{Pin, pin},
-    sync::atomic::Ordering,
     time::Duration,
 };
 use tokio::{
@@ -135,6 +134,7 @@ where
                     max_body_bytes: proxy.limits.max_body_bytes,
                     trusted_proxies: &proxy.limits.trusted_proxies,
                     access_log: &proxy.access_log,
+                    turn: &proxy.turn,
                 };
                 match request::parse(&buf, &cx, &mut out) {
                     Parsed::Partial if buf.len() >= settings.max_header_bytes => {
@@ -158,10 +158,6 @@ where
             Parsed::Forward(plan) => plan,
             Parsed::Partial | Parsed::HandOver => return Ended::HandOver(stream, buf.freeze()),
         };
-        let turn = proxy.turn.fetch_add(1, Ordering::Relaxed);
-        let Some(backend) = plan.route.pick(turn, None) else {
-            return Ended::HandOver(stream, buf.freeze());
-        };
         buf.advance(plan.len);
         activity.begin();
         let forward = Forward {
@@ -172,10 +168,11 @@ where
             out: &mut out,
             timer: timer.as_mut(),
         };
-        let after = forward.run(&plan, backend, turn).await;
+        let after = forward.run(&plan).await;
         activity.end();
         if matches!(after, After::Close) || settings.cancel.is_cancelled() {
-            let _ = stream.shutdown().await;
+            // TLS says close_notify first; a client that stopped reading gets no wait.
+            let _ = tokio::time::timeout(settings.header_timeout, stream.shutdown()).await;
             return Ended::Closed;
         }
         // The next request may wait as long as the connection may idle.

@@ -9,13 +9,16 @@ use super::super::{
     access_log::AccessLog,
     acme::CHALLENGE_PATH,
     client_cert::TlsSession,
-    routes::{Route, RouteTable, normalize_host, path_is_normal},
+    routes::{Backend, Route, RouteTable, normalize_host, path_is_normal},
 };
 use ipnet::IpNet;
 use std::{
     io::Write as _,
     net::{IpAddr, SocketAddr},
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
 };
 
 /// Most headers a request may have on the fast path (hyper's own limit).
@@ -68,6 +71,9 @@ pub struct Plan {
     pub len: usize,
     /// The route it matched.
     pub route: Arc<Route>,
+    /// The endpoint chosen first, and the turn it was chosen on (for a retry).
+    pub backend: Arc<Backend>,
+    pub turn: usize,
     /// The client asked to close after this response.
     pub close: bool,
     /// Resending it is safe (an idempotent method without a body).
@@ -89,6 +95,8 @@ pub struct Context<'a> {
     pub trusted_proxies: &'a [IpNet],
     /// Asked, for a request the fast path forwards, whether it gets a line.
     pub access_log: &'a AccessLog,
+    /// Rotates the start of the least-outstanding choice of endpoint.
+    pub turn: &'a AtomicUsize,
 }
 
 /// The request head's headers the plan needs, found in one pass.
@@ -216,6 +224,10 @@ pub fn parse(buf: &[u8], cx: &Context<'_>, out: &mut Vec<u8>) -> Parsed {
     if !route.allows(cx.peer.ip()) || route.client_ca.is_some() || route.tls != tls || route.h2c {
         return Parsed::HandOver;
     }
+    let turn = cx.turn.fetch_add(1, Ordering::Relaxed);
+    let Some(backend) = route.pick(turn, None) else {
+        return Parsed::HandOver;
+    };
     // Fits: the whole body was checked to be in the buffer.
     let body_len = usize::try_from(body_len).unwrap_or(usize::MAX);
     out.clear();
@@ -224,6 +236,8 @@ pub fn parse(buf: &[u8], cx: &Context<'_>, out: &mut Vec<u8>) -> Parsed {
     Parsed::Forward(Plan {
         len: head_len + body_len,
         route: route.clone(),
+        backend,
+        turn,
         close: seen.close,
         retryable: body_len == 0 && is_idempotent(method),
         head: method == "HEAD",

@@ -28,7 +28,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        if self.prefix.has_remaining() {
+        if self.prefix.has_remaining() && buf.remaining() > 0 {
             let n = self.prefix.len().min(buf.remaining());
             buf.put_slice(&self.prefix[..n]);
             self.prefix.advance(n);

@@ -24,6 +24,9 @@ fn table() -> RouteTable {
 /// Logs nothing.
 static NO_LOG: std::sync::LazyLock<AccessLog> = std::sync::LazyLock::new(|| AccessLog::new(0.0));
 
+/// The least-outstanding choice's rotation.
+static TURN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 fn cx<'a>(routes: &'a RouteTable, trusted: &'a [ipnet::IpNet]) -> Context<'a> {
     Context {
         routes,
@@ -33,6 +36,7 @@ fn cx<'a>(routes: &'a RouteTable, trusted: &'a [ipnet::IpNet]) -> Context<'a> {
         max_body_bytes: 100,
         trusted_proxies: trusted,
         access_log: &NO_LOG,
+        turn: &TURN,
     }
 }
 
