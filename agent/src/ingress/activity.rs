@@ -1,19 +1,13 @@
 //! What one client connection is doing: its requests in flight, how many it has
 //! had, and when it last did something (for the idle timeout and the connection
-//! cap); and when its bytes last moved ([`Watched`]), so a connection asked to
-//! close does not wait forever for a client that stopped reading.
+//! cap); and when its bytes last moved ([`ClientStream`](super::client_stream)),
+//! so a connection asked to close does not wait forever for a client that
+//! stopped reading.
 
 use std::{
-    io,
-    pin::Pin,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, AtomicUsize, Ordering},
-    },
-    task::{Context, Poll},
+    sync::atomic::{AtomicU64, AtomicUsize, Ordering},
     time::{Duration, Instant},
 };
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// A connection's requests in flight and when it last did something.
 pub struct Activity {
@@ -37,6 +31,11 @@ impl Activity {
             last_ms: AtomicU64::new(0),
             io_ms: AtomicU64::new(0),
         }
+    }
+
+    /// Bytes moved either way.
+    pub fn moved(&self) {
+        self.io_ms.store(self.now_ms(), Ordering::Relaxed);
     }
 
     fn now_ms(&self) -> u64 {
@@ -84,77 +83,5 @@ impl Activity {
         }
         let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
         self.start.elapsed().saturating_sub(last)
-    }
-}
-
-/// A client stream that notes in its connection's [`Activity`] when bytes move.
-pub struct Watched<S> {
-    inner: S,
-    activity: Arc<Activity>,
-}
-
-impl<S> Watched<S> {
-    /// `inner`, watched by `activity`.
-    pub fn new(inner: S, activity: Arc<Activity>) -> Watched<S> {
-        Watched { inner, activity }
-    }
-
-    fn moved<T>(
-        &self,
-        r: Poll<io::Result<T>>,
-        any: impl FnOnce(&T) -> bool,
-    ) -> Poll<io::Result<T>> {
-        if let Poll::Ready(Ok(v)) = &r
-            && any(v)
-        {
-            let ms = self.activity.now_ms();
-            self.activity.io_ms.store(ms, Ordering::Relaxed);
-        }
-        r
-    }
-}
-
-impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
-        let read = buf.filled().len() > before;
-        self.moved(r, |()| read)
-    }
-}
-
-impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-        self.moved(r, |n| *n > 0)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        self.moved(r, |n| *n > 0)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }

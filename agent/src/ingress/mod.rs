@@ -19,6 +19,7 @@ mod answers;
 mod body;
 mod body_limit;
 mod client_cert;
+mod client_stream;
 mod conn_cap;
 mod fastpath;
 mod handshakes;

@@ -7,12 +7,11 @@ use super::{
     answers::{acme_answer, answer, empty, redirect},
     body_limit,
     client_cert::{self, TlsSession},
-    fastpath::Origins,
     headers::{forwarded_headers, keep_te_trailers, strip_hop_by_hop},
     metrics::{IngressMetrics, ReasonLabels, RequestLabels},
     routes::{Backend, Route, RouteTable, path_is_normal, request_host},
     upgrade,
-    upstream::{Failure, Http1Pool, h2c_client, path_and_query, upstream_uri},
+    upstream::{Failure, Http1Pool, Origins, h2c_client, path_and_query, upstream_uri},
 };
 use arc_swap::ArcSwap;
 use futures::future::Either;

@@ -4,10 +4,11 @@
 
 use super::{
     IngressConfig, IngressMetrics,
-    activity::{Activity, Watched},
+    activity::Activity,
     client_cert::TlsSession,
+    client_stream::ClientStream,
     conn_cap::ConnCap,
-    fastpath::{self, Ended, Rewind},
+    fastpath::{self, Ended},
     handshakes::{HandshakeError, Handshakes},
     metrics::ReasonLabels,
     proxy::Proxy,
@@ -145,8 +146,8 @@ impl Serve {
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        let stream = if !self.config.fast_path || tls.as_ref().is_some_and(|t| t.h2) {
-            Rewind::new(stream, Bytes::new())
+        let (stream, read) = if !self.config.fast_path || tls.as_ref().is_some_and(|t| t.h2) {
+            (stream, Bytes::new())
         } else {
             let settings = fastpath::Settings {
                 proxy: &self.proxy,
@@ -158,15 +159,16 @@ impl Serve {
             };
             match fastpath::serve(&settings, stream, peer, tls.as_deref()).await {
                 Ended::Closed => return,
-                Ended::HandOver(stream, read) => Rewind::new(stream, read),
+                Ended::HandOver(stream, read) => (stream, read),
             }
         };
-        self.hyper(stream, peer, tls).await;
+        self.hyper(stream, read, peer, tls).await;
     }
 
-    /// Serves one client connection with hyper (HTTP/1.1 or h2) until it ends,
-    /// idles out or the subsystem stops (then gracefully).
-    async fn hyper<S>(&self, stream: S, peer: SocketAddr, tls: Option<Arc<TlsSession>>)
+    /// Serves one client connection with hyper (HTTP/1.1 or h2), `read` the bytes
+    /// of it the fast path already read, until it ends, idles out or the subsystem
+    /// stops (then gracefully).
+    async fn hyper<S>(&self, stream: S, read: Bytes, peer: SocketAddr, tls: Option<Arc<TlsSession>>)
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
@@ -193,7 +195,7 @@ impl Serve {
             .http2()
             .timer(TokioTimer::new())
             .max_header_list_size(u32::try_from(self.config.max_header_bytes).unwrap_or(u32::MAX));
-        let stream = Watched::new(stream, activity.clone());
+        let stream = ClientStream::new(stream, read, activity.clone());
         let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
         tokio::pin!(conn);
         let idle = self.config.idle_timeout;

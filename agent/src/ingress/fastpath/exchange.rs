@@ -5,8 +5,7 @@
 
 use super::{
     chunks::Chunks,
-    io::{Deadline, TimedOut, read_more, write_all_within},
-    origin::{Origin, room},
+    io::{Deadline, TimedOut, read_more, room, write_all_within},
     request::Plan,
     response::{self, Framing, Head},
 };
@@ -14,7 +13,7 @@ use crate::ingress::{
     access_log::{self, AccessLog},
     proxy::Proxy,
     routes::Backend,
-    upstream::Failure,
+    upstream::{Failure, Origin},
 };
 use bytes::Buf;
 use std::{

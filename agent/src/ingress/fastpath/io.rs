@@ -14,6 +14,16 @@ use tokio::{
     time::{Instant, Sleep},
 };
 
+/// Room kept free in a read buffer.
+const READ_ROOM: usize = 8 << 10;
+
+/// Makes room for the next read into `buf`.
+pub fn room(buf: &mut BytesMut) {
+    if buf.capacity() - buf.len() < READ_ROOM / 4 {
+        buf.reserve(READ_ROOM);
+    }
+}
+
 /// A time limit counted from the first wait under it.
 pub struct Deadline {
     after: Option<Duration>,

@@ -17,15 +17,10 @@
 mod chunks;
 mod exchange;
 mod io;
-mod origin;
 mod request;
 mod response;
-mod rewind;
 #[cfg(test)]
 mod tests;
-
-pub use origin::Origins;
-pub use rewind::Rewind;
 
 use super::{activity::Activity, client_cert::TlsSession, conn_cap::ConnCap, proxy::Proxy};
 use bytes::{Buf, Bytes, BytesMut};
@@ -148,7 +143,7 @@ where
                 head_deadline = Deadline::after(settings.header_timeout);
                 head_started = true;
             }
-            origin::room(&mut buf);
+            io::room(&mut buf);
             match read_more(&mut stream, &mut buf, timer.as_mut(), &mut head_deadline).await {
                 Ok(0) | Err(_) => return Ended::Closed,
                 Ok(_) => {}

@@ -1,12 +1,15 @@
 //! Requests to endpoints: HTTP/1.1 over this worker's pooled connections, each
-//! driven inside the task of the request using it ([`Http1Pool`]), and h2c over
-//! hyper-util's pooled client.
+//! driven inside the task of the request using it ([`Http1Pool`]), h2c over
+//! hyper-util's pooled client, and the raw connections of the HTTP/1.1 fast path
+//! ([`Origins`]).
 
 mod driven;
+mod origins;
 mod pool;
 #[cfg(test)]
 mod tests;
 
+pub use origins::{Origin, Origins};
 pub use pool::Http1Pool;
 
 use super::{body::ProxyBody, routes::Backend};

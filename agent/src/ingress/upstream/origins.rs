@@ -1,10 +1,10 @@
-//! The fast path's connections to endpoints: raw TCP with a read buffer, pooled per
+//! The HTTP/1.1 fast path's connections to endpoints: raw TCP with a read buffer, pooled per
 //! worker thread (a free list per endpoint under the worker's own uncontended
 //! lock). A connection goes back once its response has been relayed whole and the
 //! endpoint keeps it open; one idle for [`IDLE_TIMEOUT`], or found closed by the
 //! endpoint, is dropped.
 
-use super::super::upstream::IDLE_TIMEOUT;
+use super::IDLE_TIMEOUT;
 use bytes::BytesMut;
 use std::{
     collections::HashMap,
@@ -15,8 +15,8 @@ use std::{
 };
 use tokio::net::TcpStream;
 
-/// Room kept free in a connection's read buffer.
-const READ_ROOM: usize = 8 << 10;
+/// A new connection's read buffer.
+const READ_BUFFER: usize = 8 << 10;
 
 /// One connection to an endpoint and what was read from it but not yet used.
 pub struct Origin {
@@ -30,13 +30,6 @@ impl Origin {
     pub fn closed(&self) -> bool {
         let mut probe = [0u8; 1];
         !matches!(self.stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
-    }
-}
-
-/// Makes room for the next read into `buf`.
-pub fn room(buf: &mut BytesMut) {
-    if buf.capacity() - buf.len() < READ_ROOM / 4 {
-        buf.reserve(READ_ROOM);
     }
 }
 
@@ -79,7 +72,7 @@ impl Origins {
         let _ = stream.set_nodelay(true);
         Ok(Origin {
             stream,
-            buf: BytesMut::with_capacity(READ_ROOM),
+            buf: BytesMut::with_capacity(READ_BUFFER),
         })
     }
 
