@@ -11,13 +11,15 @@ use super::{
     metrics::{IngressMetrics, ReasonLabels, RequestLabels},
     routes::{Backend, Route, RouteTable, path_is_normal, request_host},
     upgrade,
-    upstream::{Failure, Http1Pool, Origins, h2c_client, path_and_query, upstream_uri},
+    upstream::{
+        Failure, Http1Pool, Origins, h2c_client, is_idempotent, path_and_query, upstream_uri,
+    },
 };
 use arc_swap::ArcSwap;
 use futures::future::Either;
 use http_body_util::BodyExt;
 use hyper::{
-    Method, Request, Response, StatusCode, Uri,
+    Request, Response, StatusCode, Uri,
     body::{Body, Incoming},
     header,
 };
@@ -143,12 +145,7 @@ impl Proxy {
 
     /// Counts an upstream failure of the endpoint at `addr`.
     pub(super) fn upstream_failed(&self, addr: SocketAddr, failure: &Failure) {
-        let reason = failure.reason();
-        self.metrics
-            .upstream_errors
-            .get_or_create(&ReasonLabels { reason })
-            .inc();
-        tracing::debug!(backend = %addr, reason, "ingress: upstream failed");
+        upstream_failed(&self.metrics, addr, failure);
     }
 
     /// Answers one request from `peer`, received over TLS when `tls` (the
@@ -265,7 +262,7 @@ impl Proxy {
         let (parts, body) = req.into_parts();
         // A connect failure is retried once on another endpoint when resending is
         // safe: an idempotent method and no body to replay.
-        let retryable = is_idempotent(&parts.method) && body.is_end_stream();
+        let retryable = is_idempotent(parts.method.as_str()) && body.is_end_stream();
         // Built again for a retry rather than copied for every request.
         let forwarded = || {
             let mut headers = forwarded_headers(
@@ -378,7 +375,7 @@ impl Proxy {
             Either::Right(async move { pool.send(addr, req).await })
         };
         let timeout = self.limits.response_timeout;
-        let errors = self.metrics.upstream_errors.clone();
+        let metrics = self.metrics.clone();
         async move {
             let in_flight = backend.in_flight();
             let r = tokio::time::timeout(timeout, fut).await;
@@ -388,17 +385,18 @@ impl Proxy {
                 Ok(Err(failure)) => failure,
                 Err(_) => Failure::Timeout,
             };
-            let reason = failure.reason();
-            errors.get_or_create(&ReasonLabels { reason }).inc();
-            tracing::debug!(backend = %backend.addr, reason, "ingress: upstream failed");
+            upstream_failed(&metrics, backend.addr, &failure);
             Err(failure)
         }
     }
 }
 
-fn is_idempotent(m: &Method) -> bool {
-    matches!(
-        *m,
-        Method::GET | Method::HEAD | Method::OPTIONS | Method::PUT | Method::DELETE | Method::TRACE
-    )
+/// Counts an upstream failure of the endpoint at `addr` in `metrics`.
+fn upstream_failed(metrics: &IngressMetrics, addr: SocketAddr, failure: &Failure) {
+    let reason = failure.reason();
+    metrics
+        .upstream_errors
+        .get_or_create(&ReasonLabels { reason })
+        .inc();
+    tracing::debug!(backend = %addr, reason, "ingress: upstream failed");
 }

@@ -10,6 +10,7 @@ use super::super::{
     acme::CHALLENGE_PATH,
     client_cert::TlsSession,
     routes::{Backend, Route, RouteTable, normalize_host, path_is_normal},
+    upstream::is_idempotent,
 };
 use ipnet::IpNet;
 use std::{
@@ -317,12 +318,4 @@ fn origin_form(target: &str) -> bool {
         && path.starts_with('/')
         && path.bytes().all(in_path)
         && query.bytes().all(in_query)
-}
-
-/// Methods whose request may be sent twice (RFC 9110 §9.2.2).
-pub fn is_idempotent(method: &str) -> bool {
-    matches!(
-        method,
-        "GET" | "HEAD" | "OPTIONS" | "PUT" | "DELETE" | "TRACE"
-    )
 }

@@ -55,6 +55,14 @@ pub fn h2c_client(connect_timeout: Duration) -> Client<HttpConnector, ProxyBody>
         .build(connector)
 }
 
+/// Whether a request of `method` may be sent twice (RFC 9110 §9.2.2).
+pub fn is_idempotent(method: &str) -> bool {
+    matches!(
+        method,
+        "GET" | "HEAD" | "OPTIONS" | "PUT" | "DELETE" | "TRACE"
+    )
+}
+
 /// `http://ADDR/path?query`, from the backend's authority and the request's
 /// path (both shared, not copied).
 pub fn upstream_uri(backend: &Backend, uri: &Uri) -> Uri {
