@@ -9,12 +9,12 @@ use hyper::{
     header::{self, HeaderValue},
 };
 
+/// The content type of the proxy's own answers.
+pub const TEXT_PLAIN: &str = "text/plain; charset=utf-8";
+
 /// The proxy's own answer: a status and a short plain-text body.
 pub fn answer(status: StatusCode, text: &'static str) -> Response<ProxyBody> {
-    let mut resp = full(
-        Bytes::from_static(text.as_bytes()),
-        "text/plain; charset=utf-8",
-    );
+    let mut resp = full(Bytes::from_static(text.as_bytes()), TEXT_PLAIN);
     *resp.status_mut() = status;
     resp
 }

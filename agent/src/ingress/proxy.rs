@@ -345,9 +345,9 @@ impl Proxy {
                 }
                 Response::from_parts(parts, body)
             }
-            Err(Failure::Timeout) => answer(StatusCode::GATEWAY_TIMEOUT, "upstream timeout\n"),
-            Err(Failure::Connect | Failure::Protocol) => {
-                answer(StatusCode::BAD_GATEWAY, "upstream error\n")
+            Err(failure) => {
+                let (status, text) = failure.answer();
+                answer(status, text)
             }
         }
     }

@@ -11,11 +11,13 @@ use super::{
 };
 use crate::ingress::{
     access_log::{self, AccessLog},
+    answers::TEXT_PLAIN,
     proxy::Proxy,
     routes::Backend,
     upstream::{Failure, Origin},
 };
 use bytes::Buf;
+use hyper::StatusCode;
 use std::{
     io::Write as _,
     net::SocketAddr,
@@ -74,7 +76,7 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
         }
         match result {
             Ok((mut origin, head)) => {
-                self.log(plan, head.status, start, Some(backend.addr));
+                self.log(plan, head.status, start, backend.addr);
                 let after = self.relay(&mut origin, &head).await;
                 if let Ok(true) = after {
                     self.proxy.origins.give_back(backend.addr, origin);
@@ -86,14 +88,9 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
                 }
             }
             Err(failure) => {
-                let (status, reason, text) = match failure {
-                    Failure::Timeout => (504, "Gateway Timeout", "upstream timeout\n"),
-                    Failure::Connect | Failure::Protocol => {
-                        (502, "Bad Gateway", "upstream error\n")
-                    }
-                };
-                self.log(plan, status, start, Some(backend.addr));
-                answer(self.out, status, reason, text, plan.close, plan.head);
+                let (status, text) = failure.answer();
+                self.log(plan, status.as_u16(), start, backend.addr);
+                answer(self.out, status, text, plan.close, plan.head);
                 let stall = self.proxy.limits.response_timeout;
                 let written = self.send_client(None, stall).await.is_ok();
                 if plan.close || !written {
@@ -107,7 +104,7 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
 
     /// Counts the request and writes its access-log line, once its response head
     /// is known.
-    fn log(&self, plan: &Plan, status: u16, start: Instant, upstream: Option<SocketAddr>) {
+    fn log(&self, plan: &Plan, status: u16, start: Instant, upstream: SocketAddr) {
         let duration = start.elapsed();
         self.proxy.count(Some(&plan.route), status, duration);
         self.proxy.metrics.fast_path_requests.inc();
@@ -121,7 +118,7 @@ impl<C: AsyncRead + AsyncWrite + Unpin> Forward<'_, C> {
                 tls: self.tls,
                 status,
                 service: &plan.route.service,
-                upstream,
+                upstream: Some(upstream),
                 duration,
             });
         }
@@ -292,13 +289,13 @@ impl<C: AsyncWrite + Unpin> Forward<'_, C> {
 
 /// The proxy's own short answer: `status` with `text` (its length only, to a
 /// `HEAD` request when `head`).
-pub fn answer(out: &mut Vec<u8>, status: u16, reason: &str, text: &str, close: bool, head: bool) {
+pub fn answer(out: &mut Vec<u8>, status: StatusCode, text: &str, close: bool, head: bool) {
     out.clear();
     let date = httpdate::fmt_http_date(std::time::SystemTime::now());
     // Writing to a Vec cannot fail.
     let _ = write!(
         out,
-        "HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\ndate: {date}\r\n{}\r\n{}",
+        "HTTP/1.1 {status}\r\ncontent-type: {TEXT_PLAIN}\r\ncontent-length: {}\r\ndate: {date}\r\n{}\r\n{}",
         text.len(),
         if close { "connection: close\r\n" } else { "" },
         if head { "" } else { text },

@@ -13,7 +13,7 @@ pub use origins::{Origin, Origins};
 pub use pool::Http1Pool;
 
 use super::{body::ProxyBody, routes::Backend};
-use hyper::{Uri, http::uri::PathAndQuery};
+use hyper::{StatusCode, Uri, http::uri::PathAndQuery};
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use std::time::Duration;
 
@@ -31,6 +31,15 @@ pub enum Failure {
 }
 
 impl Failure {
+    /// The client's answer: its status and the proxy's short text (no internal
+    /// error text), the same on both ways of serving.
+    pub fn answer(&self) -> (StatusCode, &'static str) {
+        match self {
+            Failure::Timeout => (StatusCode::GATEWAY_TIMEOUT, "upstream timeout\n"),
+            Failure::Connect | Failure::Protocol => (StatusCode::BAD_GATEWAY, "upstream error\n"),
+        }
+    }
+
     /// The `reason` label of `rune_ingress_upstream_errors_total`.
     pub fn reason(&self) -> &'static str {
         match self {
